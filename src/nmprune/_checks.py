@@ -1,0 +1,25 @@
+"""Input checks shared by the solvers: every problem is named in a ValueError, nothing is cast."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def check_float(name: str, t: Tensor) -> None:
+    """Reject non-tensors, integer/bool dtypes, and NaN or Inf entries."""
+    if not isinstance(t, Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise ValueError(f"{name} must have a floating-point dtype, got {t.dtype}")
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError(f"{name} contains NaN or Inf")
+
+
+def check_symmetric(name: str, h: Tensor, rtol: float = 1e-4) -> None:
+    """Reject a non-square or non-symmetric matrix (relative to its largest entry)."""
+    if h.ndim != 2 or h.shape[0] != h.shape[1]:
+        raise ValueError(f"{name} must be a square matrix, got shape {tuple(h.shape)}")
+    scale = float(h.abs().max()) if h.numel() else 0.0
+    if float((h - h.T).abs().max(initial=0.0) if h.numel() else 0.0) > rtol * max(scale, 1e-30):
+        raise ValueError(f"{name} is not symmetric")

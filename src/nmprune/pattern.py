@@ -1,0 +1,72 @@
+"""N:M sparsity patterns: parsing, cell views, masks and checks.
+
+A matrix ``W`` of shape ``(d_out, d_in)`` is N:M sparse when every cell of M consecutive
+weights along the input dimension holds at most N non-zeros (paper Section 2.3, the set
+``S_{N:M}``). Everything here is vectorised over cells.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class NMPattern:
+    """At most ``n`` non-zeros in every cell of ``m`` consecutive weights (``0 < n < m``)."""
+
+    n: int
+    m: int
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.n, int) and isinstance(self.m, int) and 0 < self.n < self.m):
+            raise ValueError(f"an N:M pattern needs integers 0 < N < M, got N={self.n!r}, M={self.m!r}")
+
+    def __str__(self) -> str:
+        return f"{self.n}:{self.m}"
+
+
+def parse_pattern(pattern: str | NMPattern | tuple[int, int]) -> NMPattern:
+    """Parse ``"2:4"`` (or ``(2, 4)``, or an :class:`NMPattern`) into an :class:`NMPattern`."""
+    if isinstance(pattern, NMPattern):
+        return pattern
+    if isinstance(pattern, tuple) and len(pattern) == 2:
+        return NMPattern(*pattern)
+    if isinstance(pattern, str):
+        parts = pattern.strip().split(":")
+        if len(parts) == 2 and all(p.strip().isdigit() for p in parts):
+            return NMPattern(int(parts[0]), int(parts[1]))
+    raise ValueError(f"pattern must look like 'N:M' with integers 0 < N < M, got {pattern!r}")
+
+
+def to_cells(w: Tensor, m: int) -> Tensor:
+    """View ``(..., d_in)`` as ``(..., d_in // m, m)``; ``d_in`` must be divisible by ``m``."""
+    if w.shape[-1] % m:
+        raise ValueError(f"input dimension {w.shape[-1]} is not divisible by M={m}")
+    return w.reshape(*w.shape[:-1], w.shape[-1] // m, m)
+
+
+def from_cells(cells: Tensor) -> Tensor:
+    """Undo :func:`to_cells`."""
+    return cells.reshape(*cells.shape[:-2], cells.shape[-2] * cells.shape[-1])
+
+
+def topn_mask(scores: Tensor, pattern: NMPattern) -> Tensor:
+    """Boolean mask keeping the ``n`` largest scores of every cell (ties: lowest index first).
+
+    This is the mask rule of Wanda and magnitude pruning (paper Theorem 1) for any score.
+    """
+    cells = to_cells(scores, pattern.m)
+    # stable descending sort: among equal scores the earlier weight is kept
+    order = torch.sort(cells, dim=-1, descending=True, stable=True).indices
+    keep = torch.zeros_like(cells, dtype=torch.bool)
+    keep.scatter_(-1, order[..., : pattern.n], True)
+    return from_cells(keep)
+
+
+def is_nm_sparse(w: Tensor, pattern: str | NMPattern) -> bool:
+    """True when every cell of ``w`` along its last dimension has at most N non-zeros."""
+    p = parse_pattern(pattern)
+    return bool(((to_cells(w, p.m) != 0).sum(-1) <= p.n).all())
