@@ -15,7 +15,9 @@ is a ValueError naming it (see :func:`split_options`).
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -61,7 +63,12 @@ def register_refiner(name: str, *, description: str = "") -> Callable:
 
 
 def _load() -> None:
-    from . import methods  # noqa: F401  (imports and so registers every method module)
+    # Imports, and so registers, every method module. `from . import methods` would resolve to
+    # the package's lazy `methods()` export instead of the subpackage, and importing the
+    # subpackage binds it as the package attribute `methods`, shadowing `nmprune.methods()`:
+    # rebind the public function afterwards.
+    importlib.import_module(f"{__package__}.methods")
+    setattr(sys.modules[__package__], "methods", methods)
 
 
 def get_method(name: str) -> Registered:
