@@ -1,0 +1,104 @@
+"""Calibration and evaluation text: sources, token streams and calibration batches.
+
+Public API:
+
+- :func:`load_text` ``(source, split) -> str``: the text of a split ("calib" or "eval").
+- :func:`calibration_batch` ``(tokenizer, source, nsamples, seqlen, seed) -> (nsamples, seqlen)``
+  calibration windows, the inputs whose layer activations give the Hessians ``H = X X^T``
+  of the paper's local loss (eq. ``local_loss``).
+- :func:`eval_tokens` ``(tokenizer, source, max_tokens) -> (1, N)``: the held-out token stream
+  for :func:`nmprune.evaluate.perplexity`.
+
+Sources are described in :mod:`nmprune.data.sources` and docs/data.md.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from .sources import (
+    C4_EVAL_DOCUMENTS,
+    NAMED_SOURCES,
+    SPLITS,
+    Corpus,
+    load_corpus,
+    wiki_split_of,
+)
+from .tokens import disjoint_windows, reference_document_windows, reference_windows, tokenize_text
+
+#: The reference C4 evaluation keeps the first C4_EVAL_WINDOWS * seqlen tokens.
+C4_EVAL_WINDOWS = 256
+
+__all__ = [
+    "C4_EVAL_DOCUMENTS",
+    "C4_EVAL_WINDOWS",
+    "NAMED_SOURCES",
+    "SPLITS",
+    "Corpus",
+    "c4_eval_max_tokens",
+    "calibration_batch",
+    "eval_tokens",
+    "load_corpus",
+    "load_text",
+    "tokenize_text",
+    "wiki_split_of",
+]
+
+
+def load_text(source: str, split: str) -> str:
+    """The text of ``split`` ("calib" or "eval") of ``source``, documents joined as the protocol says.
+
+    ``source``: "wiki" (default packaged text), "c4", "c4:PATH", "wikitext2", "wikitext2:PATH",
+    "austen", a .txt/.jsonl path (split 90/10), or "whole:PATH" (the whole file).
+    Unknown sources raise ValueError listing the valid ones.
+    """
+    return load_corpus(source, split).text()
+
+
+def _source_name(source: str) -> str:
+    return source.partition(":")[0] if isinstance(source, str) else ""
+
+
+def calibration_batch(tokenizer, source: str = "wiki", nsamples: int = 128, seqlen: int = 512, seed: int = 0) -> Tensor:
+    """Calibration inputs: a LongTensor of shape (nsamples, seqlen), reproducible from ``seed``.
+
+    - "c4": the SparseGPT/Wanda sampler, document by document (:func:`reference_document_windows`).
+    - "wikitext2": the reference sampler on the tokenized train text (:func:`reference_windows`).
+    - every other source: random non-overlapping windows of the tokenized calibration text
+      (:func:`disjoint_windows`); a text with fewer than nsamples*seqlen tokens raises ValueError.
+    """
+    if not isinstance(nsamples, int) or not isinstance(seqlen, int) or nsamples < 1 or seqlen < 1:
+        raise ValueError(f"nsamples and seqlen must be positive integers, got {nsamples!r} and {seqlen!r}")
+    corpus = load_corpus(source, "calib")
+    name = _source_name(source)
+    if name == "c4":
+        def encode(doc: str) -> list[int]:
+            return list(tokenizer(doc, verbose=False)["input_ids"])
+
+        return reference_document_windows(corpus.documents, encode, nsamples, seqlen, seed)
+    tokens = tokenize_text(tokenizer, corpus.text())
+    if name == "wikitext2":
+        return reference_windows(tokens, nsamples, seqlen, seed)
+    return disjoint_windows(tokens, nsamples, seqlen, seed)
+
+
+def c4_eval_max_tokens(seqlen: int) -> int:
+    """The reference C4 evaluation cap: the first ``256 * seqlen`` validation tokens."""
+    return C4_EVAL_WINDOWS * seqlen
+
+
+def eval_tokens(tokenizer, source: str = "wiki", max_tokens: int | None = None, *, seqlen: int = 2048) -> Tensor:
+    """The held-out token stream of ``source``, shape (1, N).
+
+    ``max_tokens`` keeps the first tokens only. For "c4" it defaults to the reference cap
+    :func:`c4_eval_max_tokens` ``(seqlen)`` (256 windows of the evaluation ``seqlen``); other
+    sources are whole by default.
+    """
+    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+        raise ValueError(f"max_tokens must be a positive integer or None, got {max_tokens!r}")
+    if max_tokens is None and _source_name(source) == "c4":
+        max_tokens = c4_eval_max_tokens(seqlen)
+    tokens = tokenize_text(tokenizer, load_text(source, "eval"))
+    if max_tokens is not None:
+        tokens = tokens[:max_tokens]
+    return tokens[None, :]
