@@ -1,0 +1,49 @@
+"""The 2:4 proximal operator ``prox_{lam r_{2:4}}(z)`` (eq. ``prox_original``), cell by cell."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._cells import check_cells, lam_tensor, sort_abs, unsort
+from .gd_solver import solve_sorted_gd
+from .newton import solve_sorted_newton
+
+SOLVERS = ("newton", "gd")
+
+
+def prox_2of4(
+    z: Tensor,
+    lam: float | Tensor,
+    *,
+    solver: str = "newton",
+    gd_max_iter: int = 2000,
+    gd_tol: float = 1e-7,
+) -> Tensor:
+    """Global minimiser of ``0.5||w - z||^2 + lam r_{2:4}(w)`` for every cell ``z[..., :4]``.
+
+    ``lam`` is a float or a tensor broadcastable to ``z.shape[:-1]`` (one value per cell).
+    The cells are reduced to sorted non-negative form (Lemma ``lemma:sorted_prox``), solved, and
+    mapped back. ``solver="newton"`` (default) is exact (see :mod:`nmprune.prox.newton`) and
+    computes in float64 internally; ``solver="gd"`` is the paper's projected-GD enumeration
+    (Conjecture ``conj:gd_works``) run in the dtype of ``z`` for at most ``gd_max_iter`` steps per
+    case, stopping a case when its gradient norm grows or drops below ``gd_tol * max|z|``.
+    Returns a tensor of the shape, dtype and device of ``z``.
+    """
+    check_cells(z, 4)
+    if solver not in SOLVERS:
+        raise ValueError(f"solver must be one of {SOLVERS}, got {solver!r}")
+    if isinstance(gd_max_iter, bool) or not isinstance(gd_max_iter, int) or gd_max_iter < 1:
+        raise ValueError(f"gd_max_iter must be a positive integer, got {gd_max_iter!r}")
+    if not gd_tol >= 0:
+        raise ValueError(f"gd_tol must be non-negative, got {gd_tol!r}")
+    work = torch.float64 if solver == "newton" else z.dtype
+    lam_c = lam_tensor(lam, z, work).reshape(-1)
+    zc = z.reshape(-1, 4)
+    a, order = sort_abs(zc)
+    a = a.to(work)
+    if solver == "newton":
+        w = solve_sorted_newton(a, lam_c)
+    else:
+        w = solve_sorted_gd(a, lam_c, gd_max_iter, gd_tol)
+    return unsort(w.to(z.dtype), order, zc).reshape(z.shape)
