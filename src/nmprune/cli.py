@@ -1,17 +1,303 @@
-"""Command-line interface (``nmprune``)."""
+"""Command-line interface: ``nmprune prune``, ``nmprune eval``, ``nmprune methods``.
+
+``nmprune prune`` with no arguments but ``--out`` prunes the packaged SmolLM2-135M-Instruct
+to 2:4 with the default method, evaluates dense and pruned perplexity on the packaged
+held-out text and saves the pruned model. Settings come from defaults, then a YAML file
+(``--config``), then flags. See docs/pipeline.md.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import platform
 import sys
+import time
+from pathlib import Path
+from typing import Any
 
 from . import __version__
+from .config import RunConfig, build_config, load_yaml, to_dict
+
+REPORT_FILE = "nmprune_report.json"
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def parse_option(text: str) -> tuple[str, Any]:
+    """``key=value`` with the value read as YAML (numbers, booleans, lists...)."""
+    import yaml
+
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise ValueError(f"--option expects key=value, got {text!r}")
+    return key.strip(), yaml.safe_load(value)
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``GLOB=skip`` or ``GLOB=METHOD[+REFINE]`` (``+none`` for no refinement)."""
+    glob, sep, spec = text.partition("=")
+    if not sep or not glob or not spec:
+        raise ValueError(f"--override expects GLOB=skip or GLOB=METHOD[+REFINE], got {text!r}")
+    if spec == "skip":
+        return glob, "skip"
+    method, plus, refine = spec.partition("+")
+    return glob, ({"method": method, "refine": refine} if plus else {"method": method})
+
+
+def check_datasets(names: list[str]) -> None:
+    """Reject an evaluation data set name the data module cannot know, before any work."""
+    from .data.sources import NAMED_SOURCES, valid_sources_message
+
+    for name in names:
+        head, _, arg = name.partition(":")
+        if head in NAMED_SOURCES or (head == "whole" and arg) or os.path.exists(name) \
+                or name.endswith((".txt", ".jsonl")):
+            continue
+        raise ValueError(f"unknown data set {name!r}; {valid_sources_message()}")
+
+
+def evaluate(model, tokenizer, datasets: list[str], seqlen: int, max_tokens: int | None,
+             device: str | None, progress: bool, cache: dict[str, Any] | None = None) -> dict[str, float]:
+    """Perplexity of ``model`` on each data set's held-out split (token streams cached)."""
+    from .data import eval_tokens
+    from .evaluate import perplexity
+
+    cache = {} if cache is None else cache
+    result = {}
+    for name in datasets:
+        if name not in cache:
+            cache[name] = eval_tokens(tokenizer, source=name, max_tokens=max_tokens, seqlen=seqlen)
+        result[name] = perplexity(model, cache[name], seqlen=seqlen, device=device, progress=progress)
+    return result
+
+
+def versions() -> dict[str, str]:
+    import torch
+    import transformers
+
+    return {"nmprune": __version__, "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version()}
+
+
+def _run_label(config: RunConfig) -> str:
+    p = config.prune
+    return f"{p.method}{'+' + p.refine if p.refine else ''} {p.pattern}"
+
+
+# ----------------------------------------------------------------------------- prune run
+
+def run_prune(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict[str, Any]:
+    """The whole ``nmprune prune`` job; returns the report written next to the model.
+
+    Order: load; dense perplexity (kept in the checkpoint); :func:`prune_model` with a
+    checkpoint after every block; pruned perplexity; save model + tokenizer + report into
+    a temporary directory renamed to ``out``; delete the checkpoint. A rerun of the same
+    command after a crash resumes from the checkpoint.
+    """
+    import torch
+
+    from .checkpoint import Checkpoint
+    from .evaluate import perplexity_table
+    from .models import load_model, save_pretrained_atomic
+    from .pipeline import prune_model, validate_plans
+
+    if not config.out:
+        raise ValueError("--out DIR is required (where the pruned model is saved)")
+    out = Path(config.out)
+    if out.exists():
+        raise ValueError(f"{out} already exists; choose another --out or delete it")
+    check_datasets(config.eval)
+    validate_plans(config.prune)
+    ckpt_dir = Path(config.checkpoint_dir or f"{out}.checkpoint")
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+
+    model, tokenizer, source = load_model(config.model, gguf_file=config.gguf_file, dtype=config.dtype)
+    if tokenizer is None:
+        raise ValueError(f"{source} has no tokenizer; nmprune needs one for calibration and "
+                         "evaluation text (save one next to the model)")
+    timings["load"] = time.perf_counter() - t0
+    ckpt = Checkpoint.open(ckpt_dir, config.identity(), restart=config.restart)
+    if ckpt.done_blocks:
+        print(f"resuming from {ckpt_dir}: {ckpt.done_blocks} blocks already pruned", file=sys.stderr)
+    device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+    cache: dict[str, Any] = {}
+    key = f"dense_perplexity/{config.eval_seqlen}/{config.eval_max_tokens}"
+    dense = ckpt.get(key, {})
+    missing = [d for d in config.eval if d not in dense]
+    if missing:
+        t = time.perf_counter()
+        dense.update(evaluate(model, tokenizer, missing, config.eval_seqlen,
+                              config.eval_max_tokens or None, device, progress, cache))
+        ckpt.put(key, dense)
+        timings["eval_dense"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    prune_report = prune_model(model, tokenizer, config.prune, device=device, checkpoint=ckpt,
+                               progress=progress, on_block_done=on_block_done)
+    timings["prune"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    pruned = evaluate(model, tokenizer, config.eval, config.eval_seqlen,
+                      config.eval_max_tokens or None, device, progress, cache) if config.eval else {}
+    timings["eval_pruned"] = time.perf_counter() - t
+    table = perplexity_table({"dense": {d: dense[d] for d in config.eval},
+                              _run_label(config): pruned}) if config.eval else ""
+
+    layers = [r for r in prune_report.layers if not r.get("skipped")]
+    ratios = [r["loss_vs_wanda"] for r in layers if r.get("loss_vs_wanda") is not None]
+    report = {
+        "model": str(source), "config": to_dict(config), "identity": config.identity(),
+        "versions": versions(), "device": str(device),
+        "perplexity": {"dense": {d: dense[d] for d in config.eval}, "pruned": pruned,
+                       "seqlen": config.eval_seqlen, "max_tokens": config.eval_max_tokens},
+        "summary": {"layers_pruned": len(layers),
+                    "layers_skipped": len(prune_report.layers) - len(layers),
+                    "mean_loss_vs_wanda": sum(ratios) / len(ratios) if ratios else None},
+        "resumed_from_block": prune_report.resumed_from_block,
+        "seconds": {**timings, "pipeline": prune_report.seconds},
+        "layers": prune_report.layers,
+    }
+    t = time.perf_counter()
+    save_pretrained_atomic(model, tokenizer, out)  # model first: the report marks completion
+    report["seconds"]["save"] = time.perf_counter() - t
+    report["seconds"]["total"] = time.perf_counter() - t0
+    (out / (REPORT_FILE + ".tmp")).write_text(json.dumps(report, indent=1, default=str))
+    os.replace(out / (REPORT_FILE + ".tmp"), out / REPORT_FILE)
+    ckpt.remove()
+    if table:
+        print(table)
+    print(f"saved the pruned model to {out} (report: {out / REPORT_FILE})", file=sys.stderr)
+    return report
+
+
+# ----------------------------------------------------------------------------- parsers
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="model directory, .gguf file or hub id "
+                   "(default: the packaged SmolLM2-135M-Instruct)")
+    p.add_argument("--gguf-file", dest="gguf_file", help="GGUF file inside --model DIR")
+    p.add_argument("--dtype", help="auto (default), float32, bfloat16, float16, float64")
+    p.add_argument("--device", help="compute device, e.g. cuda or cpu (default: cuda if available)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nmprune", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"nmprune {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("prune", help="prune a causal LM to N:M, evaluate and save it")
+    p.add_argument("--config", help="YAML file of settings (flags override it)")
+    _add_model_args(p)
+    p.add_argument("--out", help="output directory for the pruned model (must not exist)")
+    p.add_argument("--method", help="layer pruning method (see `nmprune methods`; default prox)")
+    p.add_argument("--refine", help="refiner after masking: exact (default), gd or none")
+    p.add_argument("--pattern", help="N:M pattern (default 2:4)")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="solver option (refiner options are prefixed refine_); repeatable")
+    p.add_argument("--override", action="append", default=[], metavar="GLOB=SPEC",
+                   help="per-layer override by name glob: GLOB=skip or GLOB=METHOD[+REFINE]")
+    p.add_argument("--calib", help="calibration text source (default wiki)")
+    p.add_argument("--nsamples", type=int, help="calibration sequences (default 128)")
+    p.add_argument("--seqlen", type=int, help="calibration sequence length (default 512)")
+    p.add_argument("--seed", type=int, help="calibration sampling seed (default 0)")
+    p.add_argument("--batch-size", dest="batch_size", type=int,
+                   help="calibration sequences per forward pass (default 8)")
+    p.add_argument("--hessian-inputs", dest="hessian_inputs", choices=["dense", "pruned"],
+                   help="block inputs from the dense model (default) or the pruned blocks")
+    p.add_argument("--hessian-dtype", dest="hessian_dtype", choices=["float32", "float64"])
+    p.add_argument("--strict", action="store_true", default=None,
+                   help="error (instead of skipping) on layers whose d_in is not divisible by M")
+    p.add_argument("--eval", action="append", metavar="DATA",
+                   help="also evaluate on DATA (wiki, c4, wikitext2, austen, file.txt); repeatable")
+    p.add_argument("--no-eval", action="store_true", help="skip the perplexity evaluation")
+    p.add_argument("--eval-seqlen", dest="eval_seqlen", type=int, help="evaluation window (default 512)")
+    p.add_argument("--eval-max-tokens", dest="eval_max_tokens", type=int,
+                   help="evaluate on the first N held-out tokens (default 16384; 0 = all)")
+    p.add_argument("--checkpoint-dir", dest="checkpoint_dir",
+                   help="where progress is saved (default: OUT.checkpoint)")
+    p.add_argument("--restart", action="store_true", default=None,
+                   help="discard an existing checkpoint and start over")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+    e = sub.add_parser("eval", help="perplexity of a model on held-out text")
+    _add_model_args(e)
+    e.add_argument("--data", action="append", metavar="DATA",
+                   help="wiki (default), c4, wikitext2, austen or a text file; repeatable")
+    e.add_argument("--seqlen", type=int, default=512, help="evaluation window (default 512)")
+    e.add_argument("--max-tokens", dest="max_tokens", type=int, default=16384,
+                   help="first N held-out tokens (default 16384; 0 = all)")
+    e.add_argument("--quiet", action="store_true", help="no progress bars")
+
+    sub.add_parser("methods", help="list the pruning methods and refiners with their options")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    """Defaults < YAML (``--config``) < flags."""
+    yaml_settings = load_yaml(args.config) if args.config else {}
+    flags: dict[str, Any] = {k: getattr(args, k) for k in (
+        "model", "gguf_file", "dtype", "device", "out", "method", "refine", "pattern", "calib",
+        "nsamples", "seqlen", "seed", "batch_size", "hessian_inputs", "hessian_dtype", "strict",
+        "eval_seqlen", "checkpoint_dir", "restart")}
+    if args.option:
+        flags["options"] = dict(parse_option(o) for o in args.option)
+    if args.override:
+        flags["overrides"] = {**yaml_settings.get("overrides", {}),
+                              **dict(parse_override(o) for o in args.override)}
+    flags["eval_max_tokens"] = args.eval_max_tokens
+    base_eval = yaml_settings.get("eval", ["wiki"])
+    base_eval = [base_eval] if isinstance(base_eval, str) else list(base_eval or [])
+    if args.no_eval:
+        flags["eval"] = []
+    elif args.eval:
+        flags["eval"] = base_eval + [d for d in args.eval if d not in base_eval]
+    return build_config(yaml_settings, flags)
+
+
+def _methods_text() -> str:
+    from .registry import get_method, get_refiner, methods, refiners
+
+    lines = ["methods:"]
+    for name in methods():
+        m = get_method(name)
+        opts = ", ".join(m.option_names()) or "-"
+        lines.append(f"  {name:<12} {m.description}  [options: {opts}]")
+    lines.append("refiners (options prefixed refine_):")
+    for name in refiners():
+        r = get_refiner(name)
+        opts = ", ".join(r.option_names()) or "-"
+        lines.append(f"  {name:<12} {r.description}  [options: {opts}]")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="nmprune", description=__doc__)
-    parser.add_argument("--version", action="version", version=f"nmprune {__version__}")
-    parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "methods":
+            print(_methods_text())
+        elif args.command == "prune":
+            run_prune(config_from_args(args), progress=not args.quiet)
+        elif args.command == "eval":
+            from .evaluate import perplexity_table
+            from .models import load_model
+
+            data = args.data or ["wiki"]
+            check_datasets(data)
+            model, tokenizer, source = load_model(args.model, gguf_file=args.gguf_file,
+                                                  dtype=args.dtype or "auto")
+            if tokenizer is None:
+                raise ValueError(f"{source} has no tokenizer; save one next to the model")
+            result = evaluate(model, tokenizer, data, args.seqlen, args.max_tokens or None,
+                              args.device, not args.quiet)
+            print(perplexity_table({str(source): result}))
+    except ValueError as e:
+        print(f"nmprune: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -1,0 +1,184 @@
+"""Run settings: dataclasses with validation, YAML loading and a stable hash for resume.
+
+A YAML file holds the same flat keys as the command line (``method``, ``refine``,
+``pattern``, ``options``, ``overrides``, ``nsamples`` ...); command-line flags override it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from .pattern import parse_pattern
+
+HESSIAN_INPUTS = ("dense", "pruned")
+HESSIAN_DTYPES = ("float32", "float64")
+SKIP = "skip"
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """What to do with one layer: method, refiner, pattern and solver options."""
+
+    method: str
+    refine: str | None
+    pattern: str
+    options: dict[str, Any]
+
+
+@dataclass
+class PruneSettings:
+    """Everything that decides the pruned weights (and so the resume hash).
+
+    ``overrides`` maps layer-name globs (``fnmatch``, e.g. ``"*.mlp.down_proj"``) to
+    ``"skip"`` or to a dict with any of ``method``, ``refine``, ``pattern``, ``options``.
+    An override naming another method starts from empty options; otherwise its options
+    are merged onto the global ones. The first matching glob wins.
+    ``hessian_inputs`` is ``"dense"`` (every block sees the dense model's activations,
+    the paper's default) or ``"pruned"`` (activations pass through the already pruned
+    blocks; Appendix ``app:use_unpruned_inputs``).
+    """
+
+    method: str = "prox"
+    refine: str | None = "exact"
+    pattern: str = "2:4"
+    options: dict[str, Any] = field(default_factory=dict)
+    overrides: dict[str, Any] = field(default_factory=dict)
+    calib: str = "wiki"
+    nsamples: int = 128
+    seqlen: int = 512
+    seed: int = 0
+    batch_size: int = 8
+    hessian_inputs: str = "dense"
+    hessian_dtype: str = "float32"
+    strict: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.refine, str) and self.refine.lower() in ("", "none", "null"):
+            self.refine = None
+        self.pattern = str(parse_pattern(self.pattern))
+        for key in ("nsamples", "seqlen", "batch_size"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{key} must be a positive integer, got {value!r}")
+        if self.hessian_inputs not in HESSIAN_INPUTS:
+            raise ValueError(f"hessian_inputs must be one of {', '.join(HESSIAN_INPUTS)}, "
+                             f"got {self.hessian_inputs!r}")
+        if self.hessian_dtype not in HESSIAN_DTYPES:
+            raise ValueError(f"hessian_dtype must be one of {', '.join(HESSIAN_DTYPES)}, "
+                             f"got {self.hessian_dtype!r}")
+        if not isinstance(self.options, dict):
+            raise ValueError(f"options must be a mapping, got {self.options!r}")
+        if not isinstance(self.overrides, dict):
+            raise ValueError(f"overrides must map layer-name globs to settings, got {self.overrides!r}")
+        for glob, value in self.overrides.items():
+            if value == SKIP:
+                continue
+            if not isinstance(value, dict) or set(value) - {"method", "refine", "pattern", "options"}:
+                raise ValueError(f"override {glob!r} must be 'skip' or a mapping with keys method, "
+                                 f"refine, pattern, options; got {value!r}")
+
+    def _override_plan(self, value: dict[str, Any]) -> LayerPlan:
+        method = value.get("method", self.method)
+        base = dict(self.options) if method == self.method else {}
+        refine = value.get("refine", self.refine)
+        refine = None if isinstance(refine, str) and refine.lower() in ("none", "") else refine
+        return LayerPlan(method, refine, str(parse_pattern(value.get("pattern", self.pattern))),
+                         {**base, **value.get("options", {})})
+
+    def plan(self, layer_name: str) -> LayerPlan | None:
+        """The plan for a layer (by its full module name), ``None`` when it is skipped."""
+        for glob, value in self.overrides.items():
+            if fnmatch.fnmatchcase(layer_name, glob):
+                return None if value == SKIP else self._override_plan(value)
+        return LayerPlan(self.method, self.refine, self.pattern, dict(self.options))
+
+    def all_plans(self) -> list[LayerPlan]:
+        """The global plan and the plan of every override (to validate them all up front)."""
+        return [LayerPlan(self.method, self.refine, self.pattern, dict(self.options))] + [
+            self._override_plan(v) for v in self.overrides.values() if v != SKIP]
+
+    def fingerprint(self) -> str:
+        """A stable hash of the settings (checkpoints only resume under the same one)."""
+        blob = json.dumps(asdict(self), sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+@dataclass
+class RunConfig:
+    """A whole ``nmprune prune`` run: the model, the pruning settings, output and evaluation.
+
+    ``model=None`` is the packaged SmolLM2-135M-Instruct. ``eval`` lists the data sets to
+    report perplexity on (dense and pruned); an empty list skips evaluation.
+    ``eval_max_tokens`` caps each held-out token stream (0: the whole stream).
+    """
+
+    model: str | None = None
+    gguf_file: str | None = None
+    dtype: str = "auto"
+    device: str | None = None
+    out: str | None = None
+    eval: list[str] = field(default_factory=lambda: ["wiki"])
+    eval_max_tokens: int = 16384
+    eval_seqlen: int = 512
+    checkpoint_dir: str | None = None
+    restart: bool = False
+    prune: PruneSettings = field(default_factory=PruneSettings)
+
+    def identity(self) -> str:
+        """Hash of what decides the pruned weights: the model, its dtype and the settings."""
+        blob = json.dumps({"model": self.model, "gguf_file": self.gguf_file, "dtype": self.dtype,
+                           "prune": self.prune.fingerprint()}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+_RUN_KEYS = {f.name for f in fields(RunConfig)} - {"prune"}
+_PRUNE_KEYS = {f.name for f in fields(PruneSettings)}
+
+
+def build_config(*layers: dict[str, Any]) -> RunConfig:
+    """Merge flat settings dictionaries (later ones win; ``None`` values are ignored)."""
+    merged: dict[str, Any] = {}
+    for layer in layers:
+        for key, value in layer.items():
+            if key not in _RUN_KEYS | _PRUNE_KEYS:
+                raise ValueError(f"unknown setting {key!r}; known settings: "
+                                 f"{', '.join(sorted(_RUN_KEYS | _PRUNE_KEYS))}")
+            if value is None:
+                continue
+            if key == "options" and isinstance(value, dict) and isinstance(merged.get(key), dict):
+                value = {**merged[key], **value}
+            merged[key] = value
+    if isinstance(merged.get("eval"), str):
+        merged["eval"] = [merged["eval"]]
+    prune = PruneSettings(**{k: v for k, v in merged.items() if k in _PRUNE_KEYS})
+    return RunConfig(prune=prune, **{k: v for k, v in merged.items() if k in _RUN_KEYS})
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a flat YAML mapping of settings (see :func:`build_config`)."""
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"config file {p} does not exist")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise ValueError(f"config file {p} is not valid YAML: {e}") from e
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {p} must hold a mapping of settings, got {type(data).__name__}")
+    return data
+
+
+def to_dict(config: RunConfig) -> dict[str, Any]:
+    """Flat dictionary of a :class:`RunConfig` (what a YAML file would hold)."""
+    d = asdict(config)
+    d.update(d.pop("prune"))
+    return d

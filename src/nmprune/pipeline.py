@@ -1,0 +1,248 @@
+"""Prune a whole causal LM block by block: :func:`prune_model`.
+
+For each decoder block (paper Section ``sec:llm_experiments``): run the calibration
+hidden states through it with hooks collecting every linear layer's Hessian
+``H = X X^T / n`` (:mod:`nmprune.hessian`), prune each layer to N:M with its planned
+method and refiner (:func:`nmprune.prune.prune_layer`), then pass the hidden states on to
+the next block: the dense block's outputs (``hessian_inputs="dense"``, the paper's
+default, every layer's Hessian comes from the unpruned model) or the pruned block's
+(``"pruned"``, Appendix ``app:use_unpruned_inputs``). Only the current block sits on the
+compute device. With a checkpoint, progress is saved after every block and a rerun resumes.
+
+This module only orchestrates; it writes no files except through the checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+
+from .checkpoint import Checkpoint
+from .config import LayerPlan, PruneSettings
+from .hessian import HessianCollector, capture_block_inputs, run_block
+from .loss import local_loss
+from .models import find_blocks, find_linears, set_weight_matrix, shared_weight_ptrs, weight_matrix
+from .pattern import parse_pattern
+from .registry import get_method, get_refiner, split_options
+
+INPUT_MEAN = "input_mean"
+
+
+@dataclass
+class PruneReport:
+    """What :func:`prune_model` did: settings, one record per layer, timings (seconds)."""
+
+    settings: dict[str, Any]
+    layers: list[dict[str, Any]] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)
+    resumed_from_block: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def validate_plans(settings: PruneSettings) -> None:
+    """Check every method, refiner, pattern and option (global and overrides) up front."""
+    for plan in settings.all_plans():
+        method = get_method(plan.method)
+        refiner = get_refiner(plan.refine) if plan.refine is not None else None
+        if INPUT_MEAN in plan.options:
+            raise ValueError(f"option {INPUT_MEAN!r} is computed from the calibration data; "
+                             "do not set it")
+        split_options(plan.options, method, refiner)
+        if not method.supports(parse_pattern(plan.pattern)):
+            raise ValueError(f"method {plan.method!r} does not support pattern {plan.pattern}")
+
+
+def _layer_names(blocks_name: str, index: int, layers: dict[str, nn.Module]) -> dict[str, str]:
+    return {sub: f"{blocks_name}.{index}.{sub}" for sub in layers}
+
+
+def _plans_for_block(settings: PruneSettings, blocks_name: str, index: int,
+                     layers: dict[str, nn.Module]) -> dict[str, LayerPlan | None]:
+    plans: dict[str, LayerPlan | None] = {}
+    for sub, full in _layer_names(blocks_name, index, layers).items():
+        plan = settings.plan(full)
+        d_in = weight_matrix(layers[sub]).shape[1]
+        if plan is not None and d_in % parse_pattern(plan.pattern).m:
+            message = (f"layer {full} has d_in={d_in}, not divisible by M="
+                       f"{parse_pattern(plan.pattern).m}")
+            if settings.strict:
+                raise ValueError(message + "; skip it with an override or run without strict")
+            warnings.warn(message + "; it stays dense", stacklevel=3)
+            plan = None
+        plans[sub] = plan
+    return plans
+
+
+def prune_one(w: Tensor, h: Tensor, plan: LayerPlan, input_mean: Tensor | None) -> tuple[Tensor, dict[str, Any]]:
+    """Prune one weight matrix ``(d_out, d_in)`` with ``plan``; returns the pruned matrix
+    (float, on ``h``'s device) and its record: local losses (paper eq. ``squared_loss``)
+    after the method and after refinement, relative to Wanda's on the same ``H``."""
+    from .prune import prune_layer, prune_matrix
+
+    w32 = w.detach().to(device=h.device, dtype=h.dtype, copy=True)
+    options = dict(plan.options)
+    if input_mean is not None and INPUT_MEAN in get_method(plan.method).option_names():
+        options[INPUT_MEAN] = input_mean
+    result = prune_layer(w32, h, method=plan.method, pattern=plan.pattern, refine=plan.refine, **options)
+    start = time.perf_counter()
+    loss_wanda = local_loss(prune_matrix(w32, h, "wanda", plan.pattern), w32, h)
+    seconds_wanda = time.perf_counter() - start
+    final = result.loss_refined if result.loss_refined is not None else result.loss_method
+    record = {
+        "method": plan.method, "refine": plan.refine, "pattern": plan.pattern,
+        "loss_method": result.loss_method, "loss_refined": result.loss_refined,
+        "loss_wanda": loss_wanda,
+        "loss_vs_wanda": final / loss_wanda if loss_wanda > 0 else None,
+        "seconds_method": result.seconds_method, "seconds_refine": result.seconds_refine,
+        "seconds_wanda_reference": seconds_wanda,
+    }
+    return result.weight, record
+
+
+def _calibration(model: nn.Module, tokenizer: Any, settings: PruneSettings,
+                 calibration: Tensor | None) -> Tensor:
+    if calibration is None:
+        if tokenizer is None:
+            raise ValueError("prune_model needs a tokenizer (to build calibration text) or "
+                             "calibration= token ids of shape (nsamples, seqlen)")
+        from .data import calibration_batch
+
+        calibration = calibration_batch(tokenizer, source=settings.calib, nsamples=settings.nsamples,
+                                        seqlen=settings.seqlen, seed=settings.seed)
+    if not isinstance(calibration, Tensor) or calibration.ndim != 2 or calibration.dtype != torch.long:
+        raise ValueError("calibration must be a LongTensor of token ids with shape (nsamples, seqlen)")
+    vocab = model.get_input_embeddings().weight.shape[0]
+    if calibration.numel() and (int(calibration.min()) < 0 or int(calibration.max()) >= vocab):
+        raise ValueError(f"calibration token ids must lie in [0, {vocab}) (the model's vocabulary)")
+    return calibration
+
+
+def _digest(t: Tensor) -> str:
+    return hashlib.sha256(t.contiguous().cpu().numpy().tobytes()).hexdigest()[:16]
+
+
+def _progress(iterable, progress: bool, **kwargs):
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, disable=not progress, **kwargs)
+
+
+def prune_model(model: nn.Module, tokenizer: Any = None, settings: PruneSettings | None = None, *,
+                calibration: Tensor | None = None, device: str | torch.device | None = None,
+                checkpoint: Checkpoint | None = None, progress: bool = True,
+                on_block_done: Callable[[int], None] | None = None, **setting_kwargs: Any) -> PruneReport:
+    """Prune every linear layer inside ``model``'s decoder blocks to N:M, in place.
+
+    ``settings`` (or the same fields as keyword arguments: ``method``, ``refine``,
+    ``pattern``, ``options``, ``overrides``, ``calib``, ``nsamples``, ``seqlen``,
+    ``hessian_inputs`` ...) say how; see :class:`nmprune.config.PruneSettings`.
+    ``calibration`` (token ids ``(nsamples, seqlen)``) replaces the text the tokenizer
+    would make. ``device`` (default: CUDA when available) receives one block at a time;
+    the model itself stays on the CPU. With ``checkpoint``, finished blocks are saved and a
+    checkpoint holding finished blocks is resumed from. ``on_block_done(i)`` runs after
+    block ``i`` is saved. Embeddings, norms, the LM head and tied weights are not touched.
+    """
+    if settings is None:
+        settings = PruneSettings(**setting_kwargs)
+    elif setting_kwargs:
+        raise ValueError("give either settings or keyword settings, not both")
+    validate_plans(settings)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    hdtype = {"float32": torch.float32, "float64": torch.float64}[settings.hessian_dtype]
+    blocks_name, blocks = find_blocks(model)
+    tied = shared_weight_ptrs(model, blocks)
+    block_layers = [find_linears(b, tied) for b in blocks]
+    all_names = [n for i, ls in enumerate(block_layers) for n in _layer_names(blocks_name, i, ls).values()]
+    import fnmatch
+    for glob in settings.overrides:
+        if not any(fnmatch.fnmatchcase(n, glob) for n in all_names):
+            raise ValueError(f"override {glob!r} matches no layer; layer names look like "
+                             f"{', '.join(all_names[:3])}")
+
+    t_start = time.perf_counter()
+    calibration = _calibration(model, tokenizer, settings, calibration)
+    batches = list(calibration.split(settings.batch_size))
+    start = 0
+    report = PruneReport(settings=asdict(settings))
+    if checkpoint is not None:
+        checkpoint.bind("calibration_sha256", _digest(calibration))
+        start = checkpoint.done_blocks
+        report.layers = checkpoint.records
+        report.resumed_from_block = start
+        for i in range(start):
+            saved = checkpoint.block_weights(i)
+            for sub, module in block_layers[i].items():
+                if sub in saved:
+                    with torch.no_grad():
+                        module.weight.copy_(saved[sub])
+
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            inputs = capture_block_inputs(model, blocks_name, blocks, batches, device,
+                                          keep_hidden=start == 0)
+            if start > 0:
+                inputs.hidden = [h.to(device) for h in checkpoint.hidden()]
+            t_capture = time.perf_counter() - t_start
+            bar = _progress(range(start, len(blocks)), progress, desc="pruning blocks",
+                            initial=start, total=len(blocks))
+            for i in bar:
+                report.layers += _prune_block(i, blocks[i], block_layers[i], blocks_name, settings,
+                                              inputs, device, hdtype, progress)
+                if checkpoint is not None:
+                    weights = {sub: m.weight for sub, m in block_layers[i].items()}
+                    checkpoint.save_block(i, weights, inputs.hidden,
+                                          [r for r in report.layers if r["block"] == i])
+                if on_block_done is not None:
+                    on_block_done(i)
+    finally:
+        model.train(was_training)
+    report.seconds = {"capture": t_capture, "total": time.perf_counter() - t_start,
+                      "layers": sum(r.get("seconds", 0.0) for r in report.layers)}
+    return report
+
+
+def _prune_block(index: int, block: nn.Module, layers: dict[str, nn.Module], blocks_name: str,
+                 settings: PruneSettings, inputs, device: torch.device, hdtype: torch.dtype,
+                 progress: bool) -> list[dict[str, Any]]:
+    """Hessians, pruning and output propagation of one block; ``inputs.hidden`` becomes the
+    next block's input. Returns the block's layer records."""
+    plans = _plans_for_block(settings, blocks_name, index, layers)
+    active = {sub: layers[sub] for sub, p in plans.items() if p is not None}
+    block.to(device)
+    dense_mode = settings.hessian_inputs == "dense"
+    outputs: list[Tensor] = []
+    with HessianCollector(block, active, hdtype) as collector:
+        for h in inputs.hidden:
+            out = run_block(block, h, inputs.call(index, h))
+            if dense_mode:
+                outputs.append(out)
+    records = []
+    names = _layer_names(blocks_name, index, layers)
+    for sub, plan in _progress(plans.items(), progress and len(plans) > 1, desc=f"block {index}",
+                               leave=False):
+        w = weight_matrix(layers[sub])
+        record = {"name": names[sub], "block": index, "shape": list(w.shape)}
+        if plan is None:
+            records.append({**record, "method": None, "skipped": True})
+            continue
+        stats = collector.of(sub)
+        start = time.perf_counter()
+        pruned, rec = prune_one(w, stats.hessian(), plan, stats.mean())
+        set_weight_matrix(layers[sub], pruned)
+        records.append({**record, **rec, "skipped": False, "seconds": time.perf_counter() - start})
+    del collector
+    if not dense_mode:
+        outputs = [run_block(block, h, inputs.call(index, h)) for h in inputs.hidden]
+    inputs.hidden = outputs
+    block.to("cpu")
+    return records
