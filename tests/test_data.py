@@ -62,11 +62,7 @@ def test_wiki_split_is_deterministic_disjoint_and_complete():
     articles = wiki_articles()
     assert len(articles) > 9000
     calib, held = load_corpus("wiki", "calib"), load_corpus("wiki", "eval")
-    by_text = {}
-    for title, text in articles.items():
-        by_text.setdefault(text, set()).add(wiki_split_of(title))
     assert len(calib.documents) + len(held.documents) == len(articles)
-    assert all(by_text[d] == {"calib"} or "calib" in by_text[d] for d in calib.documents)
     calib_titles = {t for t in articles if wiki_split_of(t) == "calib"}
     eval_titles = set(articles) - calib_titles
     assert calib.documents == [articles[t] for t in sorted(calib_titles)]
