@@ -116,3 +116,71 @@ def test_perplexity_table_rows_columns_and_missing_values():
     assert lines[3] == "| 2:4 | — | 31.50 | inf |"
     with pytest.raises(ValueError):
         perplexity_table({})
+
+
+# ------------------------------------------------------------- zero-shot multiple choice
+
+
+class AsciiTokenizer:
+    """Character-level stand-in for a HF tokenizer over printable ASCII (ids 2..96), BOS = 1."""
+
+    def __call__(self, text, add_special_tokens: bool = True, verbose: bool = True):
+        return {"input_ids": ([1] if add_special_tokens else []) + [ord(c) - 30 for c in text]}
+
+
+def random_questions(n: int, seed: int):
+    from nmprune.evaluate import MultipleChoice
+
+    g = torch.Generator().manual_seed(seed)
+    word = lambda k: "".join(chr(97 + int(i)) for i in torch.randint(0, 26, (k,), generator=g))  # noqa: E731
+    return [
+        MultipleChoice(word(8) + " " + word(5) + " ", tuple(word(int(k)) for k in torch.randint(1, 9, (4,), generator=g)), i % 4)
+        for i in range(n)
+    ]
+
+
+def test_downstream_accuracy_matches_per_choice_scoring(tiny_llama):
+    from nmprune.evaluate import downstream_accuracy
+
+    questions = random_questions(16, seed=0)
+    acc = acc_norm = 0
+    for q in questions:  # oracle: one unpadded forward pass per choice, float64 log-softmax
+        scores = []
+        for c in q.choices:
+            ctx = [1] + [ord(ch) - 30 for ch in q.context.rstrip(" ")]
+            cont = [ord(ch) - 30 for ch in " " + c]
+            ids = torch.tensor([ctx + cont])
+            with torch.no_grad():
+                logp = torch.log_softmax(tiny_llama(ids).logits.double(), -1)[0]
+            scores.append(sum(float(logp[len(ctx) - 1 + k, t]) for k, t in enumerate(cont)))
+        acc += max(range(4), key=lambda i: scores[i]) == q.label
+        acc_norm += max(range(4), key=lambda i: scores[i] / len(q.choices[i])) == q.label
+    got = downstream_accuracy(tiny_llama, AsciiTokenizer(), questions, progress=False)
+    assert got == {"acc": acc / 16, "acc_norm": acc_norm / 16, "n": 16.0}
+
+
+def test_downstream_accuracy_uniform_model_picks_the_shortest_choice(tiny_llama, tmp_path):
+    import copy
+    import json
+
+    from nmprune.evaluate import downstream_accuracy
+
+    model = copy.deepcopy(tiny_llama)
+    with torch.no_grad():
+        model.lm_head.weight.zero_()
+    records = [{"context": "Pick one:", "choices": ["long answer", "ok", "medium"], "label": 1},
+               {"context": "Again:", "choices": ["x", "yyyy"], "label": 0}]
+    path = tmp_path / "task.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert downstream_accuracy(model, AsciiTokenizer(), path, progress=False)["acc"] == 1.0
+
+
+def test_multiple_choice_file_errors(tmp_path):
+    from nmprune.evaluate import load_multiple_choice
+
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"context": "c", "choices": ["a", "b"], "label": 2}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:1"):
+        load_multiple_choice(path)
+    with pytest.raises(FileNotFoundError):
+        load_multiple_choice(tmp_path / "missing.jsonl")
