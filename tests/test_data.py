@@ -312,3 +312,19 @@ def test_wikitext2_missing_folder_or_files(tmp_path):
         load_text(f"wikitext2:{tmp_path / 'nope'}", "calib")
     with pytest.raises(FileNotFoundError, match="wiki.test.raw"):
         load_text(f"wikitext2:{tmp_path}", "eval")
+
+
+def test_parse_source_validates_without_loading(tmp_path):
+    from nmprune.data import parse_source
+
+    (tmp_path / "a.txt").write_text("x")
+    assert parse_source("wiki") == ("wiki", None) and parse_source("austen") == ("austen", None)
+    assert parse_source("c4") == ("c4", None) and parse_source(f"wikitext2:{tmp_path}") == ("wikitext2", str(tmp_path))
+    assert parse_source(str(tmp_path / "a.txt")) == ("file", str(tmp_path / "a.txt"))
+    assert parse_source(f"whole:{tmp_path / 'a.txt'}") == ("whole", str(tmp_path / "a.txt"))
+    for bad in ("wiki:x", "whole:", "", "pile"):
+        with pytest.raises(ValueError, match="valid sources"):
+            parse_source(bad)
+    for missing in (f"c4:{tmp_path / 'none.json.gz'}", str(tmp_path / "b.jsonl"), f"whole:{tmp_path / 'b.txt'}"):
+        with pytest.raises(FileNotFoundError, match="does not exist"):
+            parse_source(missing)

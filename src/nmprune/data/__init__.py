@@ -22,6 +22,7 @@ from .sources import (
     SPLITS,
     Corpus,
     load_corpus,
+    parse_source,
     wiki_split_of,
 )
 from .tokens import disjoint_windows, reference_document_windows, reference_windows, tokenize_text
@@ -40,6 +41,7 @@ __all__ = [
     "eval_tokens",
     "load_corpus",
     "load_text",
+    "parse_source",
     "tokenize_text",
     "wiki_split_of",
 ]
@@ -55,10 +57,6 @@ def load_text(source: str, split: str) -> str:
     return load_corpus(source, split).text()
 
 
-def _source_name(source: str) -> str:
-    return source.partition(":")[0] if isinstance(source, str) else ""
-
-
 def calibration_batch(tokenizer, source: str = "wiki", nsamples: int = 128, seqlen: int = 512, seed: int = 0) -> Tensor:
     """Calibration inputs: a LongTensor of shape (nsamples, seqlen), reproducible from ``seed``.
 
@@ -70,7 +68,7 @@ def calibration_batch(tokenizer, source: str = "wiki", nsamples: int = 128, seql
     if not isinstance(nsamples, int) or not isinstance(seqlen, int) or nsamples < 1 or seqlen < 1:
         raise ValueError(f"nsamples and seqlen must be positive integers, got {nsamples!r} and {seqlen!r}")
     corpus = load_corpus(source, "calib")
-    name = _source_name(source)
+    name = parse_source(source)[0]
     if name == "c4":
         def encode(doc: str) -> list[int]:
             return list(tokenizer(doc, verbose=False)["input_ids"])
@@ -96,7 +94,7 @@ def eval_tokens(tokenizer, source: str = "wiki", max_tokens: int | None = None, 
     """
     if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
         raise ValueError(f"max_tokens must be a positive integer or None, got {max_tokens!r}")
-    if max_tokens is None and _source_name(source) == "c4":
+    if max_tokens is None and parse_source(source)[0] == "c4":
         max_tokens = c4_eval_max_tokens(seqlen)
     tokens = tokenize_text(tokenizer, load_text(source, "eval"))
     if max_tokens is not None:

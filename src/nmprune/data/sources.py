@@ -78,27 +78,57 @@ def check_split(split: str) -> None:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
 
 
+_LOCAL_FORMS = {
+    "c4": "a local C4 shard (.json.gz or .jsonl of {\"text\": ...} lines) or a folder holding "
+    "c4-train.00000-of-01024.json.gz and c4-validation.00000-of-00008.json.gz",
+    "wikitext2": "a folder holding wiki.train.raw and wiki.test.raw (wikitext-2-raw-v1) or the "
+    "Hub's train/test parquet files",
+    "whole": "an existing .txt or .jsonl file",
+}
+
+
+def parse_source(source: str) -> tuple[str, str | None]:
+    """``(kind, path)`` of a source string, kind in wiki, austen, c4, wikitext2, whole, file.
+
+    Cheap (loads nothing): an unknown source is a ValueError listing the valid ones; a local
+    path that does not exist is a FileNotFoundError. Use it to validate options early.
+    """
+    if not isinstance(source, str) or not source:
+        raise ValueError(f"source must be a non-empty string; {valid_sources_message()}")
+    name, sep, arg = source.partition(":")
+    if name in ("wiki", "austen") and not sep:
+        return name, None
+    if name in ("c4", "wikitext2", "whole") and (arg or name != "whole"):
+        if arg and not os.path.exists(arg):
+            raise FileNotFoundError(f"{name} source: {arg!r} does not exist; pass {_LOCAL_FORMS[name]}")
+        return name, arg or None
+    if source.endswith((".txt", ".jsonl")) or os.path.exists(source):
+        if not os.path.isfile(source):
+            raise FileNotFoundError(
+                f"text file {source!r} does not exist; pass an existing .txt or .jsonl file "
+                f"({valid_sources_message()})"
+            )
+        return "file", source
+    raise ValueError(f"unknown text source {source!r}; {valid_sources_message()}")
+
+
 def load_corpus(source: str, split: str) -> Corpus:
     """The documents of ``split`` ("calib" or "eval") of ``source`` (see the module docstring)."""
     check_split(split)
-    if not isinstance(source, str) or not source:
-        raise ValueError(f"source must be a non-empty string; {valid_sources_message()}")
-    name, _, arg = source.partition(":")
-    if name == "wiki" and not arg:
+    kind, path = parse_source(source)
+    if kind == "wiki":
         return wiki_corpus(split)
-    if name == "austen" and not arg:
+    if kind == "austen":
         from .austen import austen_corpus
 
         return austen_corpus(split)
-    if name == "c4":
-        return c4_corpus(split, arg or None)
-    if name == "wikitext2":
-        return wikitext2_corpus(split, arg or None)
-    if name == "whole" and arg:
-        return Corpus(read_text_file(arg))
-    if source.endswith((".txt", ".jsonl")) or os.path.exists(source):
-        return split_file_corpus(read_text_file(source), split, source)
-    raise ValueError(f"unknown text source {source!r}; {valid_sources_message()}")
+    if kind == "c4":
+        return c4_corpus(split, path)
+    if kind == "wikitext2":
+        return wikitext2_corpus(split, path)
+    if kind == "whole":
+        return Corpus(read_text_file(path))
+    return split_file_corpus(read_text_file(path), split, source)
 
 
 # ---------------------------------------------------------------------------------- wiki
