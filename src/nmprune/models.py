@@ -144,10 +144,19 @@ def load_model(spec: str | os.PathLike | None = None, *, gguf_file: str | None =
     source = resolve_model(spec, gguf_file)
     _check_causal(source)
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    model_kwargs = dict(kwargs)
+    if source.gguf_file:
+        from transformers import GgufConfig
+
+        # unpack every weight into a dense float tensor: pruning edits plain nn.Linear weights
+        model_kwargs["quantization_config"] = GgufConfig(dequantize=True)
     try:
-        model = AutoModelForCausalLM.from_pretrained(source.path, dtype=parse_dtype(dtype), **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(source.path, dtype=parse_dtype(dtype), **model_kwargs)
     except OSError as e:
         raise ValueError(f"could not load the model {source}: {e}") from e
+    quantizer = getattr(model, "hf_quantizer", None)
+    if source.gguf_file and quantizer is not None:
+        quantizer.remove_quantization_config(model)  # weights are dense now; save as plain safetensors
     model.eval()
     tok = None
     if tokenizer:
@@ -216,8 +225,9 @@ def find_linears(block: nn.Module, tied: set[int] | None = None) -> dict[str, nn
 def shared_weight_ptrs(model: nn.Module, blocks: nn.ModuleList) -> set[int]:
     """Storage pointers of weights outside ``blocks`` (embeddings, LM head, ...): a block
     layer sharing one of them is tied and stays dense."""
-    inside = {id(p) for p in blocks.parameters()}
-    return {p.data_ptr() for p in model.parameters() if id(p) not in inside}
+    inside = {id(m) for m in blocks.modules()}
+    return {p.data_ptr() for m in model.modules() if id(m) not in inside
+            for p in m.parameters(recurse=False)}
 
 
 def save_pretrained_atomic(model: nn.Module, tokenizer, out: str | os.PathLike,
