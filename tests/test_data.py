@@ -328,3 +328,29 @@ def test_parse_source_validates_without_loading(tmp_path):
     for missing in (f"c4:{tmp_path / 'none.json.gz'}", str(tmp_path / "b.jsonl"), f"whole:{tmp_path / 'b.txt'}"):
         with pytest.raises(FileNotFoundError, match="does not exist"):
             parse_source(missing)
+
+
+def test_packed_windows_are_documents_joined_by_eos():
+    from nmprune.data.tokens import packed_windows
+
+    docs = [[10, 11, 12], [20], [30, 31, 32, 33], [40, 41]]
+    w = packed_windows(iter(docs), [0], 3, 4)
+    assert w.tolist() == [[10, 11, 12, 0], [20, 0, 30, 31], [32, 33, 0, 40]]
+    with pytest.raises(ValueError, match="14 tokens, too few"):
+        packed_windows(iter(docs), [0], 4, 4)
+
+
+def test_packed_calibration_batch_shuffles_documents_by_seed(tmp_path):
+    from nmprune.data import packed_calibration_batch
+
+    tok = CharTokenizer()
+    tok.eos_token_id = 0
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": f"doc{i:02d}"}) + "\n" for i in range(50)))
+    b = packed_calibration_batch(tok, str(path), nsamples=5, seqlen=12, seed=0)
+    docs = load_corpus(str(path), "calib").documents
+    order = list(range(len(docs)))
+    random.Random(0).shuffle(order)
+    stream = [t for i in order for t in tok.encode(docs[i]) + [0]]
+    assert b.tolist() == torch.tensor(stream[:60]).reshape(5, 12).tolist()
+    assert not torch.equal(b, packed_calibration_batch(tok, str(path), nsamples=5, seqlen=12, seed=1))

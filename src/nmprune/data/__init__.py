@@ -4,8 +4,8 @@ Public API:
 
 - :func:`load_text` ``(source, split) -> str``: the text of a split ("calib" or "eval").
 - :func:`calibration_batch` ``(tokenizer, source, nsamples, seqlen, seed) -> (nsamples, seqlen)``
-  calibration windows, the inputs whose layer activations give the Hessians ``H = X X^T``
-  of the paper's local loss (eq. ``local_loss``).
+  calibration windows, the inputs whose layer activations ``X`` give the Hessians
+  ``H = X X^T / n`` of the local squared loss (eq. ``squared_loss``, problem eq. ``n_m_squard_loss``).
 - :func:`eval_tokens` ``(tokenizer, source, max_tokens) -> (1, N)``: the held-out token stream
   for :func:`nmprune.evaluate.perplexity`.
 
@@ -25,7 +25,15 @@ from .sources import (
     parse_source,
     wiki_split_of,
 )
-from .tokens import disjoint_windows, reference_document_windows, reference_windows, tokenize_text
+import random
+
+from .tokens import (
+    disjoint_windows,
+    packed_windows,
+    reference_document_windows,
+    reference_windows,
+    tokenize_text,
+)
 
 #: The reference C4 evaluation keeps the first C4_EVAL_WINDOWS * seqlen tokens.
 C4_EVAL_WINDOWS = 256
@@ -41,6 +49,7 @@ __all__ = [
     "eval_tokens",
     "load_corpus",
     "load_text",
+    "packed_calibration_batch",
     "parse_source",
     "tokenize_text",
     "wiki_split_of",
@@ -78,6 +87,35 @@ def calibration_batch(tokenizer, source: str = "wiki", nsamples: int = 128, seql
     if name == "wikitext2":
         return reference_windows(tokens, nsamples, seqlen, seed)
     return disjoint_windows(tokens, nsamples, seqlen, seed)
+
+
+#: Documents tokenized per batched tokenizer call when packing.
+PACK_BATCH_DOCUMENTS = 256
+
+
+def packed_calibration_batch(
+    tokenizer, source: str = "c4", nsamples: int = 128, seqlen: int = 512, seed: int = 0
+) -> Tensor:
+    """The paper's calibration protocol, shape (nsamples, seqlen): the calibration documents in
+    an order shuffled by ``seed``, each followed by the tokenizer's EOS, packed end to end and
+    cut into consecutive windows (the paper uses C4 with nsamples=1024, seqlen=2048).
+    Only as many documents as needed are tokenized.
+    """
+    if not isinstance(nsamples, int) or not isinstance(seqlen, int) or nsamples < 1 or seqlen < 1:
+        raise ValueError(f"nsamples and seqlen must be positive integers, got {nsamples!r} and {seqlen!r}")
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        raise ValueError("packing needs a tokenizer with an end-of-sequence token (eos_token_id is None)")
+    documents = load_corpus(source, "calib").documents
+    order = list(range(len(documents)))
+    random.Random(seed).shuffle(order)
+
+    def token_lists():
+        for start in range(0, len(order), PACK_BATCH_DOCUMENTS):
+            batch = [documents[i] for i in order[start : start + PACK_BATCH_DOCUMENTS]]
+            yield from tokenizer(batch, add_special_tokens=False, verbose=False)["input_ids"]
+
+    return packed_windows(token_lists(), [eos], nsamples, seqlen)
 
 
 def c4_eval_max_tokens(seqlen: int) -> int:

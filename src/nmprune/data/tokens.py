@@ -106,6 +106,23 @@ def reference_windows(tokens: Tensor, nsamples: int, seqlen: int, seed: int) -> 
     return tokens[starts[:, None] + torch.arange(seqlen)]
 
 
+def packed_windows(token_lists, separator: list[int], nsamples: int, seqlen: int) -> Tensor:
+    """Documents packed end to end, each followed by ``separator`` (an EOS), cut into
+    ``nsamples`` consecutive windows of ``seqlen`` tokens: the paper's calibration protocol
+    (Sec. ``sec:llm_experiments``: C4 "packed with end-of-sequence tokens and chunked into
+    1024 sequences of length 2048"). ``token_lists`` is consumed only as far as needed.
+    """
+    if nsamples < 1 or seqlen < 1:
+        raise ValueError(f"nsamples and seqlen must be positive, got {nsamples} and {seqlen}")
+    need, stream = nsamples * seqlen, []
+    for ids in token_lists:
+        stream.extend(ids)
+        stream.extend(separator)
+        if len(stream) >= need:
+            return torch.tensor(stream[:need], dtype=torch.long).reshape(nsamples, seqlen)
+    raise ValueError(too_short_message("the packed calibration text", len(stream), nsamples, seqlen))
+
+
 #: Draws before giving up when no document is longer than seqlen.
 MAX_DOCUMENT_DRAWS = 100_000
 
