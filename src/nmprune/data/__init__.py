@@ -14,6 +14,8 @@ Sources are described in :mod:`nmprune.data.sources` and docs/data.md.
 
 from __future__ import annotations
 
+import random
+
 from torch import Tensor
 
 from .sources import (
@@ -25,8 +27,6 @@ from .sources import (
     parse_source,
     wiki_split_of,
 )
-import random
-
 from .tokens import (
     disjoint_windows,
     packed_windows,
