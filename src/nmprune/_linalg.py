@@ -48,3 +48,16 @@ def wanda_scale(h: Tensor) -> Tensor:
     Dead inputs (``H_jj == 0``) get scale 0.
     """
     return torch.diagonal(h).clamp_min(0.0).sqrt()
+
+
+def column_scale(h: Tensor) -> Tensor:
+    """``s_j = H_jj^{1/2}``, with 1 for dead inputs (``H_jj == 0``, whose row and column of a
+    PSD ``H`` are zero, so the weights there are left as they are)."""
+    s = wanda_scale(h)
+    return torch.where(s > 0, s, torch.ones_like(s))
+
+
+def rescale(w: Tensor, h: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
+    """Wanda-style change of variables (paper Section 4): ``W_ij -> W_ij s_j``,
+    ``H_ij -> H_ij / (s_i s_j)``. The local loss is invariant; undo with ``W / s``."""
+    return w * s, h / s[:, None] / s[None, :]
