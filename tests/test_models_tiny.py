@@ -76,7 +76,7 @@ def write_text(path: Path, nwords: int = 6000, seed: int = 0) -> Path:
     sentences = []
     for _ in range(nwords // 10):
         sentences.append(" ".join(rng.choice(WORDS) for _ in range(10)).capitalize() + ".")
-    path.write_text(" ".join(sentences) + "\n")
+    path.write_text("\n".join(sentences) + "\n")
     return path
 
 

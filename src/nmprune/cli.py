@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
             result = evaluate(model, tokenizer, data, args.seqlen, args.max_tokens or None,
                               args.device, not args.quiet)
             print(perplexity_table({str(source): result}))
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:
         print(f"nmprune: error: {e}", file=sys.stderr)
         return 2
     return 0

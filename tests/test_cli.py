@@ -1,0 +1,145 @@
+"""``nmprune`` command line: settings from YAML and flags, a whole prune run on a tiny model
+directory (save, report, reload), resume after a crash, eval, methods, clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from nmprune.cli import build_parser, config_from_args, main, run_prune
+from nmprune.models import find_blocks, find_linears, weight_matrix
+from nmprune.pattern import is_nm_sparse
+from test_models_tiny import save_tiny_model_dir, write_text
+
+
+def _config(argv):
+    return config_from_args(build_parser().parse_args(["prune", *argv]))
+
+
+def test_yaml_then_flags(tmp_path):
+    y = tmp_path / "run.yaml"
+    y.write_text("method: sparsegpt\nrefine: gd\nnsamples: 16\noptions: {blocksize: 8}\n"
+                 "overrides:\n  '*.mlp.down_proj': skip\neval: [austen]\n")
+    c = _config(["--config", str(y), "--out", "o", "--nsamples", "32", "--option", "percdamp=0.05",
+                 "--override", "*.q_proj=wanda+none", "--eval", "wiki"])
+    assert c.prune.method == "sparsegpt" and c.prune.refine == "gd"
+    assert c.prune.nsamples == 32 and c.prune.seqlen == 512  # flag beats YAML; default kept
+    assert c.prune.options == {"blocksize": 8, "percdamp": 0.05}
+    assert c.prune.overrides == {"*.mlp.down_proj": "skip", "*.q_proj": {"method": "wanda", "refine": "none"}}
+    assert c.eval == ["austen", "wiki"] and c.out == "o"
+    assert _config(["--config", str(y), "--no-eval"]).eval == []
+    assert _config([]).prune.method == "prox" and _config([]).eval == ["wiki"]
+    assert _config(["--refine", "none"]).prune.refine is None
+
+
+def test_bad_settings_are_clear_errors(tmp_path, capsys):
+    y = tmp_path / "bad.yaml"
+    y.write_text("metod: wanda\n")
+    assert main(["prune", "--config", str(y), "--out", str(tmp_path / "o")]) == 2
+    assert "unknown setting 'metod'" in capsys.readouterr().err
+    assert main(["prune", "--out", str(tmp_path / "o"), "--option", "oops"]) == 2
+    assert "key=value" in capsys.readouterr().err
+    assert main(["prune", "--out", str(tmp_path / "o"), "--method", "wanda", "--option", "zz=1"]) == 2
+    assert "unknown option 'zz'" in capsys.readouterr().err
+    assert main(["prune", "--out", str(tmp_path / "o"), "--eval", "nosuchdata"]) == 2
+    assert "unknown data set 'nosuchdata'" in capsys.readouterr().err
+    assert main(["prune", "--out", str(tmp_path / "o"), "--model", str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["prune", "--model", str(tmp_path / "missing")]) == 2
+    assert "--out" in capsys.readouterr().err
+    assert main(["prune", "--config", str(tmp_path / "none.yaml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_methods_lists_registry(capsys):
+    assert main(["methods"]) == 0
+    out = capsys.readouterr().out
+    assert "wanda" in out and "exact" in out and "refine_" in out
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    base = tmp_path_factory.mktemp("cli")
+    text = write_text(base / "text.txt")
+    model_dir = save_tiny_model_dir(base / "model", "llama", layers=3, text=text.read_text())
+    yaml_file = base / "run.yaml"
+    yaml_file.write_text(f"model: {model_dir}\nmethod: wanda\nrefine: gd\ncalib: {text}\n"
+                         f"nsamples: 4\nseqlen: 16\nbatch_size: 2\neval: ['{text}']\n"
+                         f"eval_seqlen: 16\neval_max_tokens: 256\n")
+    return base, model_dir, text, yaml_file
+
+
+def _weights(model_dir):
+    return AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+
+
+def test_prune_run_saves_loadable_model_and_report(tiny_dir, tmp_path, capsys):
+    base, model_dir, text, yaml_file = tiny_dir
+    out = tmp_path / "pruned"
+    assert main(["prune", "--config", str(yaml_file), "--out", str(out), "--quiet"]) == 0
+    captured = capsys.readouterr()
+    assert "dense" in captured.out and "wanda+gd 2:4" in captured.out  # the perplexity table
+    assert not (tmp_path / "pruned.checkpoint").exists()
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "nmprune_report.json"):
+        assert (out / name).is_file(), name
+    report = json.loads((out / "nmprune_report.json").read_text())
+    assert report["config"]["method"] == "wanda" and report["versions"]["nmprune"]
+    assert set(report["perplexity"]["dense"]) == {str(text)}
+    assert report["perplexity"]["pruned"][str(text)] > 1.0
+    assert report["summary"]["layers_pruned"] == 21 and len(report["layers"]) == 21
+    model = AutoModelForCausalLM.from_pretrained(out)
+    _, blocks = find_blocks(model)
+    for block in blocks:
+        for name, layer in find_linears(block).items():
+            assert is_nm_sparse(weight_matrix(layer), "2:4"), name
+    dense = _weights(model_dir)
+    assert torch.equal(model.model.embed_tokens.weight, dense["model.embed_tokens.weight"])
+    assert torch.equal(model.lm_head.weight, dense["lm_head.weight"])
+    # the same command again refuses to overwrite a finished run
+    assert main(["prune", "--config", str(yaml_file), "--out", str(out), "--quiet"]) == 2
+    assert "already exists" in capsys.readouterr().err
+    # nmprune eval on the saved model prints a table
+    assert main(["eval", "--model", str(out), "--data", str(text), "--seqlen", "16",
+                 "--max-tokens", "256", "--quiet"]) == 0
+    assert f"{report['perplexity']['pruned'][str(text)]:.2f}"[:4] in capsys.readouterr().out
+
+
+class _Crash(Exception):
+    pass
+
+
+def test_killed_run_resumes_to_identical_model(tiny_dir, tmp_path):
+    base, model_dir, text, yaml_file = tiny_dir
+    args = ["prune", "--config", str(yaml_file), "--hessian-inputs", "pruned", "--quiet"]
+    assert main(args + ["--out", str(tmp_path / "straight")]) == 0
+
+    out = tmp_path / "resumed"
+
+    def crash(i):
+        if i == 1:
+            raise _Crash
+
+    with pytest.raises(_Crash):
+        run_prune(_config(args[1:] + ["--out", str(out)]), progress=False, on_block_done=crash)
+    assert not out.exists() and (tmp_path / "resumed.checkpoint" / "manifest.json").is_file()
+    # another setting cannot resume it ...
+    assert main(args + ["--out", str(out), "--seed", "3"]) == 2
+    # ... the same command does
+    assert main(args + ["--out", str(out)]) == 0
+    report = json.loads((out / "nmprune_report.json").read_text())
+    assert report["resumed_from_block"] == 2
+    a, b = _weights(tmp_path / "straight"), _weights(out)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_too_short_text_is_a_clear_error(tiny_dir, tmp_path, capsys):
+    base, model_dir, text, yaml_file = tiny_dir
+    short = tmp_path / "short.txt"
+    short.write_text("only a few words here.\n")
+    assert main(["prune", "--config", str(yaml_file), "--calib", str(short), "--no-eval",
+                 "--out", str(tmp_path / "o"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "nmprune: error:" in err and not (tmp_path / "o").exists()
