@@ -144,3 +144,24 @@ def test_too_short_text_is_a_clear_error(tiny_dir, tmp_path, capsys):
                  "--out", str(tmp_path / "o"), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert "nmprune: error:" in err and not (tmp_path / "o").exists()
+
+
+@pytest.mark.slow
+def test_packaged_model_end_to_end(tmp_path, capsys):
+    """The README's first command on the real packaged GGUF model, with small calibration."""
+    out = tmp_path / "smollm2"
+    assert main(["prune", "--out", str(out), "--nsamples", "4", "--seqlen", "128",
+                 "--eval-max-tokens", "2048", "--quiet"]) == 0
+    table = capsys.readouterr().out
+    assert "| dense |" in table and "prox+exact 2:4" in table
+    report = json.loads((out / "nmprune_report.json").read_text())
+    assert report["summary"]["layers_pruned"] == 30 * 7 and report["summary"]["layers_skipped"] == 0
+    dense, pruned = report["perplexity"]["dense"]["wiki"], report["perplexity"]["pruned"]["wiki"]
+    assert 1.0 < dense < pruned < 50 * dense
+    # the saved model is a plain transformers checkpoint: loads without gguf, same sparsity
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config
+    model = AutoModelForCausalLM.from_pretrained(out)
+    _, blocks = find_blocks(model)
+    assert all(is_nm_sparse(weight_matrix(m), "2:4") for b in blocks for m in find_linears(b).values())
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied, still dense

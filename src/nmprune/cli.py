@@ -217,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-eval", action="store_true", help="skip the perplexity evaluation")
     p.add_argument("--eval-seqlen", dest="eval_seqlen", type=int, help="evaluation window (default 512)")
     p.add_argument("--eval-max-tokens", dest="eval_max_tokens", type=int,
-                   help="evaluate on the first N held-out tokens (default 16384; 0 = all)")
+                   help="evaluate on the first N held-out tokens (default 8192; 0 = all)")
     p.add_argument("--checkpoint-dir", dest="checkpoint_dir",
                    help="where progress is saved (default: OUT.checkpoint)")
     p.add_argument("--restart", action="store_true", default=None,
@@ -229,8 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--data", action="append", metavar="DATA",
                    help="wiki (default), c4, wikitext2, austen or a text file; repeatable")
     e.add_argument("--seqlen", type=int, default=512, help="evaluation window (default 512)")
-    e.add_argument("--max-tokens", dest="max_tokens", type=int, default=16384,
-                   help="first N held-out tokens (default 16384; 0 = all)")
+    e.add_argument("--max-tokens", dest="max_tokens", type=int, default=8192,
+                   help="first N held-out tokens (default 8192; 0 = all)")
     e.add_argument("--quiet", action="store_true", help="no progress bars")
 
     sub.add_parser("methods", help="list the pruning methods and refiners with their options")

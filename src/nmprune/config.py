@@ -123,7 +123,7 @@ class RunConfig:
     device: str | None = None
     out: str | None = None
     eval: list[str] = field(default_factory=lambda: ["wiki"])
-    eval_max_tokens: int = 16384
+    eval_max_tokens: int = 8192
     eval_seqlen: int = 512
     checkpoint_dir: str | None = None
     restart: bool = False
