@@ -15,8 +15,11 @@ Hessian is PSD, so its 2x2 minors give ``lam w_k <= 1`` (3-sparse) and ``lam (w_
 ``w_1 >= z_1/2, w_2 >= z_2/2`` for a 3-sparse optimum and ``w_1 >= z_1/3, w_2 >= z_2/3`` for a
 dense one, hence the sufficient tests
 
-* 3-sparse impossible when ``lam z_1 z_2 >= 4 z_3``, dense impossible when ``lam z_1 z_2 >= 9 z_4``
-  (so the cell is exactly ``[z_1, z_2, 0, 0]`` when both hold),
+* 3-sparse impossible when ``lam l_1 l_2 >= z_3`` with ``l_1 = max(z_1/2, z_1 - lam z_2 z_3)``,
+  ``l_2 = max(z_2/2, z_2 - lam z_1 z_3)`` (since ``w_3 = z_3 - lam w_1 w_2`` must be positive);
+* dense impossible when ``lam (d_1 d_2 + d_1 d_3 + d_2 d_3) >= z_4`` with the analogous lower
+  bounds ``d_1 >= z_1/3``, ``d_2 >= z_2/3``, ``d_3 >= z_3 - lam (z_1 z_2 + z_1 z_4 + z_2 z_4)``
+  (so the cell is exactly ``[z_1, z_2, 0, 0]`` when both hold, e.g. for ``lam z_1 z_2 >= 9 z_3``),
 
 and the necessary conditions of Lemma ``lem:opt_cond_ext``: 2-sparse needs
 ``lam >= z_3 / (z_1 z_2)``, 3-sparse needs ``lam >= z_4 / (z_1 z_2 + z_1 z_3 + z_2 z_3)``.
@@ -34,7 +37,11 @@ import torch
 from torch import Tensor
 
 _MAX_NEWTON = 60
-_MAX_HALVINGS = 40
+_NEWTON_TRIALS = 3
+_GRAD_TRIALS = 12
+_FACE_TOL = 1e-12
+_DEC_TOL = 1e-22
+_BOUND_ROUNDS = 4
 
 
 def _objective(w: Tensor, z: Tensor, lam: Tensor) -> Tensor:
@@ -72,54 +79,122 @@ def _grad_hess(w: Tensor, z: Tensor, lam: Tensor) -> tuple[Tensor, Tensor]:
     return grad, hess
 
 
+def _cholesky(h: Tensor) -> tuple[list[list[Tensor]], Tensor]:
+    """Unrolled Cholesky of a batch of small SPD matrices ``(B, k, k)``: the lower factor as
+    nested lists of ``(B,)`` columns and a flag per row (True when positive definite).
+    Elementwise ops only, much faster than batched LAPACK calls for k <= 8."""
+    k = h.shape[-1]
+    ent = [[h[:, i, j] for j in range(k)] for i in range(k)]
+    low: list[list[Tensor]] = [[None] * k for _ in range(k)]  # type: ignore[list-item]
+    ok = torch.ones(h.shape[0], dtype=torch.bool, device=h.device)
+    for j in range(k):
+        s = ent[j][j]
+        for t in range(j):
+            s = s - low[j][t] * low[j][t]
+        ok &= s > 0
+        dj = s.clamp_min(1e-300).sqrt()
+        low[j][j] = dj
+        for i in range(j + 1, k):
+            s = ent[i][j]
+            for t in range(j):
+                s = s - low[i][t] * low[j][t]
+            low[i][j] = s / dj
+    return low, ok
+
+
+def _cholesky_solve(low: list[list[Tensor]], b: Tensor) -> Tensor:
+    """Solve ``L L^T x = b`` for ``b`` of shape ``(B, k)``."""
+    k = b.shape[-1]
+    y: list[Tensor] = []
+    for i in range(k):
+        s = b[:, i]
+        for t in range(i):
+            s = s - low[i][t] * y[t]
+        y.append(s / low[i][i])
+    x: list[Tensor] = [None] * k  # type: ignore[list-item]
+    for i in reversed(range(k)):
+        s = y[i]
+        for t in range(i + 1, k):
+            s = s - low[t][i] * x[t]
+        x[i] = s / low[i][i]
+    return torch.stack(x, -1)
+
+
+def _max_step(w: Tensor, d: Tensor) -> Tensor:
+    """Largest ``a`` (capped at 2) with ``w + a d >= 0`` row-wise."""
+    ratio = torch.where(d < 0, -w / d.clamp_max(-1e-300), torch.full_like(w, 2.0))
+    return ratio.amin(-1).clamp_max(2.0)
+
+
 def damped_newton(
     z: Tensor,
     lam: Tensor,
     w: Tensor,
     objective: Callable[[Tensor, Tensor, Tensor], Tensor],
     grad_hess: Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]],
+    box: tuple[Tensor, Tensor] | None = None,
+    beat: Tensor | None = None,
 ) -> Tensor:
     """Minimise ``objective`` row by row over ``w > 0`` with a positive definite Hessian, from the
     strictly feasible start ``w``: Newton directions, a fraction-to-the-boundary step, and
     backtracking until the Hessian factorises and the Armijo condition holds. Rows are
-    independent; only unfinished rows are iterated (compaction)."""
+    independent; only unfinished rows are iterated (compaction).
+
+    Optional pruning: when every interior minimiser is known to lie in ``box = (lo, hi)`` and
+    only a value below ``beat`` matters, a row stops as soon as the linear lower bound
+    ``f(w) + min_{lo <= v <= hi} grad^T (v - w)`` (valid because ``f`` is convex on the PSD
+    region, which holds ``w`` and the minimiser) exceeds ``beat``: the case cannot win."""
     n = z.shape[0]
     out = torch.empty_like(z)
     if n == 0:
         return out
     idx = torch.arange(n, device=z.device)
     zs, ls = z, lam
+    lo, hi = box if box is not None else (torch.zeros_like(z), z)
+    beat = beat if beat is not None else torch.full_like(lam, torch.inf)
     f = objective(w, zs, ls)
-    tiny = torch.finfo(z.dtype).eps
     for _ in range(_MAX_NEWTON):
         grad, hess = grad_hess(w, zs, ls)
-        chol, _ = torch.linalg.cholesky_ex(hess)
-        d = torch.cholesky_solve(-grad.unsqueeze(-1), chol).squeeze(-1)
+        chol, _ = _cholesky(hess)
+        d = _cholesky_solve(chol, -grad)
         dec = -(grad * d).sum(-1)
-        # converged when the Newton decrement is at rounding level of the objective scale
-        done = dec <= tiny * tiny * zs.square().sum(-1)
-        # fraction to the boundary keeps iterates strictly positive
-        ratio = torch.where(d < 0, -w / d.clamp_max(-1e-300), torch.full_like(w, 2.0))
-        alpha = torch.clamp(0.995 * ratio.min(-1).values, max=1.0)
+        # converged: Newton step ~1e-11 relative (objective error ~1e-22 relative); or the iterate
+        # collapses onto the face w_min = 0 (the case minimiser is not interior, a smaller case
+        # holds it; the iterate stays a feasible candidate)
+        zmax = zs.amax(-1)
+        done = (dec <= _DEC_TOL * zmax.square()) | (w.amin(-1) <= _FACE_TOL * zmax)
+        lower = f + torch.minimum(grad * (lo - w), grad * (hi - w)).sum(-1)
+        done |= lower > beat
+        # trial steps: Newton (fraction to the boundary keeps w > 0) shrunk by 4 a few times, then
+        # gradient steps from 1/4 (Fact ``facts:convex``) halved: near the PSD boundary the Newton
+        # direction can leave the region while a gradient step still makes progress
+        alpha_n = torch.clamp(0.99 * _max_step(w, d), max=1.0)
+        alpha_g = torch.clamp(0.99 * _max_step(w, -grad), max=0.25)
+        gg = grad.square().sum(-1)
         pending = ~done
         w_new = w.clone()
         f_new = f.clone()
         accepted = torch.zeros_like(done)
-        for _ in range(_MAX_HALVINGS):
+        for trial in range(_NEWTON_TRIALS + _GRAD_TRIALS):
             p = pending.nonzero().squeeze(-1)
             if p.numel() == 0:
                 break
-            cand = w[p] + alpha[p, None] * d[p]
+            if trial < _NEWTON_TRIALS:
+                a = alpha_n[p] * 0.25**trial
+                cand = w[p] + a[:, None] * d[p]
+                need = f[p] - 1e-4 * a * dec[p]
+            else:
+                a = alpha_g[p] * 0.5 ** (trial - _NEWTON_TRIALS)
+                cand = w[p] - a[:, None] * grad[p]
+                need = f[p] - 1e-4 * a * gg[p]
             fc = objective(cand, zs[p], ls[p])
             _, hc = grad_hess(cand, zs[p], ls[p])
-            info = torch.linalg.cholesky_ex(hc).info
-            ok = (info == 0) & (fc <= f[p] - 1e-4 * alpha[p] * dec[p])
+            ok = _cholesky(hc)[1] & (fc <= need)
             okp = p[ok]
             w_new[okp] = cand[ok]
             f_new[okp] = fc[ok]
             accepted[okp] = True
             pending[okp] = False
-            alpha[p[~ok]] *= 0.5
         # rows with no acceptable step cannot improve any further
         finished = done | ~accepted
         out[idx[finished]] = w_new[finished]
@@ -127,32 +202,70 @@ def damped_newton(
         if not bool(keep.any()):
             return out
         idx, w, f, zs, ls = idx[keep], w_new[keep], f_new[keep], zs[keep], ls[keep]
+        lo, hi, beat = lo[keep], hi[keep], beat[keep]
     out[idx] = w
     return out
+
+
+def _case_bounds(z: Tensor, lam: Tensor, k: int, rounds: int = _BOUND_ROUNDS) -> tuple[Tensor, Tensor]:
+    """Bounds ``lo <= w <= hi`` that every interior local minimiser of the k-variable case
+    (k = 3: ``g``, k = 4: ``f``) satisfies, for sorted ``z`` (B, k).
+
+    Start: ``0 <= w <= z`` and the PSD bounds ``w_1 >= z_1/c, w_2 >= z_2/c`` (c = 2 for k = 3,
+    c = 3 for k = 4); then propagate through the stationarity equations
+    ``w_i = z_i - lam e_{k-2}(w without i)`` (Lemma ``lem:three_cases``), which are monotone.
+    """
+    c = 2.0 if k == 3 else 3.0
+    hi = z.clone()
+    lo = torch.zeros_like(z)
+    lo[:, :2] = z[:, :2] / c
+    lam_ = lam[:, None]
+    for _ in range(rounds):
+        hi = torch.minimum(hi, z - lam_ * _others(lo))
+        lo = torch.maximum(lo, z - lam_ * _others(hi))
+    return lo, hi
+
+
+def _others(w: Tensor) -> Tensor:
+    """``e_{k-2}`` of the other entries: products of the other two (k = 3) or the sum of the
+    pairwise products of the other three (k = 4)."""
+    if w.shape[-1] == 3:
+        w1, w2, w3 = w.unbind(-1)
+        return torch.stack((w2 * w3, w1 * w3, w1 * w2), -1)
+    w1, w2, w3, w4 = w.unbind(-1)
+    p12, p13, p14, p23, p24, p34 = w1 * w2, w1 * w3, w1 * w4, w2 * w3, w2 * w4, w3 * w4
+    return torch.stack((p23 + p24 + p34, p13 + p14 + p34, p12 + p14 + p24, p12 + p13 + p23), -1)
 
 
 def solve_sorted_newton(z: Tensor, lam: Tensor) -> Tensor:
     """Exact 2:4 prox of sorted non-negative float64 cells ``z`` (shape ``(B, 4)``), ``lam`` (B,)."""
     z1, z2, z3, z4 = z.unbind(-1)
-    a = lam * z1 * z2
-    three_possible = (a < 4 * z3) & (lam * (z1 * z2 + z1 * z3 + z2 * z3) >= z4)
-    dense_possible = a < 9 * z4
-    two_possible = a >= z3
-
     w = z.clone()
     w[:, 2:] = 0.0
     best = _objective(w, z, lam)
-    best = torch.where(two_possible, best, torch.full_like(best, torch.inf))
-
-    for k, possible in ((3, three_possible), (4, dense_possible)):
-        rows = possible.nonzero().squeeze(-1)
+    # Lemma lem:opt_cond_ext: 2-sparse needs lam >= z3/(z1 z2)
+    best = torch.where(lam * z1 * z2 >= z3, best, torch.full_like(best, torch.inf))
+    # ... and 3-sparse needs lam >= z4/(z1 z2 + z1 z3 + z2 z3)
+    three_needed = lam * (z1 * z2 + z1 * z3 + z2 * z3) >= z4
+    for k in (3, 4):
+        # a case is possible only where z_k > 0 and the bounds leave room for w_k > 0
+        cand = (z[:, k - 1] > 0) & (three_needed if k == 3 else True)
+        rows = cand.nonzero().squeeze(-1)
+        zk, lk = z[rows, :k], lam[rows]
+        lo, hi = _case_bounds(zk, lk, k)
+        keep = (hi[:, -1] > 0) & (lo <= hi).all(-1)
+        rows, zk, lk, lo, hi = rows[keep], zk[keep], lk[keep], lo[keep], hi[keep]
         if rows.numel() == 0:
             continue
-        zk, lk = z[rows, :k], lam[rows]
-        # start strictly inside the PSD region: Gershgorin row sums <= 2 lam sum(w) <= 1/2
-        start = zk * torch.clamp(0.25 / (lk * zk.sum(-1)).clamp_min(1e-300), max=1.0)[:, None]
-        wk = damped_newton(zk, lk, start, _objective, _grad_hess)
-        fk = _objective(wk, zk, lk) + (0.5 * z[rows, k:].square().sum(-1) if k == 3 else 0.0)
+        # start: the middle of the bounds where the Hessian is positive definite there, else a
+        # point well inside the PSD region (Gershgorin row sums <= 2 lam sum(w) <= 1/2)
+        mid = 0.5 * (lo + hi)
+        inside = _cholesky(_grad_hess(mid, zk, lk)[1])[1]
+        safe = zk * torch.clamp(0.25 / (lk * zk.sum(-1)).clamp_min(1e-300), max=1.0)[:, None]
+        start = torch.where(inside[:, None] & (mid > 0).all(-1, keepdim=True), mid, safe)
+        rest = 0.5 * z[rows, k:].square().sum(-1)  # the fixed zeros w_{k+1:4}
+        wk = damped_newton(zk, lk, start, _objective, _grad_hess, (lo, hi), best[rows] - rest)
+        fk = _objective(wk, zk, lk) + rest
         better = fk < best[rows]
         r = rows[better]
         best[r] = fk[better]
