@@ -19,7 +19,12 @@ def correlated_problem(d_out=8, d_in=32, n=64, seed=0, dtype=torch.float32):
     return w.to(dtype), h.to(dtype)
 
 
-FAST_OPTIONS = {"prox": {}, "prox-l0": {}, "prox-l1": {}, "prox-l2": {}}
+# a short lambda schedule keeps the proximal methods fast here (their defaults are benchmarked)
+FAST = {"lambda_adapt": True, "lambda0": 0.01, "beta": 1.3}
+
+
+def fast(method):
+    return dict(FAST) if method.startswith("prox") else {}
 
 
 def supported(method, pattern):
@@ -32,7 +37,7 @@ def test_every_method_returns_exact_nm(method, pattern):
     if not supported(method, pattern):
         pytest.skip(f"{method} declares no support for {pattern}")  # declared, not silent
     w, h = correlated_problem()
-    res = prune_layer(w, h, method=method, pattern=pattern, refine="gd", refine_steps=20)
+    res = prune_layer(w, h, method=method, pattern=pattern, refine="gd", refine_steps=20, **fast(method))
     assert isinstance(res, LayerResult)
     assert res.weight.shape == w.shape and res.weight.dtype == w.dtype
     assert is_nm_sparse(res.weight, pattern)
@@ -40,7 +45,7 @@ def test_every_method_returns_exact_nm(method, pattern):
     assert (res.mask.reshape(w.shape[0], -1, p.m).sum(-1) == p.n).all()
     assert not bool(res.weight[~res.mask].any())
     assert res.loss_refined <= res.loss_method * (1 + 1e-5) + 1e-6
-    assert res.loss_method == pytest.approx(local_loss(prune_matrix(w, h, method=method, pattern=pattern), w, h),
+    assert res.loss_method == pytest.approx(local_loss(prune_matrix(w, h, method=method, pattern=pattern, **fast(method)), w, h),
                                             rel=1e-4, abs=1e-5)
 
 
@@ -48,7 +53,7 @@ def test_every_method_returns_exact_nm(method, pattern):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_dtype_round_trip(method, dtype):
     w, h = correlated_problem(dtype=dtype)
-    out = prune_matrix(w, h, method=method)
+    out = prune_matrix(w, h, method=method, **fast(method))
     assert out.dtype == dtype and out.shape == w.shape and is_nm_sparse(out, "2:4")
 
 
@@ -61,11 +66,11 @@ def test_singular_hessian_dead_inputs_and_zero_rows(method):
     h[:, 6:8] = 0
     w[2] = 0  # all-zero row
     for refine in (None, "gd", *(["exact"] if "exact" in nmprune.refiners() else [])):
-        res = prune_layer(w, h, method=method, refine=refine)
+        res = prune_layer(w, h, method=method, refine=refine, **fast(method))
         assert is_nm_sparse(res.weight, "2:4") and bool(torch.isfinite(res.weight).all())
         assert not bool(res.weight[2].any())
     zero_h = torch.zeros_like(h)
-    assert is_nm_sparse(prune_matrix(w, zero_h, method=method, refine="gd"), "2:4")
+    assert is_nm_sparse(prune_matrix(w, zero_h, method=method, refine="gd", **fast(method)), "2:4")
 
 
 def test_bad_inputs_raise_value_errors_naming_the_problem():

@@ -102,9 +102,9 @@ def _exact_prox(pattern: NMPattern, solver: str) -> CellProx:
 
 
 @register_method("prox", description="proximal gradient with the exact N:M prox (paper Alg. prox_e2e)")
-def prox(w: Tensor, h: Tensor, pattern: NMPattern, *, lambda0: float = 0.01, beta: float = 1.01,
-         lambda_adapt: bool = False, solver: str = "newton", max_iter: int = 5000,
-         finish: float = 0.0, accelerate: bool = False) -> Tensor:
+def prox(w: Tensor, h: Tensor, pattern: NMPattern, *, lambda0: float = 0.01, beta: float = 1.05,
+         lambda_adapt: bool = True, solver: str = "gd", max_iter: int = 5000,
+         finish: float = 0.0, accelerate: bool = True) -> Tensor:
     """Prox pruner with the regulariser ``r_{N:M}`` (eq. ``regularizer_nm``)."""
     return prox_gradient(w, h, pattern, _exact_prox(pattern, solver), lambda0=lambda0, beta=beta,
                          lambda_adapt=lambda_adapt, max_iter=max_iter, finish=finish,
