@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ._cells import check_cells, check_n, lam_tensor, sort_abs, unsort
-from .newton import damped_newton
+from .newton import Entries, damped_newton
 from .regularizers import elementary_symmetric, leave_one_out_symmetric
 from .simple import prox_1ofm
 from .two_four import prox_2of4
@@ -28,7 +28,7 @@ def _objective(w: Tensor, z: Tensor, lam: Tensor, n: int) -> Tensor:
     return 0.5 * (w - z).square().sum(-1) + lam * elementary_symmetric(w, n + 1)[..., n + 1]
 
 
-def _grad_hess(w: Tensor, z: Tensor, lam: Tensor, n: int) -> tuple[Tensor, Tensor]:
+def _grad_hess(w: Tensor, z: Tensor, lam: Tensor, n: int) -> tuple[Tensor, Entries]:
     """Gradient ``w - z + lam e_N(w_{-i})`` and Hessian ``I + lam e_{N-1}(w_{-i,-j})`` (i != j)."""
     loo = leave_one_out_symmetric(w, n)  # (B, k, n+1): e_t(w without i)
     grad = w - z + lam[:, None] * loo[..., n]
@@ -37,9 +37,8 @@ def _grad_hess(w: Tensor, z: Tensor, lam: Tensor, n: int) -> tuple[Tensor, Tenso
     for t in range(1, n):
         pair = loo[..., t].unsqueeze(-1) - w[:, None, :] * pair
     hess = lam[:, None, None] * pair
-    idx = torch.arange(w.shape[-1], device=w.device)
-    hess[:, idx, idx] = 1.0
-    return grad, hess
+    k = w.shape[-1]
+    return grad, [[1.0 if i == j else hess[:, i, j] for j in range(k)] for i in range(k)]
 
 
 def prox_nm(z: Tensor, lam: float | Tensor, n: int) -> Tensor:

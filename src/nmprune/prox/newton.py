@@ -31,14 +31,17 @@ when that minimiser is interior (quadratically near it). Internally everything r
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
-_MAX_NEWTON = 60
-_NEWTON_TRIALS = 3
-_GRAD_TRIALS = 12
+_MAX_NEWTON = 30
+# a small symmetric matrix per row, entry by entry: (B,) tensors, or floats shared by all rows
+Entries = list[list[Any]]
+
+_NEWTON_TRIALS = 2
+_GRAD_TRIALS = 4
 _FACE_TOL = 1e-12
 _DEC_TOL = 1e-22
 _BOUND_ROUNDS = 4
@@ -53,46 +56,44 @@ def _objective(w: Tensor, z: Tensor, lam: Tensor) -> Tensor:
     return q + lam * (w1 * w2 * (w3 + w4) + w3 * w4 * (w1 + w2))
 
 
-def _grad_hess(w: Tensor, z: Tensor, lam: Tensor) -> tuple[Tensor, Tensor]:
-    """Gradient and Hessian (eqs. ``hessian_3sparse``/``hessian_4sparse``) of ``g`` or ``f``."""
-    lam_ = lam[:, None]
+def _grad_hess(w: Tensor, z: Tensor, lam: Tensor) -> tuple[Tensor, Entries]:
+    """Gradient and Hessian entries (eqs. ``hessian_3sparse``/``hessian_4sparse``) of ``g``/``f``."""
     k = w.shape[-1]
-    hess = torch.empty(w.shape[0], k, k, dtype=w.dtype, device=w.device)
+    hess: Entries = [[1.0] * k for _ in range(k)]
     if k == 3:
         w1, w2, w3 = w.unbind(-1)
-        grad = w - z + lam_ * torch.stack((w2 * w3, w1 * w3, w1 * w2), -1)
-        off = lam_ * w  # H_ij = lam * w_k for {i, j, k} = {1, 2, 3}
-        hess[:, 0, 1] = hess[:, 1, 0] = off[:, 2]
-        hess[:, 0, 2] = hess[:, 2, 0] = off[:, 1]
-        hess[:, 1, 2] = hess[:, 2, 1] = off[:, 0]
-    else:
-        w1, w2, w3, w4 = w.unbind(-1)
-        p12, p13, p14, p23, p24, p34 = w1 * w2, w1 * w3, w1 * w4, w2 * w3, w2 * w4, w3 * w4
-        grad = w - z + lam_ * torch.stack(
-            (p23 + p24 + p34, p13 + p14 + p34, p12 + p14 + p24, p12 + p13 + p23), -1
-        )
-        for i, j, a, b in ((0, 1, w3, w4), (0, 2, w2, w4), (0, 3, w2, w3),
-                           (1, 2, w1, w4), (1, 3, w1, w3), (2, 3, w1, w2)):
-            hess[:, i, j] = hess[:, j, i] = lam * (a + b)
-    idx = torch.arange(k, device=w.device)
-    hess[:, idx, idx] = 1.0
+        grad = w - z + lam[:, None] * torch.stack((w2 * w3, w1 * w3, w1 * w2), -1)
+        hess[0][1] = hess[1][0] = lam * w3
+        hess[0][2] = hess[2][0] = lam * w2
+        hess[1][2] = hess[2][1] = lam * w1
+        return grad, hess
+    w1, w2, w3, w4 = w.unbind(-1)
+    p12, p13, p14, p23, p24, p34 = w1 * w2, w1 * w3, w1 * w4, w2 * w3, w2 * w4, w3 * w4
+    grad = w - z + lam[:, None] * torch.stack(
+        (p23 + p24 + p34, p13 + p14 + p34, p12 + p14 + p24, p12 + p13 + p23), -1
+    )
+    for i, j, x, y in ((0, 1, w3, w4), (0, 2, w2, w4), (0, 3, w2, w3),
+                       (1, 2, w1, w4), (1, 3, w1, w3), (2, 3, w1, w2)):
+        hess[i][j] = hess[j][i] = lam * (x + y)
     return grad, hess
 
 
-def _cholesky(h: Tensor) -> tuple[list[list[Tensor]], Tensor]:
-    """Unrolled Cholesky of a batch of small SPD matrices ``(B, k, k)``: the lower factor as
-    nested lists of ``(B,)`` columns and a flag per row (True when positive definite).
-    Elementwise ops only, much faster than batched LAPACK calls for k <= 8."""
-    k = h.shape[-1]
-    ent = [[h[:, i, j] for j in range(k)] for i in range(k)]
-    low: list[list[Tensor]] = [[None] * k for _ in range(k)]  # type: ignore[list-item]
-    ok = torch.ones(h.shape[0], dtype=torch.bool, device=h.device)
+def _cholesky(ent: Entries) -> tuple[Entries, Tensor | bool]:
+    """Unrolled Cholesky of a batch of small symmetric matrices given entry-wise (``ent[i][j]``
+    a ``(B,)`` tensor or a float): the lower factor in the same form and a flag per row (True
+    when positive definite). Elementwise ops only, much faster than batched LAPACK for k <= 8."""
+    k = len(ent)
+    low: Entries = [[0.0] * k for _ in range(k)]
+    ok: Tensor | bool = True
     for j in range(k):
         s = ent[j][j]
         for t in range(j):
             s = s - low[j][t] * low[j][t]
-        ok &= s > 0
-        dj = s.clamp_min(1e-300).sqrt()
+        if isinstance(s, Tensor):
+            ok = ok & (s > 0)
+            dj = s.clamp_min(1e-300).sqrt()
+        else:
+            dj = max(s, 1e-300) ** 0.5
         low[j][j] = dj
         for i in range(j + 1, k):
             s = ent[i][j]
@@ -102,7 +103,7 @@ def _cholesky(h: Tensor) -> tuple[list[list[Tensor]], Tensor]:
     return low, ok
 
 
-def _cholesky_solve(low: list[list[Tensor]], b: Tensor) -> Tensor:
+def _cholesky_solve(low: Entries, b: Tensor) -> Tensor:
     """Solve ``L L^T x = b`` for ``b`` of shape ``(B, k)``."""
     k = b.shape[-1]
     y: list[Tensor] = []
@@ -131,7 +132,7 @@ def damped_newton(
     lam: Tensor,
     w: Tensor,
     objective: Callable[[Tensor, Tensor, Tensor], Tensor],
-    grad_hess: Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]],
+    grad_hess: Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Entries]],
     box: tuple[Tensor, Tensor] | None = None,
     beat: Tensor | None = None,
 ) -> Tensor:
@@ -189,7 +190,7 @@ def damped_newton(
                 need = f[p] - 1e-4 * a * gg[p]
             fc = objective(cand, zs[p], ls[p])
             _, hc = grad_hess(cand, zs[p], ls[p])
-            ok = _cholesky(hc)[1] & (fc <= need)
+            ok = (fc <= need) & _cholesky(hc)[1]
             okp = p[ok]
             w_new[okp] = cand[ok]
             f_new[okp] = fc[ok]

@@ -1,0 +1,194 @@
+"""Speed and accuracy of the proximal operators.
+
+* 2:4 prox, float32, 2^20 cells with mixed lam: cells/second of the default exact solver
+  ("newton") and of the paper's GD solver (on a subsample, stated), at the default intra-op
+  thread count and at one thread;
+* worst relative objective gap of each solver vs the float64 brute-force reference
+  (tests/prox_bruteforce.py) on a sample of easy and hard cells; the GD solver both with its
+  defaults (float32) and run "to the same accuracy" (float64, tol 1e-12, 20000 steps);
+* the prox of a whole 1536x576 float32 matrix vs the matmul W @ H (H 576x576);
+* the general N:M prox (4:8, 3:6, 2:8) vs brute force.
+
+Writes benchmarks/results/prox_speed.json and prox_speed.md.
+Run: flock /tmp/nmprune-bench.lock python benchmarks/prox_speed.py
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from prox_bruteforce import objective, reference_min  # noqa: E402
+
+from nmprune.prox import prox_2of4, prox_nm  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def mixed_cells(n: int, seed: int, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gaussian cells; lam log-uniform over [10^-1.5, 10] / max|z|, so the three cases mix."""
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(n, 4, generator=g, dtype=torch.float64)
+    lam = 10 ** torch.empty(n, dtype=torch.float64).uniform_(-1.5, 1.0, generator=g)
+    lam = lam / z.abs().amax(-1)
+    return z.to(dtype), lam.to(dtype)
+
+
+def hard_cells(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Near-ties, exact ties, zeros and scales 1e-3..1e3."""
+    g = torch.Generator().manual_seed(seed)
+    q = n // 4
+    base = torch.rand(q, 1, generator=g, dtype=torch.float64) + 0.5
+    parts = [
+        base + 1e-6 * torch.randn(q, 4, generator=g, dtype=torch.float64),
+        base + 1e-2 * torch.randn(q, 4, generator=g, dtype=torch.float64),
+        torch.randint(1, 4, (q, 4), generator=g).to(torch.float64),
+    ]
+    zz = torch.randn(n - 3 * q, 4, generator=g, dtype=torch.float64)
+    zz[torch.rand(zz.shape, generator=g) < 0.3] = 0.0
+    parts.append(zz)
+    z = torch.cat(parts) * 10 ** torch.empty(n, 1, dtype=torch.float64).uniform_(-3, 3, generator=g)
+    z = z * torch.where(torch.rand(z.shape, generator=g) < 0.5, -1.0, 1.0).to(torch.float64)
+    lam = 10 ** torch.empty(n, dtype=torch.float64).uniform_(-2, 1.3, generator=g)
+    return z, lam / z.abs().amax(-1).clamp_min(1e-30)
+
+
+def timed(fn, repeat: int = 3) -> float:
+    """Best wall time of ``repeat`` runs (after one warm-up)."""
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def worst_gap(w: torch.Tensor, z: torch.Tensor, lam: torch.Tensor, ref: torch.Tensor, n: int) -> float:
+    f = objective(w.to(torch.float64), z, lam, n)
+    return float(((f - ref) / (ref.abs() + 1e-12 * z.square().sum(-1) + 1e-300)).max())
+
+
+def main() -> None:
+    threads = torch.get_num_threads()
+    res: dict = {"torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
+                 "default_threads": threads}
+
+    # ---- throughput, 2^20 cells float32 -------------------------------------------------------
+    z, lam = mixed_cells(1 << 20, 0)
+    sub = 1 << 16
+    speed = {}
+    for nt in sorted({threads, 1}):
+        torch.set_num_threads(nt)
+        t_newton = timed(lambda: prox_2of4(z, lam), repeat=2)
+        t_gd = timed(lambda: prox_2of4(z[:sub], lam[:sub], solver="gd"), repeat=1)
+        t_gd_acc = timed(lambda: prox_2of4(z[:sub].double(), lam[:sub].double(), solver="gd",
+                                           gd_max_iter=20000, gd_tol=1e-12), repeat=1)
+        speed[f"threads={nt}"] = {
+            "newton_cells_per_s": z.shape[0] / t_newton,
+            "newton_seconds_2^20": t_newton,
+            "gd_default_fp32_cells_per_s (2^16 subsample)": sub / t_gd,
+            "gd_same_accuracy_fp64_cells_per_s (2^16 subsample)": sub / t_gd_acc,
+            "speedup_vs_gd_default": (sub / t_gd) and (z.shape[0] / t_newton) / (sub / t_gd),
+            "speedup_vs_gd_same_accuracy": (z.shape[0] / t_newton) / (sub / t_gd_acc),
+        }
+    torch.set_num_threads(threads)
+    res["throughput"] = speed
+
+    # ---- accuracy vs brute force ---------------------------------------------------------------
+    zm, lm = mixed_cells(2000, 1, torch.float64)
+    zh, lh = hard_cells(2000, 2)
+    za, la = torch.cat([zm, zh]), torch.cat([lm, lh])
+    ref = reference_min(za, la, 2, iters=1500)
+    z32, l32 = za.float(), la.float()
+    z32d, l32d = z32.double(), l32.double()
+    ref32 = reference_min(z32d, l32d, 2, iters=1500, seed=1)
+    res["accuracy_2of4"] = {
+        "cells": len(za),
+        "newton_fp64_worst_rel_gap": worst_gap(prox_2of4(za, la), za, la, ref, 2),
+        "newton_fp32_io_worst_rel_gap": worst_gap(prox_2of4(z32, l32), z32d, l32d, ref32, 2),
+        "gd_default_fp32_worst_rel_gap": worst_gap(prox_2of4(z32, l32, solver="gd"), z32d, l32d, ref32, 2),
+        "gd_same_accuracy_fp64_worst_rel_gap": worst_gap(
+            prox_2of4(za, la, solver="gd", gd_max_iter=20000, gd_tol=1e-12), za, la, ref, 2),
+    }
+
+    # ---- one 1536 x 576 matrix vs W @ H --------------------------------------------------------
+    g = torch.Generator().manual_seed(3)
+    w_mat = torch.randn(1536, 576, generator=g) * 0.02
+    h = torch.randn(576, 576, generator=g)
+    h = h @ h.T / 576
+    cells = w_mat.reshape(-1, 4)
+    a = cells.abs().sort(-1, descending=True).values
+    lam_mat = float((a[:, 2] / (a[:, 0] * a[:, 1])).median())  # half the cells near their 2:4 threshold
+    matrix = {}
+    for nt in sorted({threads, 1}):
+        torch.set_num_threads(nt)
+        t_prox = timed(lambda: prox_2of4(cells, lam_mat), repeat=3)
+        t_mm = timed(lambda: w_mat @ h, repeat=5)
+        matrix[f"threads={nt}"] = {"prox_ms": 1e3 * t_prox, "matmul_ms": 1e3 * t_mm,
+                                   "prox_over_matmul": t_prox / t_mm}
+    torch.set_num_threads(threads)
+    res["matrix_1536x576"] = {"lam": lam_mat, **matrix}
+
+    # ---- general N:M vs brute force --------------------------------------------------------------
+    general = {}
+    for n, m, cells_n, starts, iters in ((4, 8, 40, 2, 600), (3, 6, 200, 3, 800), (2, 8, 40, 2, 600)):
+        gen = torch.Generator().manual_seed(10 + n + m)
+        zg = torch.randn(cells_n, m, generator=gen, dtype=torch.float64)
+        lg = 10 ** torch.empty(cells_n, dtype=torch.float64).uniform_(-2, 0.5, generator=gen)
+        t = time.perf_counter()
+        wg = prox_nm(zg, lg, n)
+        t_solve = time.perf_counter() - t
+        rg = reference_min(zg, lg, n, starts=starts, iters=iters)
+        fg = objective(wg, zg, lg, n)
+        gaps = (fg - rg) / rg.abs().clamp_min(1e-12)
+        general[f"{n}:{m}"] = {"cells": cells_n, "worst_rel_gap": float(gaps.max()),
+                               "cells_worse_than_ref_by_1e-6": int((gaps > 1e-6).sum()),
+                               "best_rel_gap (negative: prox beats the reference)": float(gaps.min()),
+                               "solve_seconds": t_solve}
+    res["general_nm"] = general
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "prox_speed.json").write_text(json.dumps(res, indent=2))
+    (RESULTS / "prox_speed.md").write_text(to_markdown(res))
+    print(to_markdown(res))
+
+
+def to_markdown(res: dict) -> str:
+    lines = [f"# Proximal operator speed and accuracy (torch {res['torch']}, "
+             f"{res['default_threads']} default threads)", "",
+             "## 2:4 prox throughput, float32, 2^20 cells (GD on a 2^16 subsample)", "",
+             "| threads | newton cells/s | GD default cells/s | GD same-accuracy (fp64) cells/s | speedup vs GD default | speedup vs GD same accuracy |",
+             "|---|---|---|---|---|---|"]
+    for k, v in res["throughput"].items():
+        lines.append(f"| {k} | {v['newton_cells_per_s']:.3g} | {v['gd_default_fp32_cells_per_s (2^16 subsample)']:.3g} | "
+                     f"{v['gd_same_accuracy_fp64_cells_per_s (2^16 subsample)']:.3g} | {v['speedup_vs_gd_default']:.1f}x | "
+                     f"{v['speedup_vs_gd_same_accuracy']:.1f}x |")
+    acc = res["accuracy_2of4"]
+    lines += ["", f"## 2:4 accuracy vs float64 brute force ({acc['cells']} mixed + hard cells)", "",
+              "| solver | worst relative objective gap |", "|---|---|"]
+    for k, v in acc.items():
+        if k != "cells":
+            lines.append(f"| {k} | {v:.3e} |")
+    mat = res["matrix_1536x576"]
+    lines += ["", f"## prox of a 1536x576 matrix (lam = {mat['lam']:.4g}) vs W @ H (H 576x576)", "",
+              "| threads | prox ms | matmul ms | prox / matmul |", "|---|---|---|---|"]
+    for k, v in mat.items():
+        if k != "lam":
+            lines.append(f"| {k} | {v['prox_ms']:.1f} | {v['matmul_ms']:.1f} | {v['prox_over_matmul']:.1f} |")
+    lines += ["", "## general N:M prox vs brute force", "",
+              "| pattern | cells | worst relative gap | cells worse by >1e-6 | solve s |", "|---|---|---|---|---|"]
+    for k, v in res["general_nm"].items():
+        lines.append(f"| {k} | {v['cells']} | {v['worst_rel_gap']:.2e} | {v['cells_worse_than_ref_by_1e-6']} | {v['solve_seconds']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
