@@ -22,7 +22,7 @@ from ..registry import register_refiner
 
 @register_refiner("exact", description="minimiser of the local loss with the mask held (batched PCG)")
 def refine_exact(w: Tensor, w_star: Tensor, h: Tensor, mask: Tensor, *, tol: float = 1e-6,
-                 max_iter: int = 300, restart: int = 25) -> Tensor:
+                 max_iter: int = 150, restart: int = 25) -> Tensor:
     """Minimise ``Tr((W-W*) H (W-W*)^T)`` over ``W`` zero outside ``mask``, warm-started at ``w``.
 
     Stops when an iteration lowers the loss by less than ``tol`` times the current loss (CG
