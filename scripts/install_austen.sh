@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Makes the 'austen' text source available (the out-of-distribution evaluation text of the
+# tests and benchmarks): the Jane Austen novels of Debian's r-cran-janeaustenr. nmprune reads
+# the R data files itself, so R is not needed: the .deb is unpacked into a private folder.
+# Prints the folder to put in R_LIBS (nothing to do when the Debian package is installed).
+set -euo pipefail
+if dpkg -s r-cran-janeaustenr >/dev/null 2>&1; then
+  echo "/usr/lib/R/site-library"; exit 0
+fi
+dest=${NMPRUNE_R_LIBS:-$HOME/.cache/nmprune/R}
+lib="$dest/usr/lib/R/site-library"
+if [ ! -f "$lib/janeaustenr/data/Rdata.rdb" ]; then
+  tmp=$(mktemp -d)
+  (cd "$tmp" && { apt-get download r-cran-janeaustenr >/dev/null 2>&1 \
+                  || { apt-get update >/dev/null && apt-get download r-cran-janeaustenr >/dev/null; }; })
+  mkdir -p "$dest"
+  dpkg-deb -x "$tmp"/r-cran-janeaustenr_*.deb "$dest"
+  rm -rf "$tmp"
+fi
+echo "$lib"
