@@ -10,8 +10,9 @@ published reference code (per-M-column loops of the Wanda/DSnoT repos, SparseGPT
 Part C: default prox + exact vs the paper-faithful prox (lambda0 0.01, beta 1.01, gd prox
 solver) + 1000 gd steps.
 
-Writes benchmarks/results/layer_methods.{json,md,png}. Run:
-    flock /tmp/nmprune-bench.lock python benchmarks/layer_methods.py [--quick]
+Writes benchmarks/results/layer_methods.{json,md,png} (parts merged with what is there). Run:
+    python benchmarks/layer_methods.py --parts A          (losses; its times are indicative)
+    flock /tmp/nmprune-bench.lock python benchmarks/layer_methods.py --parts BC
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def reference_sparsegpt(w: torch.Tensor, h: torch.Tensor, prune_n: int, prune_m:
 
 
 def part_a(name, d_out, d_in, rows, methods, results):
-    w_full, h, mean = correlated_layer(d_out, d_in, seed=0)
+    w_full, h, mean = correlated_layer(d_out, d_in, seed=d_out)
     w = w_full[:rows]
     for method in methods:
         opts = {"input_mean": mean} if method == "dsnot" else {}
@@ -120,7 +121,7 @@ def part_a(name, d_out, d_in, rows, methods, results):
 
 
 def part_b(name, d_out, d_in, results, refine_steps):
-    w, h, _ = correlated_layer(d_out, d_in, seed=0)
+    w, h, _ = correlated_layer(d_out, d_in, seed=d_out)
     entry = {"part": "B", "shape": name, "d_out": d_out, "d_in": d_in}
     ours_w = prune_layer(w, h, method="wanda")
     _, entry["seconds_reference_wanda"] = timed(reference_wanda, w, h, 2, 4)
@@ -139,7 +140,7 @@ def part_b(name, d_out, d_in, results, refine_steps):
 
 
 def part_c(name, d_out, d_in, rows, results):
-    w_full, h, _ = correlated_layer(d_out, d_in, seed=0)
+    w_full, h, _ = correlated_layer(d_out, d_in, seed=d_out)
     w = w_full[:rows]
     paper = prune_layer(w, h, method="prox", refine="gd", **PAPER)
     ours = prune_layer(w, h, method="prox", refine="exact")
@@ -151,7 +152,11 @@ def part_c(name, d_out, d_in, rows, results):
     print("C", json.dumps(entry), flush=True)
 
 
-def write_report(results, out):
+def write_report(results, out, parts):
+    """Save this run's parts to layer_methods_<parts>.json, then rebuild the combined JSON,
+    Markdown and PNG from every part file present (runs of different parts may overlap)."""
+    (out / f"layer_methods_{parts}.json").write_text(json.dumps(results, indent=1))
+    results = [r for f in sorted(out.glob("layer_methods_*.json")) for r in json.loads(f.read_text())]
     (out / "layer_methods.json").write_text(json.dumps(results, indent=1))
     lines = ["# Layer methods: local loss and time", "",
              "Synthetic correlated Hessians (`benchmarks/_problems.py: correlated_layer`), 2:4, float32, "
@@ -191,21 +196,23 @@ def write_report(results, out):
     fig.savefig(out / "layer_methods.png", dpi=110)
 
 
-def main(quick: bool = False) -> None:
+def main(parts: str = "ABC") -> None:
     out = Path(__file__).parent / "results"
     out.mkdir(exist_ok=True)
     results: list[dict] = []
-    shapes = SHAPES[:1] if quick else SHAPES
-    for name, d_out, d_in, rows in shapes:
-        part_a(name, d_out, d_in, rows, METHODS_4096 if d_in >= 4096 else METHODS, results)
-        write_report(results, out)
-    for name, d_out, d_in, _ in shapes:
-        if d_in < 4096:  # a gd step on full 4096x4096 costs seconds here: 1000 are not affordable
-            part_b(name, d_out, d_in, results, refine_steps=1000)
-            write_report(results, out)
-    part_c(*SHAPES[0][:4], results)
-    write_report(results, out)
+    if "A" in parts:
+        for name, d_out, d_in, rows in SHAPES:
+            part_a(name, d_out, d_in, rows, METHODS_4096 if d_in >= 4096 else METHODS, results)
+            write_report(results, out, parts)
+    if "B" in parts:
+        for name, d_out, d_in, _ in SHAPES:
+            if d_in < 4096:  # a gd step on full 4096x4096 costs seconds here: 1000 are not affordable
+                part_b(name, d_out, d_in, results, refine_steps=1000)
+                write_report(results, out, parts)
+    if "C" in parts:
+        part_c(*SHAPES[0][:4], results)
+        write_report(results, out, parts)
 
 
 if __name__ == "__main__":
-    main(quick="--quick" in sys.argv)
+    main(sys.argv[sys.argv.index("--parts") + 1] if "--parts" in sys.argv else "ABC")
