@@ -238,6 +238,19 @@ def _others(w: Tensor) -> Tensor:
     return torch.stack((p23 + p24 + p34, p13 + p14 + p34, p12 + p14 + p24, p12 + p13 + p23), -1)
 
 
+def _settles(w: Tensor, z: Tensor, lam: Tensor) -> Tensor:
+    """True where the point ``w`` (its last entry 0) minimises the problem over the PSD region
+    and ``w >= 0``: stationary in its non-zero entries (up to 1e-9 of the scale), a non-negative
+    partial derivative in the zero one (KKT), and a positive definite Hessian. Since the
+    objective is convex on that convex region (Lemma ``lem:hessian``), no interior minimiser
+    of this case can have a smaller value, so the case need not be solved."""
+    grad, hess = _grad_hess(w, z, lam)
+    nz = w > 0
+    stationary = torch.where(nz, grad.abs(), torch.zeros_like(grad)).amax(-1) <= 1e-9 * z[:, 0]
+    kkt = (grad >= 0) | nz
+    return stationary & kkt.all(-1) & _cholesky(hess)[1]
+
+
 def solve_sorted_newton(z: Tensor, lam: Tensor) -> Tensor:
     """Exact 2:4 prox of sorted non-negative float64 cells ``z`` (shape ``(B, 4)``), ``lam`` (B,)."""
     z1, z2, z3, z4 = z.unbind(-1)
@@ -248,9 +261,14 @@ def solve_sorted_newton(z: Tensor, lam: Tensor) -> Tensor:
     best = torch.where(lam * z1 * z2 >= z3, best, torch.full_like(best, torch.inf))
     # ... and 3-sparse needs lam >= z4/(z1 z2 + z1 z3 + z2 z3)
     three_needed = lam * (z1 * z2 + z1 * z3 + z2 * z3) >= z4
+    # KKT certificates (see _settles): where the 2-sparse point is a KKT point of the 3- (4-)
+    # variable problem inside its PSD region, that case cannot do better
+    two = z.clone()
+    two[:, 2:] = 0.0
+    skip = {3: _settles(two[:, :3], z[:, :3], lam), 4: _settles(two, z, lam)}
     for k in (3, 4):
         # a case is possible only where z_k > 0 and the bounds leave room for w_k > 0
-        cand = (z[:, k - 1] > 0) & (three_needed if k == 3 else True)
+        cand = (z[:, k - 1] > 0) & ~skip[k] & (three_needed if k == 3 else True)
         rows = cand.nonzero().squeeze(-1)
         zk, lk = z[rows, :k], lam[rows]
         lo, hi = _case_bounds(zk, lk, k)
@@ -273,4 +291,7 @@ def solve_sorted_newton(z: Tensor, lam: Tensor) -> Tensor:
         w[r, :k] = wk[better]
         if k == 3:
             w[r, 3] = 0.0
+            # a 3-sparse candidate that is a KKT point of the 4-variable problem settles it too
+            w4 = torch.cat([wk, torch.zeros_like(wk[:, :1])], 1)
+            skip[4][rows] |= _settles(w4, z[rows], lk)
     return w
