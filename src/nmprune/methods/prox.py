@@ -116,16 +116,17 @@ def screened_prox_2of4(z: Tensor, lam: Tensor, solver: str) -> Tensor:
 def _exact_prox(pattern: NMPattern, solver: str) -> CellProx:
     if (pattern.n, pattern.m) == (2, 4):
         return lambda z, lam: screened_prox_2of4(z, lam, solver)
-    if solver != "newton":
-        raise ValueError(f"solver={solver!r} exists only for 2:4; other patterns use prox_nm")
-    return lambda z, lam: prox_nm(z, lam, pattern.n)
+    if solver not in ("newton", "gd"):
+        raise ValueError(f"solver must be 'newton' or 'gd', got {solver!r}")
+    return lambda z, lam: prox_nm(z, lam, pattern.n)  # the solver choice concerns 2:4 only
 
 
 @register_method("prox", description="proximal gradient with the exact N:M prox (paper Alg. prox_e2e)")
 def prox(w: Tensor, h: Tensor, pattern: NMPattern, *, lambda0: float = 0.001, beta: float = 1.05,
          lambda_adapt: bool = True, solver: str = "gd", max_iter: int = 5000,
          finish: float = 0.005, accelerate: bool = True) -> Tensor:
-    """Prox pruner with the regulariser ``r_{N:M}`` (eq. ``regularizer_nm``)."""
+    """Prox pruner with the regulariser ``r_{N:M}`` (eq. ``regularizer_nm``). ``solver`` picks
+    the 2:4 prox solver (``prox_2of4``); other patterns always use ``prox_nm``."""
     return prox_gradient(w, h, pattern, _exact_prox(pattern, solver), lambda0=lambda0, beta=beta,
                          lambda_adapt=lambda_adapt, max_iter=max_iter, finish=finish,
                          accelerate=accelerate, method="prox")
