@@ -32,7 +32,7 @@ def test_yaml_then_flags(tmp_path):
     assert c.prune.overrides == {"*.mlp.down_proj": "skip", "*.q_proj": {"method": "wanda", "refine": "none"}}
     assert c.eval == ["austen", "wiki"] and c.out == "o"
     assert _config(["--config", str(y), "--no-eval"]).eval == []
-    assert _config([]).prune.method == "prox" and _config([]).eval == ["wiki"]
+    assert _config([]).prune.method == "wanda" and _config([]).eval == ["wiki"]
     assert _config(["--refine", "none"]).prune.refine is None
 
 
@@ -153,7 +153,7 @@ def test_packaged_model_end_to_end(tmp_path, capsys):
     assert main(["prune", "--out", str(out), "--nsamples", "4", "--seqlen", "128",
                  "--eval-max-tokens", "2048", "--quiet"]) == 0
     table = capsys.readouterr().out
-    assert "| dense |" in table and "prox+exact 2:4" in table
+    assert "| dense |" in table and "wanda+exact 2:4" in table
     report = json.loads((out / "nmprune_report.json").read_text())
     assert report["summary"]["layers_pruned"] == 30 * 7 and report["summary"]["layers_skipped"] == 0
     dense, pruned = report["perplexity"]["dense"]["wiki"], report["perplexity"]["pruned"]["wiki"]

@@ -194,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML file of settings (flags override it)")
     _add_model_args(p)
     p.add_argument("--out", help="output directory for the pruned model (must not exist)")
-    p.add_argument("--method", help="layer pruning method (see `nmprune methods`; default prox)")
+    p.add_argument("--method", help="layer pruning method (see `nmprune methods`; default wanda)")
     p.add_argument("--refine", help="refiner after masking: exact (default), gd or none")
     p.add_argument("--pattern", help="N:M pattern (default 2:4)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
@@ -202,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--override", action="append", default=[], metavar="GLOB=SPEC",
                    help="per-layer override by name glob: GLOB=skip or GLOB=METHOD[+REFINE]")
     p.add_argument("--calib", help="calibration text source (default wiki)")
-    p.add_argument("--nsamples", type=int, help="calibration sequences (default 128)")
+    p.add_argument("--nsamples", type=int, help="calibration sequences (default 64)")
     p.add_argument("--seqlen", type=int, help="calibration sequence length (default 512)")
     p.add_argument("--seed", type=int, help="calibration sampling seed (default 0)")
     p.add_argument("--batch-size", dest="batch_size", type=int,

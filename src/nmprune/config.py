@@ -43,13 +43,13 @@ class PruneSettings:
     blocks; Appendix ``app:use_unpruned_inputs``).
     """
 
-    method: str = "prox"
+    method: str = "wanda"
     refine: str | None = "exact"
     pattern: str = "2:4"
     options: dict[str, Any] = field(default_factory=dict)
     overrides: dict[str, Any] = field(default_factory=dict)
     calib: str = "wiki"
-    nsamples: int = 128
+    nsamples: int = 64
     seqlen: int = 512
     seed: int = 0
     batch_size: int = 8
