@@ -93,7 +93,7 @@ def run_prune(config: RunConfig, *, progress: bool = True, on_block_done=None) -
 
     Order: load; dense perplexity (kept in the checkpoint); :func:`prune_model` with a
     checkpoint after every block; pruned perplexity; save model + tokenizer + report into
-    a temporary directory renamed to ``out``; delete the checkpoint. A rerun of the same
+    a temporary directory renamed to ``out`` (all three appear at once); delete the checkpoint. A rerun of the same
     command after a crash resumes from the checkpoint.
     """
     import torch
@@ -161,12 +161,10 @@ def run_prune(config: RunConfig, *, progress: bool = True, on_block_done=None) -
         "seconds": {**timings, "pipeline": prune_report.seconds},
         "layers": prune_report.layers,
     }
-    t = time.perf_counter()
-    save_pretrained_atomic(model, tokenizer, out)  # model first: the report marks completion
-    report["seconds"]["save"] = time.perf_counter() - t
-    report["seconds"]["total"] = time.perf_counter() - t0
-    (out / (REPORT_FILE + ".tmp")).write_text(json.dumps(report, indent=1, default=str))
-    os.replace(out / (REPORT_FILE + ".tmp"), out / REPORT_FILE)
+    report["seconds"]["total_before_save"] = time.perf_counter() - t0
+    # model, tokenizer and report go to OUT.saving/ and appear together under OUT by one rename
+    save_pretrained_atomic(model, tokenizer, out,
+                           {REPORT_FILE: json.dumps(report, indent=1, default=str)})
     ckpt.remove()
     if table:
         print(table)
