@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from .checkpoint import Checkpoint
 from .config import LayerPlan, PruneSettings
-from .hessian import HessianCollector, capture_block_inputs, run_block
+from .hessian import HessianCollector, InputStats, capture_block_inputs, run_block
 from .loss import local_loss
 from .models import find_blocks, find_linears, set_weight_matrix, shared_weight_ptrs, weight_matrix
 from .pattern import parse_pattern
@@ -138,7 +138,8 @@ def _progress(iterable, progress: bool, **kwargs):
 def prune_model(model: nn.Module, tokenizer: Any = None, settings: PruneSettings | None = None, *,
                 calibration: Tensor | None = None, device: str | torch.device | None = None,
                 checkpoint: Checkpoint | None = None, progress: bool = True,
-                on_block_done: Callable[[int], None] | None = None, **setting_kwargs: Any) -> PruneReport:
+                on_block_done: Callable[[int], None] | None = None,
+                hessians: dict[str, InputStats] | None = None, **setting_kwargs: Any) -> PruneReport:
     """Prune every linear layer inside ``model``'s decoder blocks to N:M, in place.
 
     ``settings`` (or the same fields as keyword arguments: ``method``, ``refine``,
@@ -149,6 +150,8 @@ def prune_model(model: nn.Module, tokenizer: Any = None, settings: PruneSettings
     the model itself stays on the CPU. With ``checkpoint``, finished blocks are saved and a
     checkpoint holding finished blocks is resumed from. ``on_block_done(i)`` runs after
     block ``i`` is saved. Embeddings, norms, the LM head and tied weights are not touched.
+    ``hessians`` (from :func:`collect_hessians`, dense inputs only) replaces the calibration
+    forward passes, so several methods can be compared on one set of Hessians.
     """
     if settings is None:
         settings = PruneSettings(**setting_kwargs)
@@ -167,13 +170,19 @@ def prune_model(model: nn.Module, tokenizer: Any = None, settings: PruneSettings
             raise ValueError(f"override {glob!r} matches no layer; layer names look like "
                              f"{', '.join(all_names[:3])}")
 
+    if hessians is not None and settings.hessian_inputs != "dense":
+        raise ValueError("precomputed hessians come from the dense model; they cannot be used "
+                         "with hessian_inputs='pruned'")
     t_start = time.perf_counter()
-    calibration = _calibration(model, tokenizer, settings, calibration)
-    batches = list(calibration.split(settings.batch_size))
+    if hessians is None:
+        calibration = _calibration(model, tokenizer, settings, calibration)
+        batches = list(calibration.split(settings.batch_size))
     start = 0
     report = PruneReport(settings=asdict(settings))
     if checkpoint is not None:
-        checkpoint.bind("calibration_sha256", _digest(calibration))
+        checkpoint.bind("calibration_sha256", _digest(calibration) if hessians is None
+                        else _digest(torch.stack([hessians[n].xtx.trace() for n in all_names
+                                                  if n in hessians])))
         start = checkpoint.done_blocks
         report.layers = checkpoint.records
         report.resumed_from_block = start
@@ -188,10 +197,13 @@ def prune_model(model: nn.Module, tokenizer: Any = None, settings: PruneSettings
     model.eval()
     try:
         with torch.no_grad():
-            inputs = capture_block_inputs(model, blocks_name, blocks, batches, device,
-                                          keep_hidden=start == 0)
-            if start > 0:
-                inputs.hidden = [h.to(device) for h in checkpoint.hidden()]
+            if hessians is None:
+                inputs = capture_block_inputs(model, blocks_name, blocks, batches, device,
+                                              keep_hidden=start == 0)
+                if start > 0:
+                    inputs.hidden = [h.to(device) for h in checkpoint.hidden()]
+            else:
+                inputs = _PrecomputedInputs(hessians)
             t_capture = time.perf_counter() - t_start
             bar = _progress(range(start, len(blocks)), progress, desc="pruning blocks",
                             initial=start, total=len(blocks))
@@ -218,16 +230,14 @@ def _prune_block(index: int, block: nn.Module, layers: dict[str, nn.Module], blo
     next block's input. Returns the block's layer records."""
     plans = _plans_for_block(settings, blocks_name, index, layers)
     active = {sub: layers[sub] for sub, p in plans.items() if p is not None}
-    block.to(device)
-    dense_mode = settings.hessian_inputs == "dense"
-    outputs: list[Tensor] = []
-    with HessianCollector(block, active, hdtype) as collector:
-        for h in inputs.hidden:
-            out = run_block(block, h, inputs.call(index, h))
-            if dense_mode:
-                outputs.append(out)
-    records = []
     names = _layer_names(blocks_name, index, layers)
+    if isinstance(inputs, _PrecomputedInputs):
+        collector = inputs.for_block(names)
+    else:
+        block.to(device)
+        outputs, collector = _block_statistics(block, active, index, inputs, hdtype,
+                                               keep_outputs=settings.hessian_inputs == "dense")
+    records = []
     for sub, plan in _progress(plans.items(), progress and len(plans) > 1, desc=f"block {index}",
                                leave=False):
         w = weight_matrix(layers[sub])
@@ -237,12 +247,90 @@ def _prune_block(index: int, block: nn.Module, layers: dict[str, nn.Module], blo
             continue
         stats = collector.of(sub)
         start = time.perf_counter()
-        pruned, rec = prune_one(w, stats.hessian(), plan, stats.mean())
+        pruned, rec = prune_one(w, stats.hessian().to(device), plan, stats.mean().to(device))
         set_weight_matrix(layers[sub], pruned)
         records.append({**record, **rec, "skipped": False, "seconds": time.perf_counter() - start})
     del collector
-    if not dense_mode:
+    if isinstance(inputs, _PrecomputedInputs):
+        return records
+    if settings.hessian_inputs != "dense":
         outputs = [run_block(block, h, inputs.call(index, h)) for h in inputs.hidden]
     inputs.hidden = outputs
     block.to("cpu")
     return records
+
+
+def _block_statistics(block: nn.Module, layers: dict[str, nn.Module], index: int, inputs,
+                      hdtype: torch.dtype, keep_outputs: bool) -> tuple[list[Tensor], HessianCollector]:
+    """Run ``block`` on every calibration batch with hooks on ``layers``; returns the block
+    outputs (if ``keep_outputs``) and the collector holding each layer's input statistics."""
+    outputs: list[Tensor] = []
+    with HessianCollector(block, layers, hdtype) as collector:
+        for h in inputs.hidden:
+            out = run_block(block, h, inputs.call(index, h))
+            if keep_outputs:
+                outputs.append(out)
+    return outputs, collector
+
+
+class _PrecomputedInputs:
+    """Stands in for block inputs when :func:`collect_hessians` already gave every layer's
+    statistics: ``for_block`` serves them by sub-layer name."""
+
+    hidden = None  # nothing to propagate or checkpoint
+
+    def __init__(self, hessians: dict[str, InputStats]):
+        self.hessians = hessians
+
+    def for_block(self, names: dict[str, str]) -> "_Lookup":
+        missing = [full for full in names.values() if full not in self.hessians]
+        if missing:
+            raise ValueError(f"hessians has no entry for {', '.join(missing[:3])}; collect them "
+                             "with collect_hessians on this model")
+        return _Lookup({sub: self.hessians[full] for sub, full in names.items()})
+
+
+@dataclass
+class _Lookup:
+    stats: dict[str, InputStats]
+
+    def of(self, sub: str) -> InputStats:
+        return self.stats[sub]
+
+
+def collect_hessians(model: nn.Module, calibration: Tensor, *, device: str | torch.device | None = None,
+                     dtype: torch.dtype = torch.float32, batch_size: int = 1,
+                     progress: bool = True) -> dict[str, InputStats]:
+    """Input statistics (``H = X X^T / n`` and the mean, paper eq. ``squared_loss``) of every
+    linear layer in ``model``'s decoder blocks, from the dense model's activations (the
+    paper's default, Section ``sec:llm_experiments``), keyed by full layer name and kept on
+    the CPU. Layers sharing an input (q/k/v, gate/up) share one :class:`InputStats`.
+    Pass the result to :func:`prune_model` (``hessians=``) to prune with several methods
+    without repeating the calibration forward passes. One block at a time visits ``device``.
+    """
+    if not isinstance(calibration, Tensor) or calibration.ndim != 2 or calibration.dtype != torch.long:
+        raise ValueError("calibration must be a LongTensor of token ids with shape (nsamples, seqlen)")
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    blocks_name, blocks = find_blocks(model)
+    tied = shared_weight_ptrs(model, blocks)
+    result: dict[str, InputStats] = {}
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            inputs = capture_block_inputs(model, blocks_name, blocks, list(calibration.split(batch_size)),
+                                          device)
+            for i in _progress(range(len(blocks)), progress, desc="collecting Hessians"):
+                layers = find_linears(blocks[i], tied)
+                blocks[i].to(device)
+                outputs, collector = _block_statistics(blocks[i], layers, i, inputs, dtype, keep_outputs=True)
+                moved: dict[int, InputStats] = {}
+                for sub, full in _layer_names(blocks_name, i, layers).items():
+                    stats = collector.of(sub)
+                    result[full] = moved.setdefault(id(stats), InputStats(stats.xtx.cpu(), stats.xsum.cpu(),
+                                                                          stats.count))
+                inputs.hidden = outputs
+                blocks[i].to("cpu")
+    finally:
+        model.train(was_training)
+    return result
