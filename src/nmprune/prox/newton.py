@@ -270,28 +270,38 @@ def solve_sorted_newton(z: Tensor, lam: Tensor) -> Tensor:
         # a case is possible only where z_k > 0 and the bounds leave room for w_k > 0
         cand = (z[:, k - 1] > 0) & ~skip[k] & (three_needed if k == 3 else True)
         rows = cand.nonzero().squeeze(-1)
-        zk, lk = z[rows, :k], lam[rows]
-        lo, hi = _case_bounds(zk, lk, k)
-        keep = (hi[:, -1] > 0) & (lo <= hi).all(-1)
-        rows, zk, lk, lo, hi = rows[keep], zk[keep], lk[keep], lo[keep], hi[keep]
-        if rows.numel() == 0:
-            continue
-        # start: the middle of the bounds where the Hessian is positive definite there, else a
-        # point well inside the PSD region (Gershgorin row sums <= 2 lam sum(w) <= 1/2)
-        mid = 0.5 * (lo + hi)
-        inside = _cholesky(_grad_hess(mid, zk, lk)[1])[1]
-        safe = zk * torch.clamp(0.25 / (lk * zk.sum(-1)).clamp_min(1e-300), max=1.0)[:, None]
-        start = torch.where(inside[:, None] & (mid > 0).all(-1, keepdim=True), mid, safe)
-        rest = 0.5 * z[rows, k:].square().sum(-1)  # the fixed zeros w_{k+1:4}
-        wk = damped_newton(zk, lk, start, _objective, _grad_hess, (lo, hi), best[rows] - rest)
-        fk = _objective(wk, zk, lk) + rest
-        better = fk < best[rows]
-        r = rows[better]
-        best[r] = fk[better]
-        w[r, :k] = wk[better]
-        if k == 3:
-            w[r, 3] = 0.0
+        r = solve_case(z, lam, k, rows, w, best)
+        if k == 3 and r.numel():
             # a 3-sparse candidate that is a KKT point of the 4-variable problem settles it too
-            w4 = torch.cat([wk, torch.zeros_like(wk[:, :1])], 1)
-            skip[4][rows] |= _settles(w4, z[rows], lk)
+            skip[4][r] |= _settles(w[r], z[r], lam[r])
     return w
+
+
+def solve_case(z: Tensor, lam: Tensor, k: int, rows: Tensor, w: Tensor, best: Tensor) -> Tensor:
+    """Solve the k-variable case (k = 3: ``g``, eq. ``convex_constrained_prob3``; k = 4: ``f``,
+    eq. ``convex_constrained_prob4``) of the sorted cells ``z[rows]`` by :func:`damped_newton`
+    and keep it where it beats ``best`` (updating ``w`` and ``best`` in place; ``best`` may be
+    ``inf`` where the current candidate is known not to be optimal).
+
+    Returns the rows that improved."""
+    zk, lk = z[rows, :k], lam[rows]
+    lo, hi = _case_bounds(zk, lk, k)
+    keep = (hi[:, -1] > 0) & (lo <= hi).all(-1)
+    rows, zk, lk, lo, hi = rows[keep], zk[keep], lk[keep], lo[keep], hi[keep]
+    if rows.numel() == 0:
+        return rows
+    # start: the middle of the bounds where the Hessian is positive definite there, else a
+    # point well inside the PSD region (Gershgorin row sums <= 2 lam sum(w) <= 1/2)
+    mid = 0.5 * (lo + hi)
+    inside = _cholesky(_grad_hess(mid, zk, lk)[1])[1]
+    safe = zk * torch.clamp(0.25 / (lk * zk.sum(-1)).clamp_min(1e-300), max=1.0)[:, None]
+    start = torch.where(inside[:, None] & (mid > 0).all(-1, keepdim=True), mid, safe)
+    rest = 0.5 * z[rows, k:].square().sum(-1)  # the fixed zeros w_{k+1:4}
+    wk = damped_newton(zk, lk, start, _objective, _grad_hess, (lo, hi), best[rows] - rest)
+    fk = _objective(wk, zk, lk) + rest
+    better = fk < best[rows]
+    r = rows[better]
+    best[r] = fk[better]
+    w[r] = 0.0
+    w[r, :k] = wk[better]
+    return r

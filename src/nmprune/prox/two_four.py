@@ -8,15 +8,16 @@ from torch import Tensor
 from ._cells import check_cells, lam_tensor, sort_abs, unsort
 from .gd_solver import solve_sorted_gd
 from .newton import solve_sorted_newton
+from .reduced import solve_sorted_reduced
 
-SOLVERS = ("newton", "gd")
+SOLVERS = ("reduced", "newton", "gd")
 
 
 def prox_2of4(
     z: Tensor,
     lam: float | Tensor,
     *,
-    solver: str = "newton",
+    solver: str = "reduced",
     gd_max_iter: int = 2000,
     gd_tol: float = 1e-7,
 ) -> Tensor:
@@ -24,8 +25,9 @@ def prox_2of4(
 
     ``lam`` is a float or a tensor broadcastable to ``z.shape[:-1]`` (one value per cell).
     The cells are reduced to sorted non-negative form (Lemma ``lemma:sorted_prox``), solved, and
-    mapped back. ``solver="newton"`` (default) is exact (see :mod:`nmprune.prox.newton`) and
-    computes in float64 internally; ``solver="gd"`` is the paper's projected-GD enumeration
+    mapped back. ``solver="reduced"`` (default, :mod:`nmprune.prox.reduced`: the cases reduced to
+    one and two scalar equations) and ``solver="newton"`` (damped Newton on the case problems,
+    :mod:`nmprune.prox.newton`) are exact and compute in float64 internally; ``solver="gd"`` is the paper's projected-GD enumeration
     (Conjecture ``conj:gd_works``) run in the dtype of ``z`` for at most ``gd_max_iter`` steps per
     case, stopping a case when its gradient norm grows or drops below ``gd_tol * max|z|``.
     Returns a tensor of the shape, dtype and device of ``z``.
@@ -37,12 +39,14 @@ def prox_2of4(
         raise ValueError(f"gd_max_iter must be a positive integer, got {gd_max_iter!r}")
     if not gd_tol >= 0:
         raise ValueError(f"gd_tol must be non-negative, got {gd_tol!r}")
-    work = torch.float64 if solver == "newton" else z.dtype
+    work = z.dtype if solver == "gd" else torch.float64
     lam_c = lam_tensor(lam, z, work).reshape(-1)
     zc = z.reshape(-1, 4)
     a, order = sort_abs(zc)
     a = a.to(work)
-    if solver == "newton":
+    if solver == "reduced":
+        w = solve_sorted_reduced(a, lam_c)
+    elif solver == "newton":
         w = solve_sorted_newton(a, lam_c)
     else:
         w = solve_sorted_gd(a, lam_c, gd_max_iter, gd_tol)

@@ -1,0 +1,170 @@
+"""Exact 2:4 prox by dimension reduction (the default, ``solver="reduced"``).
+
+Works on sorted non-negative cells ``z_1 >= z_2 >= z_3 >= z_4 >= 0`` (Lemma
+``lemma:sorted_prox``) and follows Algorithm ``alg:prox_enumerate``: the answer is the best of
+the 2-sparse point ``[z_1, z_2, 0, 0]``, the interior stationary point of ``g`` (eq.
+``prox_sorted3``) and that of ``f`` (eq. ``prox_sorted``) with a positive semidefinite Hessian.
+Such a point, when it exists, minimises its case over the PSD region (convex by Lemma
+``lem:hessian``), so it is the case minimiser of Corollary ``corollary:no_spurious``; with a
+positive definite Hessian it is the only one. The two cases reduce to one and two scalar
+equations.
+
+3-sparse (eq. ``stationarity_3sparse``). With ``u = lam w_3`` the first two equations give
+``w_1 + w_2 = S/(1+u)`` and ``w_1 - w_2 = D/(1-u)`` (``S = z_1 + z_2``, ``D = z_1 - z_2``); the
+third becomes ``Phi(u) = u + (A^2/(1+u)^2 - B^2/(1-u)^2)/4 - c = 0`` with ``A = lam S``,
+``B = lam D``, ``c = lam z_3``. ``Phi`` is the derivative of the objective minimised over
+``w_1, w_2`` (times ``lam``), so ``Phi'`` is the Schur complement of the Hessian: a stationary
+point is PSD exactly when ``u < 1`` and ``Phi'(u) >= 0``. ``Phi''`` changes sign once, at the
+closed-form ``u* = (1-r)/(1+r)``, ``r = sqrt(D/S)``, where ``Phi'(u*) = 1 - K^2`` with
+``K = lam (z_1 + sqrt(z_1^2 - z_2^2)) / 2``. Hence: no PSD point when ``K >= 1``; otherwise
+``Phi`` is convex left of ``u*`` and concave right of it, and Newton's method started at
+``u*`` moves monotonically towards the (unique) PSD root. An iterate leaving the region
+where ``Phi' > 0`` or the valid range ``0 < u < min(z_2/z_1, c)`` (``w_2 > 0``, ``w_3 <= z_3``)
+proves that no valid PSD root exists (tangent-line argument), so every cell is either solved
+or certified empty; cells not converged after the fixed number of steps (near-degenerate
+folds) go to the fallback.
+
+Dense. With ``x = lam (w_1 + w_2)``, ``y = lam (w_3 + w_4)``, ``(w_1 - w_2)(1 - y) = z_1 - z_2``,
+``(w_3 - w_4)(1 - x) = z_3 - z_4`` and the objective minimised over the differences is
+``G(x, y) / (4 lam^2)`` with
+``G = (x-S_1)^2 + (y-S_2)^2 + xy(x+y) - D_1^2 y/(1-y) - D_2^2 x/(1-x)``
+(``S_1 = lam(z_1+z_2)``, ``S_2 = lam(z_3+z_4)``, ``D_1 = lam(z_1-z_2)``, ``D_2 = lam(z_3-z_4)``).
+The Hessian of ``f`` is PSD exactly when ``x, y < 1`` and the 2x2 Hessian of ``G`` is PSD
+(Schur complement). A fixed number of Newton steps on ``grad G = 0`` from ``(S_1, S_2)/2``;
+a converged point with ``x, y < 1`` and a positive definite Hessian is the unique PSD
+stationary point of ``f``: a candidate if ``w_2, w_4 > 0``, otherwise proof that the dense
+case has no interior minimiser. Necessary conditions rule out most cells first: a dense PSD
+point shifted by ``w_4`` is a 3-sparse PSD point for ``z_{1:3} + w_4 + lam w_4^2``, whose
+``K`` is at least that of ``z``, so ``K < 1`` is needed; the bounds of
+:func:`nmprune.prox.newton.solve_case` and the KKT certificate ``_settles`` (the best sparse
+candidate minimises ``f`` over the PSD region) exclude more.
+
+Fallback: the few cells neither solved nor certified (non-converged Newton, e.g. near the
+boundary of the PSD region) are solved by the damped-Newton solver of
+:mod:`nmprune.prox.newton`, so the result is always exact. Runs in float64.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .newton import _objective, _settles, solve_case, solve_sorted_newton
+
+ITER_3SPARSE = 12
+ITER_DENSE = 10
+STEP_TOL = 1e-12
+
+
+def three_sparse_root(z1: Tensor, z2: Tensor, z3: Tensor, lam: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``u = lam w_3`` of the PSD stationary point of ``g`` for cells with
+    ``z_1 >= z_2 >= z_3 > 0``, ``lam > 0``, by monotone Newton from the inflection ``u*``.
+
+    Returns ``(u, found, none)``: ``found`` where ``u`` is the converged valid root, ``none``
+    where it is proven that no valid PSD root exists; the remaining cells are undecided."""
+    s, d = z1 + z2, z1 - z2
+    a, b, c = lam * s, lam * d, lam * z3
+    r = (d / s).sqrt()
+    u = (1 - r) / (1 + r)
+    k = lam * (z1 + (d * s).sqrt()) / 2
+    phi = u + k * (a - b) / 4 - c
+    dphi = 1 - k * k
+    umax = torch.minimum(z2 / z1, c)
+    left = phi > 0  # the root lies left of u* (convex part) else right of it (concave part)
+    none = (k >= 1) | (~left & (u >= umax))
+    alive = ~none & (phi != 0)
+    step = torch.zeros_like(u)
+    for _ in range(ITER_3SPARSE):
+        step = torch.where(alive, phi / dphi, torch.zeros_like(u))
+        u = u - step
+        bad = torch.where(left, u <= 0, u >= umax) & alive
+        ue = torch.where(alive & ~bad, u, 0.5 * umax)  # a safe point for frozen rows
+        ip, im = 1 / (1 + ue), 1 / (1 - ue)
+        aa, bb = a * ip, b * im
+        phi_n = ue + (aa * aa - bb * bb) / 4 - c
+        dphi_n = 1 - (aa * aa * ip + bb * bb * im) / 2
+        bad |= alive & (dphi_n <= 0)
+        none |= bad
+        alive &= ~bad
+        phi = torch.where(alive, phi_n, phi)
+        dphi = torch.where(alive, dphi_n, dphi)
+    converged = ~none & (step.abs() <= STEP_TOL * u)
+    # the PSD root is unique: a converged root outside the valid range proves there is none
+    invalid = converged & ((u <= 0) | (u >= umax))
+    return u, converged & ~invalid, none | invalid
+
+
+def dense_point(z1: Tensor, z2: Tensor, z3: Tensor, z4: Tensor, lam: Tensor) -> tuple[Tensor, Tensor]:
+    """The PSD stationary point of ``f`` from the two reduced equations ``grad G(x, y) = 0``
+    (``lam > 0``). Returns ``(w (B, 4), pd)``, ``pd`` where Newton converged to a point with
+    ``x, y < 1`` and a positive definite Hessian (the unique PSD stationary point of ``f``;
+    ``w`` may then have non-positive entries, proving the dense case has no interior point)."""
+    s1, s2 = lam * (z1 + z2), lam * (z3 + z4)
+    d1, d2 = lam * (z1 - z2), lam * (z3 - z4)
+    x, y = 0.5 * s1, 0.5 * s2
+    dx = dy = torch.zeros_like(x)
+    h11 = det = torch.ones_like(x)
+    for _ in range(ITER_DENSE + 1):
+        ix, iy = 1 / (1 - x), 1 / (1 - y)
+        e2, e1 = d2 * ix, d1 * iy
+        g1 = x - s1 + x * y + 0.5 * (y * y - e2 * e2)
+        g2 = y - s2 + x * y + 0.5 * (x * x - e1 * e1)
+        h11 = 1 + y - e2 * e2 * ix
+        h22 = 1 + x - e1 * e1 * iy
+        h12 = x + y
+        det = h11 * h22 - h12 * h12
+        dx = (h12 * g2 - h22 * g1) / det
+        dy = (h12 * g1 - h11 * g2) / det
+        x, y = x + dx, y + dy
+    x, y = x - dx, y - dy  # the last point whose Hessian was checked
+    pd = (x < 1) & (y < 1) & (h11 > 0) & (det > 0) & (dx.abs() + dy.abs() <= STEP_TOL * (x + y))
+    p, q = x / lam, y / lam
+    a, b = (z1 - z2) / (1 - y), (z3 - z4) / (1 - x)
+    w = torch.stack(((p + a) / 2, (p - a) / 2, (q + b) / 2, (q - b) / 2), -1)
+    return w, pd
+
+
+def solve_sorted_reduced(z: Tensor, lam: Tensor) -> Tensor:
+    """Exact 2:4 prox of sorted non-negative float64 cells ``z`` (B, 4), ``lam`` (B,)."""
+    z1, z2, z3, z4 = z.unbind(-1)
+    w = z.clone()
+    w[:, 2:] = 0.0
+    best = 0.5 * (z3 * z3 + z4 * z4)
+    # necessary for a PSD 3-sparse point and (shifted by w_4) for a dense one
+    k_ok = lam * (z1 + ((z1 - z2) * (z1 + z2)).sqrt()) < 2
+    fallback = torch.zeros_like(k_ok)
+
+    rows = (k_ok & (lam * z3 > 0)).nonzero().squeeze(-1)
+    if rows.numel():
+        a, l3 = z[rows], lam[rows]
+        u, found, none = three_sparse_root(a[:, 0], a[:, 1], a[:, 2], l3)
+        fallback[rows[~found & ~none]] = True
+        rows, a, l3, u = rows[found], a[found], l3[found], u[found]
+        den = 1 - u * u
+        w3 = torch.stack(((a[:, 0] - u * a[:, 1]) / den, (a[:, 1] - u * a[:, 0]) / den, u / l3,
+                          torch.zeros_like(u)), -1)
+        f3 = _objective(w3, a, l3)
+        better = f3 < best[rows]
+        w[rows[better]] = w3[better]
+        best[rows[better]] = f3[better]
+
+    # dense: z_4 > 0 and K < 1 needed; the PSD bound lam z1 z2 >= 9 z4 (w_i >= z_i / 3) excludes
+    cand = k_ok & (lam * z4 > 0) & (lam * z1 * z2 < 9 * z4) & ~fallback
+    rows = cand.nonzero().squeeze(-1)
+    if rows.numel():
+        rows = rows[~_settles(w[rows], z[rows], lam[rows])]
+    if rows.numel():
+        a, l4 = z[rows], lam[rows]
+        w4, pd = dense_point(a[:, 0], a[:, 1], a[:, 2], a[:, 3], l4)
+        pos = pd & (w4[:, 1] > 0) & (w4[:, 3] > 0)
+        f4 = torch.where(pos, _objective(w4, a, l4), torch.full_like(l4, torch.inf))
+        better = f4 < best[rows]
+        w[rows[better]] = w4[better]
+        best[rows[better]] = f4[better]
+        # no certificate either way: the exact damped Newton on the 4-variable case
+        solve_case(z, lam, 4, rows[~pd], w, best)
+
+    rows = fallback.nonzero().squeeze(-1)
+    if rows.numel():
+        w[rows] = solve_sorted_newton(z[rows], lam[rows])
+    return torch.where((lam == 0)[:, None], z, w)
