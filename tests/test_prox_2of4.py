@@ -53,18 +53,25 @@ def _rel_gap(w, z, lam, ref):
     return (f - ref) / (ref.abs() + 1e-12 * z.square().sum(-1) + 1e-300)
 
 
-def test_newton_matches_bruteforce_float64(cells):
+@pytest.mark.parametrize("solver", ["reduced", "newton"])
+def test_exact_solver_matches_bruteforce_float64(cells, solver):
     z, lam, ref = cells
-    gap = _rel_gap(prox_2of4(z, lam), z, lam, ref)
+    gap = _rel_gap(prox_2of4(z, lam, solver=solver), z, lam, ref)
     assert gap.max() <= 1e-6, f"worst relative objective gap {gap.max():.3e}"
 
 
-def test_newton_matches_bruteforce_float32(cells):
+@pytest.fixture(scope="module")
+def cells32(cells):
     z, lam, _ = cells
-    z32 = z.to(torch.float32)
-    z64 = z32.to(torch.float64)
-    ref = reference_min(z64, lam, 2, iters=600, seed=1)
-    w = prox_2of4(z32, lam.to(torch.float32))
+    z64 = z.to(torch.float32).to(torch.float64)
+    return z64, lam, reference_min(z64, lam, 2, iters=600, seed=1)
+
+
+@pytest.mark.parametrize("solver", ["reduced", "newton"])
+def test_exact_solver_matches_bruteforce_float32(cells32, solver):
+    z64, lam, ref = cells32
+    z32 = z64.to(torch.float32)
+    w = prox_2of4(z32, lam.to(torch.float32), solver=solver)
     assert w.dtype == torch.float32
     # lam rounded to float32 as the solver sees it
     gap = _rel_gap(w, z64, lam.to(torch.float32).to(torch.float64), ref)

@@ -72,22 +72,23 @@ def three_sparse_root(z1: Tensor, z2: Tensor, z3: Tensor, lam: Tensor) -> tuple[
     umax = torch.minimum(z2 / z1, c)
     left = phi > 0  # the root lies left of u* (convex part) else right of it (concave part)
     none = (k >= 1) | (~left & (u >= umax))
-    alive = ~none & (phi != 0)
+    # iterates may only move within (lo, hi): left of u* they stay above the root, so falling
+    # to u <= 0 proves there is no root u > 0; right of u* they stay below it, so reaching
+    # u >= umax proves the root is invalid
+    lo = torch.where(left, 0.0, -torch.inf)
+    hi = torch.where(left, torch.inf, umax)
     step = torch.zeros_like(u)
     for _ in range(ITER_3SPARSE):
-        step = torch.where(alive, phi / dphi, torch.zeros_like(u))
+        # rows proven empty keep iterating (cheaper than masking); their flag is sticky
+        step = phi / dphi
         u = u - step
-        bad = torch.where(left, u <= 0, u >= umax) & alive
-        ue = torch.where(alive & ~bad, u, 0.5 * umax)  # a safe point for frozen rows
-        ip, im = 1 / (1 + ue), 1 / (1 - ue)
+        ip, im = 1 / (1 + u), 1 / (1 - u)
         aa, bb = a * ip, b * im
-        phi_n = ue + (aa * aa - bb * bb) / 4 - c
-        dphi_n = 1 - (aa * aa * ip + bb * bb * im) / 2
-        bad |= alive & (dphi_n <= 0)
-        none |= bad
-        alive &= ~bad
-        phi = torch.where(alive, phi_n, phi)
-        dphi = torch.where(alive, dphi_n, dphi)
+        aa, bb = aa * aa, bb * bb
+        phi = u + (aa - bb) * 0.25 - c
+        dphi = 1 - (aa * ip + bb * im) * 0.5
+        none |= (u <= lo) | (u >= hi) | (dphi <= 0)
+    # phi == 0 at u* exactly: step 0/... stays put (dphi > 0 there since k < 1)
     converged = ~none & (step.abs() <= STEP_TOL * u)
     # the PSD root is unique: a converged root outside the valid range proves there is none
     invalid = converged & ((u <= 0) | (u >= umax))
