@@ -49,7 +49,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .newton import _objective, _settles, solve_case, solve_sorted_newton
+from .newton import _cholesky, _objective, solve_case, solve_sorted_newton
 
 ITER_3SPARSE = 12
 ITER_DENSE = 10
@@ -123,6 +123,29 @@ def dense_point(z1: Tensor, z2: Tensor, z3: Tensor, z4: Tensor, lam: Tensor) -> 
     a, b = (z1 - z2) / (1 - y), (z3 - z4) / (1 - x)
     w = torch.stack(((p + a) / 2, (p - a) / 2, (q + b) / 2, (q - b) / 2), -1)
     return w, pd
+
+
+def _settles(w: Tensor, z: Tensor, lam: Tensor) -> Tensor:
+    """True where the sparse candidate ``w = [w_1, w_2, w_3, 0]`` (a 2-sparse point or a
+    stationary point of ``g``) is a KKT point of ``f`` with non-negative multipliers and a
+    positive definite Hessian (eq. ``hessian_4sparse``): it then minimises ``f`` over the PSD
+    region intersected with ``w >= 0`` (convex problem ``convex_constrained_prob4``), so no
+    dense point can beat it. The cheap multiplier tests run first."""
+    w1, w2, w3, _ = w.unbind(-1)
+    z3, z4 = z[:, 2], z[:, 3]
+    nu3 = torch.where(w3 > 0, 0.0, lam * w1 * w2 - z3)  # w_3 = 0: its multiplier (lem:opt_cond_ext)
+    nu4 = lam * (w1 * w2 + w3 * (w1 + w2)) - z4
+    out = (nu3 >= 0) & (nu4 >= 0)
+    rows = out.nonzero().squeeze(-1)
+    if rows.numel():
+        v1, v2, v3, lr = w1[rows], w2[rows], w3[rows], lam[rows]
+        one = 1.0
+        hess = [[one, lr * v3, lr * v2, lr * (v2 + v3)],
+                [lr * v3, one, lr * v1, lr * (v1 + v3)],
+                [lr * v2, lr * v1, one, lr * (v1 + v2)],
+                [lr * (v2 + v3), lr * (v1 + v3), lr * (v1 + v2), one]]
+        out[rows] = _cholesky(hess)[1]
+    return out
 
 
 def solve_sorted_reduced(z: Tensor, lam: Tensor) -> Tensor:
