@@ -46,7 +46,9 @@ def test_bad_settings_are_clear_errors(tmp_path, capsys):
     assert main(["prune", "--out", str(tmp_path / "o"), "--method", "wanda", "--option", "zz=1"]) == 2
     assert "unknown option 'zz'" in capsys.readouterr().err
     assert main(["prune", "--out", str(tmp_path / "o"), "--eval", "nosuchdata"]) == 2
-    assert "unknown data set 'nosuchdata'" in capsys.readouterr().err
+    assert "unknown text source 'nosuchdata'" in capsys.readouterr().err
+    assert main(["prune", "--out", str(tmp_path / "o"), "--eval", "wiki:x"]) == 2
+    assert "unknown text source 'wiki:x'" in capsys.readouterr().err
     assert main(["prune", "--out", str(tmp_path / "o"), "--model", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert main(["prune", "--model", str(tmp_path / "missing")]) == 2

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import sys
 import time
@@ -47,15 +46,11 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 
 def check_datasets(names: list[str]) -> None:
-    """Reject an evaluation data set name the data module cannot know, before any work."""
-    from .data.sources import NAMED_SOURCES, valid_sources_message
+    """Reject an evaluation data set the data module cannot read, before any work."""
+    from .data.sources import parse_source
 
     for name in names:
-        head, _, arg = name.partition(":")
-        if head in NAMED_SOURCES or (head == "whole" and arg) or os.path.exists(name) \
-                or name.endswith((".txt", ".jsonl")):
-            continue
-        raise ValueError(f"unknown data set {name!r}; {valid_sources_message()}")
+        parse_source(name)
 
 
 def evaluate(model, tokenizer, datasets: list[str], seqlen: int, max_tokens: int | None,
