@@ -2,7 +2,7 @@
 
 Public API:
 
-* :func:`prox_2of4` -- exact 2:4 prox (default ``solver="newton"``; ``solver="gd"`` is the paper's)
+* :func:`prox_2of4` -- exact 2:4 prox (default ``solver="reduced"``, exact ``solver="newton"``; ``solver="gd"`` is the paper's)
 * :func:`prox_nm` -- general N:M prox by case enumeration (dispatches 2:4 and 1:M)
 * :func:`prox_1ofm` -- exact closed-form 1:M prox
 * :func:`prox_l0`, :func:`prox_l1`, :func:`prox_l2` -- proxes of the simpler regularizers

@@ -1,4 +1,5 @@
-"""Exact solver for the 2:4 prox on sorted non-negative cells (the default, ``solver="newton"``).
+"""Exact damped-Newton solver for the 2:4 prox on sorted non-negative cells (``solver="newton"``;
+also the fallback of the default :mod:`nmprune.prox.reduced` and the engine of ``prox_nm``).
 
 Works on ``z_1 >= z_2 >= z_3 >= z_4 >= 0`` (Lemma ``lemma:sorted_prox``) and follows Algorithm
 ``alg:prox_enumerate``: the answer is the best of the 2-sparse point ``[z_1, z_2, 0, 0]``, the
