@@ -423,6 +423,14 @@ def build_report(runs: Path = RUNS, results: Path = RESULTS) -> Path | None:
     if missing or extra_missing:
         lines += [f"**Incomplete:** missing rows: {', '.join(missing + extra_missing) or 'none'}. "
                   f"Rerun `{COMMAND}` to finish them (finished rows are kept).", ""]
+    loads = [v for r in rows.values() for v in (r.get("load_method"), r.get("load_refine"), r.get("load_before"))
+             if v is not None]
+    threads = next(iter(rows.values()))["machine"]["threads"]
+    if loads and max(loads) > threads + 1:
+        lines += [f"**Timings are not clean:** some rows ran while other jobs used this CPU (1-minute load "
+                  f"up to {max(loads):.1f} on {threads} threads; see the `load` column). Perplexities and "
+                  "losses do not depend on it; for clean seconds rerun those rows with `--force` on a quiet "
+                  "machine.", ""]
     lines += settings_section(rows) + DEVIATIONS + targets(rows) + table3(rows)
     if layer_png:
         lines += ["Layer-wise local loss relative to wanda+gd (paper Fig. `fig:layerwise_loss_open_llama`):", "",
