@@ -34,6 +34,7 @@ from torch import Tensor
 from .._linalg import column_scale, gd_step_size, rescale
 from ..pattern import NMPattern, from_cells, to_cells, topn_mask
 from ..prox import prox_2of4, prox_l0, prox_l1, prox_l2, prox_nm
+from ..prox.two_four import SOLVERS
 from ..registry import register_method
 
 CellProx = Callable[[Tensor, Tensor], Tensor]  # (cells (..., M), lambda per cell) -> cells
@@ -116,14 +117,14 @@ def screened_prox_2of4(z: Tensor, lam: Tensor, solver: str) -> Tensor:
 def _exact_prox(pattern: NMPattern, solver: str) -> CellProx:
     if (pattern.n, pattern.m) == (2, 4):
         return lambda z, lam: screened_prox_2of4(z, lam, solver)
-    if solver not in ("newton", "gd"):
-        raise ValueError(f"solver must be 'newton' or 'gd', got {solver!r}")
+    if solver not in SOLVERS:
+        raise ValueError(f"solver must be one of {SOLVERS}, got {solver!r}")
     return lambda z, lam: prox_nm(z, lam, pattern.n)  # the solver choice concerns 2:4 only
 
 
 @register_method("prox", description="proximal gradient with the exact N:M prox (paper Alg. prox_e2e)")
 def prox(w: Tensor, h: Tensor, pattern: NMPattern, *, lambda0: float = 0.001, beta: float = 1.05,
-         lambda_adapt: bool = True, solver: str = "gd", max_iter: int = 5000,
+         lambda_adapt: bool = True, solver: str = "reduced", max_iter: int = 5000,
          finish: float = 0.005, accelerate: bool = True) -> Tensor:
     """Prox pruner with the regulariser ``r_{N:M}`` (eq. ``regularizer_nm``). ``solver`` picks
     the 2:4 prox solver (``prox_2of4``); other patterns always use ``prox_nm``."""
