@@ -1,0 +1,17 @@
+"""Test-wide settings.
+
+The tests use small tensors, for which a second intra-op thread only adds OpenMP
+synchronisation: on a shared 2-core machine it made tiny matmuls ~1000x slower (16 us ->
+31 ms). One thread keeps the suite fast and its timings stable.
+"""
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True, scope="session")
+def one_intra_op_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
