@@ -12,7 +12,6 @@ from transformers import AutoModelForCausalLM
 from nmprune.cli import build_parser, config_from_args, main, run_prune
 from nmprune.models import find_blocks, find_linears, weight_matrix
 from nmprune.pattern import is_nm_sparse
-from test_models_tiny import single_thread  # noqa: F401  (autouse fixture)
 from test_models_tiny import save_tiny_model_dir, write_text
 
 

@@ -10,7 +10,6 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from nmprune.pipeline import collect_hessians, prune_model
-from test_models_tiny import single_thread  # noqa: F401  (autouse fixture)
 from test_models_tiny import tiny_model, token_batch
 from test_pipeline import _manual_hessians
 

@@ -14,7 +14,6 @@ from nmprune.hessian import (
     run_block,
 )
 from nmprune.models import find_blocks, find_linears
-from test_models_tiny import single_thread  # noqa: F401  (autouse fixture)
 from test_models_tiny import FAMILIES, tiny_model, token_batch
 
 

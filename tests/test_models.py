@@ -19,7 +19,6 @@ from nmprune.models import (
     shared_weight_ptrs,
     weight_matrix,
 )
-from test_models_tiny import single_thread  # noqa: F401  (autouse fixture)
 from test_models_tiny import FAMILIES, save_tiny_model_dir, tiny_model, token_batch, write_text
 
 

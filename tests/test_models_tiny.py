@@ -12,15 +12,6 @@ import torch
 VOCAB = 320
 
 
-@pytest.fixture(autouse=True)
-def single_thread():
-    """Tiny matrices: one intra-op thread is much faster (and immune to an oversubscribed
-    machine, where two spinning OpenMP threads make a 32x32 matmul ~1000x slower)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 # family -> (config class name, extra config kwargs, blocks attribute path)
 FAMILIES = {
     "llama": ("LlamaConfig", {}, "model.layers"),

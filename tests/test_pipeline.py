@@ -17,7 +17,6 @@ from nmprune.models import find_blocks, find_linears, weight_matrix
 from nmprune.pattern import is_nm_sparse, topn_mask
 from nmprune.pipeline import prune_model
 from nmprune.registry import register_method
-from test_models_tiny import single_thread  # noqa: F401  (autouse fixture)
 from test_models_tiny import FAMILIES, tiny_model, token_batch
 
 RECORDED: list[dict] = []
