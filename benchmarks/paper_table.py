@@ -137,8 +137,8 @@ FAST = {"lambda0": 0.001, "beta": 1.05, "lambda_adapt": True, "accelerate": True
 GROUPS: list[Group] = [
     Group("dense", None),
     Group("wanda", "wanda", variants=(None, "exact")),
-    Group("sparsegpt", "sparsegpt", variants=(None, "exact")),
     Group("wanda-gd", "wanda", gd_chain=True, variants=(), label="wanda"),
+    Group("sparsegpt", "sparsegpt", variants=(None, "exact")),
     Group("sparsegpt-gd", "sparsegpt", variants=("gd",)),
     Group("dsnot", "dsnot", variants=(None, "exact")),
     Group("magnitude", "magnitude", variants=(None, "exact")),
