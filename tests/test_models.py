@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -133,6 +135,10 @@ def test_save_atomic_reloads_same_logits(tmp_path):
     ids = token_batch(2, 8)
     out = save_pretrained_atomic(model, None, tmp_path / "saved", {"note.txt": "hi"})
     assert not (tmp_path / "saved.saving").exists() and (out / "note.txt").read_text() == "hi"
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {f.name: f.stat().st_mode & 0o777 for f in out.iterdir()} == \
+        {f.name: 0o666 & ~umask for f in out.iterdir()}  # readable like any new file, not 600
     again = AutoModelForCausalLM.from_pretrained(out).eval()
     for key, value in model.state_dict().items():
         assert torch.equal(again.state_dict()[key], value), key

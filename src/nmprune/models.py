@@ -251,5 +251,11 @@ def save_pretrained_atomic(model: nn.Module, tokenizer, out: str | os.PathLike,
         tokenizer.save_pretrained(tmp)
     for name, text in (extra_files or {}).items():
         (tmp / name).write_text(text)
+    # transformers writes the weights through a private temporary file (mode 600): give every
+    # file the permissions the user's umask gives a newly created file
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in tmp.iterdir():
+        f.chmod(0o666 & ~umask)
     os.replace(tmp, out)
     return out
