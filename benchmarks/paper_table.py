@@ -356,7 +356,7 @@ def lambda_ablation(bench: Bench, log: Callable[[str], None]) -> dict[str, Any]:
     """Lambda schedule (lambda_0, beta, adaptive vs fixed, eq. ``lambda_adapt``) on one real
     layer: local loss after the method and after exact refinement, iterations, seconds."""
     from nmprune.loss import local_loss
-    from nmprune.methods.prox import prox_gradient, screened_prox_2of4
+    from nmprune.algorithms.prox import prox_gradient, screened_prox_2of4
     from nmprune.pattern import parse_pattern
     from nmprune.prune import full_mask
     from nmprune.registry import get_refiner

@@ -144,7 +144,7 @@ def test_exact_refiner_rejects_bad_options():
 
 @pytest.mark.parametrize("lam", [0.02, 0.3, 1.0, 5.0])
 def test_screened_prox_equals_the_plain_exact_prox(lam):
-    from nmprune.methods.prox import screened_prox_2of4
+    from nmprune.algorithms.prox import screened_prox_2of4
     from nmprune.prox import prox_2of4
 
     g = torch.Generator().manual_seed(1)

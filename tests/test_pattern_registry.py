@@ -42,3 +42,11 @@ def test_split_options_routes_and_rejects():
         split_options({"beta": 2}, m, r)
     with pytest.raises(ValueError, match="unknown option 'refine_steps'"):
         split_options({"refine_steps": 2}, m, None)
+
+
+def test_methods_function_survives_importing_the_algorithms_package():
+    import nmprune
+    import nmprune.algorithms.prox  # noqa: F401
+
+    assert callable(nmprune.methods)
+    assert {"magnitude", "wanda", "sparsegpt", "dsnot", "prox", "prox-l0"} <= set(nmprune.methods())

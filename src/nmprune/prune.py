@@ -1,7 +1,7 @@
 """One entry point for every layer-level N:M pruning method (paper eq. ``n_m_squard_loss``).
 
 ``prune_layer(W, H, method, pattern, refine, **options)`` validates its inputs, runs a
-registered method (see :mod:`nmprune.methods`) and optionally a registered mask-held
+registered method (see :mod:`nmprune.algorithms`) and optionally a registered mask-held
 refiner, and reports the local squared loss (paper eq. ``squared_loss``) after each stage.
 Everything is computed in float32 (float64 when ``W`` or ``H`` is float64) and cast back
 to ``W``'s dtype at the end. Methods and refiners know nothing about models or files.

@@ -1,6 +1,6 @@
 """Registries of layer pruning methods and mask-held refiners.
 
-A method is added by writing one module in :mod:`nmprune.methods` that decorates its
+A method is added by writing one module in :mod:`nmprune.algorithms` that decorates its
 solver with :func:`register_method`; the package imports every module it holds, so no
 ``if method == ...`` chain is ever edited. Solvers are pure tensor functions:
 
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -63,12 +62,8 @@ def register_refiner(name: str, *, description: str = "") -> Callable:
 
 
 def _load() -> None:
-    # Imports, and so registers, every method module. `from . import methods` would resolve to
-    # the package's lazy `methods()` export instead of the subpackage, and importing the
-    # subpackage binds it as the package attribute `methods`, shadowing `nmprune.methods()`:
-    # rebind the public function afterwards.
-    importlib.import_module(f"{__package__}.methods")
-    setattr(sys.modules[__package__], "methods", methods)
+    """Import, and so register, every module of :mod:`nmprune.algorithms`."""
+    importlib.import_module(f"{__package__}.algorithms")
 
 
 def get_method(name: str) -> Registered:
