@@ -1,0 +1,408 @@
+"""Compiled per-cell form of the reduced 2:4 solver (:mod:`nmprune.prox.reduced`) for CPU tensors.
+
+The vectorised torch solver runs every cell through fixed numbers of Newton steps and pays
+one pass over memory per elementwise operation. Here each cell is solved by scalar code
+(numba, parallel over cells) with the same mathematics -- Lemma ``lemma:sorted_prox``
+(sort ``|z|``), Algorithm ``alg:prox_enumerate`` (best of the 2-sparse point, the PSD
+stationary point of ``g`` and that of ``f``), the 3-sparse equation ``Phi(u) = 0`` solved by
+monotone Newton from its inflection point, the dense case by Newton on the two reduced
+equations ``grad G = 0``, the necessary conditions and KKT certificates -- but with early
+exits: a cell stops iterating as soon as it is solved or certified. Cells that no
+certificate decides (rare: folds and cells whose dense case has no PSD stationary point that
+Newton can reach) are flagged and re-solved by the exact torch path, so the answer is exact.
+All arithmetic is float64; see :mod:`nmprune.prox.reduced` for the derivations.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+try:
+    import numba
+    from numba import njit, prange
+except ImportError:  # pragma: no cover - numba is a dependency; the torch path still works
+    numba = njit = prange = None
+
+AVAILABLE = njit is not None
+MAX_3SPARSE = 40
+MAX_DENSE = 40
+STEP_TOL = 1e-12
+BOX_ROUNDS = 4
+MAX_FALLBACK = 30
+MAX_HALVINGS = 20
+XY_ROUNDS = 3
+DEC_TOL = 1e-24
+
+if AVAILABLE:
+
+    @njit(cache=True, inline="always")
+    def _three_root(z1: float, z2: float, z3: float, lam: float):
+        """``(status, u)`` of the PSD stationary point of ``g`` (``u = lam w_3``): status 1 found,
+        0 proven absent, -1 undecided (see :func:`nmprune.prox.reduced.three_sparse_root`)."""
+        s = z1 + z2
+        d = z1 - z2
+        a = lam * s
+        b = lam * d
+        c = lam * z3
+        r = np.sqrt(d / s)
+        u = (1.0 - r) / (1.0 + r)
+        k = lam * (z1 + np.sqrt(d * s)) / 2.0
+        if k >= 1.0:
+            return 0, 0.0
+        phi = u + k * (a - b) / 4.0 - c
+        dphi = 1.0 - k * k
+        umax = min(z2 / z1, c)
+        left = phi > 0.0
+        if not left and u >= umax:
+            return 0, 0.0
+        for _ in range(MAX_3SPARSE):
+            step = phi / dphi
+            u = u - step
+            if left:
+                if u <= 0.0:
+                    return 0, 0.0
+            elif u >= umax:
+                return 0, 0.0
+            ip = 1.0 / (1.0 + u)
+            im = 1.0 / (1.0 - u)
+            aa = a * ip
+            bb = b * im
+            aa = aa * aa
+            bb = bb * bb
+            phi = u + (aa - bb) * 0.25 - c
+            dphi = 1.0 - (aa * ip + bb * im) * 0.5
+            if dphi <= 0.0:
+                return 0, 0.0
+            if abs(step) <= STEP_TOL * u:
+                if u <= 0.0 or u >= umax:
+                    return 0, 0.0
+                return 1, u
+        return -1, u
+
+    @njit(cache=True, inline="always")
+    def _objective4(w1, w2, w3, w4, z1, z2, z3, z4, lam):
+        q = 0.5 * ((w1 - z1) ** 2 + (w2 - z2) ** 2 + (w3 - z3) ** 2 + (w4 - z4) ** 2)
+        return q + lam * (w1 * w2 * (w3 + w4) + w3 * w4 * (w1 + w2))
+
+    @njit(cache=True, inline="always")
+    def _pd4(lam, w1, w2, w3, w4):
+        """Is the 4x4 Hessian (eq. ``hessian_4sparse``) at ``w`` positive definite? Unrolled Cholesky."""
+        h12 = lam * (w3 + w4)
+        h13 = lam * (w2 + w4)
+        h14 = lam * (w2 + w3)
+        h23 = lam * (w1 + w4)
+        h24 = lam * (w1 + w3)
+        h34 = lam * (w1 + w2)
+        # column 1 (diagonal 1)
+        l21, l31, l41 = h12, h13, h14
+        d2 = 1.0 - l21 * l21
+        if d2 <= 0.0:
+            return False
+        l22 = np.sqrt(d2)
+        l32 = (h23 - l31 * l21) / l22
+        l42 = (h24 - l41 * l21) / l22
+        d3 = 1.0 - l31 * l31 - l32 * l32
+        if d3 <= 0.0:
+            return False
+        l33 = np.sqrt(d3)
+        l43 = (h34 - l41 * l31 - l42 * l32) / l33
+        d4 = 1.0 - l41 * l41 - l42 * l42 - l43 * l43
+        return d4 > 0.0
+
+    @njit(cache=True, inline="always")
+    def _settles(w1, w2, w3, z3, z4, lam):
+        """KKT certificate of :func:`nmprune.prox.reduced._settles` for ``[w1, w2, w3, 0]``."""
+        nu3 = 0.0 if w3 > 0.0 else lam * w1 * w2 - z3
+        nu4 = lam * (w1 * w2 + w3 * (w1 + w2)) - z4
+        if nu3 < 0.0 or nu4 < 0.0:
+            return False
+        return _pd4(lam, w1, w2, w3, 0.0)
+
+    @njit(cache=True, inline="always")
+    def _dense(z1, z2, z3, z4, lam):
+        """Newton on ``grad G = 0`` (:func:`nmprune.prox.reduced.dense_point`) with early exit.
+        Returns ``(status, w1..w4)``: 1 converged to a PD point (the unique PSD stationary point
+        of ``f``), -1 undecided."""
+        s1 = lam * (z1 + z2)
+        s2 = lam * (z3 + z4)
+        d1 = lam * (z1 - z2)
+        d2 = lam * (z3 - z4)
+        x = 0.5 * s1
+        y = 0.5 * s2
+        for _ in range(MAX_DENSE):
+            if x >= 1.0 or y >= 1.0:
+                return -1, 0.0, 0.0, 0.0, 0.0
+            ix = 1.0 / (1.0 - x)
+            iy = 1.0 / (1.0 - y)
+            e2 = d2 * ix
+            e1 = d1 * iy
+            g1 = x - s1 + x * y + 0.5 * (y * y - e2 * e2)
+            g2 = y - s2 + x * y + 0.5 * (x * x - e1 * e1)
+            h11 = 1.0 + y - e2 * e2 * ix
+            h22 = 1.0 + x - e1 * e1 * iy
+            h12 = x + y
+            det = h11 * h22 - h12 * h12
+            dx = (h12 * g2 - h22 * g1) / det
+            dy = (h12 * g1 - h11 * g2) / det
+            if h11 > 0.0 and det > 0.0 and abs(dx) + abs(dy) <= STEP_TOL * (x + y):
+                p = x / lam
+                q = y / lam
+                a = (z1 - z2) / (1.0 - y)
+                b = (z3 - z4) / (1.0 - x)
+                return 1, (p + a) / 2.0, (p - a) / 2.0, (q + b) / 2.0, (q - b) / 2.0
+            x += dx
+            y += dy
+        return -1, 0.0, 0.0, 0.0, 0.0
+
+    @njit(cache=True, inline="always")
+    def _case_box(z1, z2, z3, z4, lam):
+        """Bounds ``lo <= w <= hi`` on every interior minimiser of the dense case
+        (:func:`nmprune.prox.newton._case_bounds`, k = 4). Returns ``(ok, lo1..lo4, hi1..hi4)``;
+        ``ok`` is False when the bounds prove there is none."""
+        l1, l2, l3, l4 = z1 / 3.0, z2 / 3.0, 0.0, 0.0
+        h1, h2, h3, h4 = z1, z2, z3, z4
+        for _ in range(BOX_ROUNDS):
+            h1 = min(h1, z1 - lam * (l2 * l3 + l2 * l4 + l3 * l4))
+            h2 = min(h2, z2 - lam * (l1 * l3 + l1 * l4 + l3 * l4))
+            h3 = min(h3, z3 - lam * (l1 * l2 + l1 * l4 + l2 * l4))
+            h4 = min(h4, z4 - lam * (l1 * l2 + l1 * l3 + l2 * l3))
+            l1 = max(l1, z1 - lam * (h2 * h3 + h2 * h4 + h3 * h4))
+            l2 = max(l2, z2 - lam * (h1 * h3 + h1 * h4 + h3 * h4))
+            l3 = max(l3, z3 - lam * (h1 * h2 + h1 * h4 + h2 * h4))
+            l4 = max(l4, z4 - lam * (h1 * h2 + h1 * h3 + h2 * h3))
+        ok = h4 > 0.0 and l1 <= h1 and l2 <= h2 and l3 <= h3 and l4 <= h4
+        return ok, l1, l2, l3, l4, h1, h2, h3, h4
+
+    @njit(cache=True, inline="always")
+    def _xy_box(s1, s2, d1, d2, xlo, xhi, ylo, yhi):
+        """Tighten the box on ``(x, y)`` of a dense PSD stationary point with ``w_2, w_4 > 0``.
+        Necessary conditions, from ``grad G = 0`` and ``w_4 > 0`` (``d2/(1-x) < y``):
+        ``(S1 - y^2/2)/(1+y) <= x < S1/(1+y)``, and symmetrically for ``y``; from ``w_2, w_4 > 0``:
+        ``x > d1/(1-y)``, ``y > d2/(1-x)``; from the diagonal of ``grad^2 G > 0``:
+        ``(1-x)^3 > d2^2/(1+y)``, ``(1-y)^3 > d1^2/(1+x)``. Returns ``(ok, xlo, xhi, ylo, yhi)``."""
+        xhi = min(xhi, 1.0)
+        yhi = min(yhi, 1.0)
+        for _ in range(XY_ROUNDS):
+            if xlo >= xhi or ylo >= yhi:
+                return False, xlo, xhi, ylo, yhi
+            xhi = min(xhi, s1 / (1.0 + ylo), 1.0 - np.cbrt(d2 * d2 / (1.0 + yhi)))
+            yhi = min(yhi, s2 / (1.0 + xlo), 1.0 - np.cbrt(d1 * d1 / (1.0 + xhi)))
+            xlo = max(xlo, d1 / (1.0 - ylo), (s1 - 0.5 * yhi * yhi) / (1.0 + yhi))
+            ylo = max(ylo, d2 / (1.0 - xlo), (s2 - 0.5 * xhi * xhi) / (1.0 + xhi))
+        return xlo < xhi and ylo < yhi, xlo, xhi, ylo, yhi
+
+    @njit(cache=True, inline="always")
+    def _g_value(x, y, s1, s2, d1, d2):
+        """``G(x, y)`` of :mod:`nmprune.prox.reduced`; the dense objective minimised over the
+        differences ``w1 - w2``, ``w3 - w4`` is ``G / (4 lam^2)``."""
+        return ((x - s1) ** 2 + (y - s2) ** 2 + x * y * (x + y)
+                - d1 * d1 * y / (1.0 - y) - d2 * d2 * x / (1.0 - x))
+
+    @njit(cache=True, inline="always")
+    def _g_derivs(x, y, s1, s2, d1, d2):
+        """Half the gradient and half the Hessian of ``G``: ``(g1, g2, h11, h12, h22)``."""
+        ix = 1.0 / (1.0 - x)
+        iy = 1.0 / (1.0 - y)
+        e2 = d2 * ix
+        e1 = d1 * iy
+        g1 = x - s1 + x * y + 0.5 * (y * y - e2 * e2)
+        g2 = y - s2 + x * y + 0.5 * (x * x - e1 * e1)
+        return g1, g2, 1.0 + y - e2 * e2 * ix, x + y, 1.0 + x - e1 * e1 * iy
+
+    @njit(cache=True, inline="always")
+    def _in_r(x, y, s1, s2, d1, d2):
+        """Is ``(x, y)`` inside ``R = {x, y < 1, grad^2 G > 0}``, the image of the region where
+        the Hessian of ``f`` is positive definite (convex; ``G`` is convex on it)?"""
+        if x >= 1.0 or y >= 1.0:
+            return False
+        _, _, h11, h12, h22 = _g_derivs(x, y, s1, s2, d1, d2)
+        return h11 > 0.0 and h11 * h22 - h12 * h12 > 0.0
+
+    @njit(cache=True)
+    def _lp_min(cx, cy, cons, m):
+        """Minimum of ``cx x + cy y`` over ``{cons[k, 0] x + cons[k, 1] y >= cons[k, 2], k < m}``
+        (a bounded 2-D polygon: the optimum is at a crossing of two constraint lines); ``inf``
+        when it is empty."""
+        best = np.inf
+        for i in range(m):
+            for j in range(i + 1, m):
+                a1, b1, c1 = cons[i, 0], cons[i, 1], cons[i, 2]
+                a2, b2, c2 = cons[j, 0], cons[j, 1], cons[j, 2]
+                det = a1 * b2 - a2 * b1
+                if det == 0.0:
+                    continue
+                x = (c1 * b2 - c2 * b1) / det
+                y = (a1 * c2 - a2 * c1) / det
+                feasible = True
+                for k in range(m):
+                    lhs = cons[k, 0] * x + cons[k, 1] * y
+                    if lhs < cons[k, 2] - 1e-9 * (abs(cons[k, 0] * x) + abs(cons[k, 1] * y) + abs(cons[k, 2])):
+                        feasible = False
+                        break
+                if feasible:
+                    best = min(best, cx * x + cy * y)
+        return best
+
+    @njit(cache=True)
+    def _convex_lower_bound(x, y, gv, g1, g2, h11, h12, h22, d1, d2, xlo, xhi, ylo, yhi, cons):
+        """Lower bound on ``G`` over the dense PSD points with non-negative entries in the box,
+        from the point ``p = (x, y)`` of ``R``: ``G(q) >= G(p) + grad G(p).(q - p)`` (``G`` is
+        convex on ``R``) minimised over the box cut by tangents of the convex constraints:
+        ``phi = sqrt(h11 h22) - (x + y) >= 0`` (``phi`` concave; it holds ``R``), ``w_4 >= 0``
+        i.e. ``y >= d2/(1 - x)`` and ``w_2 >= 0`` i.e. ``x >= d1/(1 - y)`` (convex curves)."""
+        root = np.sqrt(h11 * h22)
+        ix = 1.0 / (1.0 - x)
+        iy = 1.0 / (1.0 - y)
+        ax = (h22 * (-3.0 * d2 * d2 * ix ** 4) + h11) / (2.0 * root) - 1.0
+        ay = (h22 + h11 * (-3.0 * d1 * d1 * iy ** 4)) / (2.0 * root) - 1.0
+        cons[0, 0], cons[0, 1], cons[0, 2] = 1.0, 0.0, xlo
+        cons[1, 0], cons[1, 1], cons[1, 2] = -1.0, 0.0, -xhi
+        cons[2, 0], cons[2, 1], cons[2, 2] = 0.0, 1.0, ylo
+        cons[3, 0], cons[3, 1], cons[3, 2] = 0.0, -1.0, -yhi
+        cons[4, 0], cons[4, 1], cons[4, 2] = ax, ay, ax * x + ay * y - (root - h12)
+        # y >= d2 ix + d2 ix^2 (x' - x), i.e. -d2 ix^2 x' + y' >= d2 ix - d2 ix^2 x
+        cons[5, 0], cons[5, 1], cons[5, 2] = -d2 * ix * ix, 1.0, d2 * ix - d2 * ix * ix * x
+        cons[6, 0], cons[6, 1], cons[6, 2] = 1.0, -d1 * iy * iy, d1 * iy - d1 * iy * iy * y
+        return gv - 2.0 * (g1 * x + g2 * y) + 2.0 * _lp_min(g1, g2, cons, 7)
+
+    @njit(cache=True)
+    def _dense_convex(z1, z2, z3, z4, lam, xlo, xhi, ylo, yhi, best):
+        """Minimise ``G`` over ``R`` (a convex problem in two variables) by damped Newton from a
+        point of ``R``, for cells where plain Newton did not converge. Returns
+        ``(status, w1..w4)``: 1 an interior stationary point (the PSD stationary point of
+        ``f``), 0 proven that the dense case cannot beat ``best`` (the convexity bound
+        ``G(p) + grad G(p).(q - p)`` over the box ``xlo..xhi, ylo..yhi`` that holds every
+        dense PSD point, divided by ``4 lam^2``, exceeds it), -1 undecided."""
+        s1 = lam * (z1 + z2)
+        s2 = lam * (z3 + z4)
+        d1 = lam * (z1 - z2)
+        d2 = lam * (z3 - z4)
+        scale = 4.0 * lam * lam
+        # R is convex and holds the origin (d1, d2 < 1): pull (S1, S2)/2 towards it until inside
+        x, y = 0.5 * s1, 0.5 * s2
+        for _ in range(60):
+            if _in_r(x, y, s1, s2, d1, d2):
+                break
+            x *= 0.5
+            y *= 0.5
+        gv = _g_value(x, y, s1, s2, d1, d2)
+        cons = np.empty((7, 3))
+        for _ in range(MAX_FALLBACK):
+            g1, g2, h11, h12, h22 = _g_derivs(x, y, s1, s2, d1, d2)
+            lower = _convex_lower_bound(x, y, gv, g1, g2, h11, h12, h22, d1, d2, xlo, xhi, ylo, yhi, cons)
+            if lower > best * scale:
+                return 0, 0.0, 0.0, 0.0, 0.0
+            det = h11 * h22 - h12 * h12
+            dx = (h12 * g2 - h22 * g1) / det
+            dy = (h12 * g1 - h11 * g2) / det
+            dec = -(g1 * dx + g2 * dy)
+            if dec <= DEC_TOL * (s1 * s1 + s2 * s2) and abs(dx) + abs(dy) <= STEP_TOL * (x + y):
+                p = x / lam
+                q = y / lam
+                a = (z1 - z2) / (1.0 - y)
+                b = (z3 - z4) / (1.0 - x)
+                return 1, (p + a) / 2.0, (p - a) / 2.0, (q + b) / 2.0, (q - b) / 2.0
+            t = 1.0
+            moved = False
+            for _ in range(MAX_HALVINGS):
+                xn, yn = x + t * dx, y + t * dy
+                if _in_r(xn, yn, s1, s2, d1, d2):
+                    gn = _g_value(xn, yn, s1, s2, d1, d2)
+                    if gn <= gv - 2e-4 * t * dec:
+                        x, y, gv = xn, yn, gn
+                        moved = True
+                        break
+                t *= 0.5
+            if not moved:
+                break
+        return -1, 0.0, 0.0, 0.0, 0.0
+
+    @njit(cache=True, inline="always")
+    def _solve_sorted(z1, z2, z3, z4, lam):
+        """``(undecided, w1..w4)`` for one sorted non-negative cell."""
+        w1, w2, w3, w4 = z1, z2, 0.0, 0.0
+        if lam == 0.0:
+            return False, z1, z2, z3, z4
+        if lam * (z1 + np.sqrt((z1 - z2) * (z1 + z2))) >= 2.0 or lam * z3 <= 0.0:
+            return False, w1, w2, w3, w4  # K >= 1 (or z3 = 0): neither the 3-sparse nor the dense case
+        best = 0.5 * (z3 * z3 + z4 * z4)
+        if lam * z1 * z2 >= z3 and _pd4(lam, z1, z2, 0.0, 0.0):
+            # KKT certificate of the 2-sparse point for f (and so for g, its 3x3 block): it
+            # minimises f over the convex PSD region with w >= 0, so no other case can beat it
+            return False, w1, w2, w3, w4
+        status, u = _three_root(z1, z2, z3, lam)
+        if status < 0:
+            return True, w1, w2, w3, w4
+        if status == 1:
+            den = 1.0 - u * u
+            v1 = (z1 - u * z2) / den
+            v2 = (z2 - u * z1) / den
+            v3 = u / lam
+            f3 = 0.5 * ((v1 - z1) ** 2 + (v2 - z2) ** 2 + (v3 - z3) ** 2 + z4 * z4) + lam * v1 * v2 * v3
+            if f3 < best:
+                w1, w2, w3, best = v1, v2, v3, f3
+        if lam * z4 <= 0.0 or lam * z1 * z2 >= 9.0 * z4 or _settles(w1, w2, w3, z3, z4, lam):
+            return False, w1, w2, w3, w4
+        ok, l1, l2, l3, l4, h1, h2, h3, h4 = _case_box(z1, z2, z3, z4, lam)
+        if not ok:
+            return False, w1, w2, w3, w4
+        s1, s2 = lam * (z1 + z2), lam * (z3 + z4)
+        d1, d2 = lam * (z1 - z2), lam * (z3 - z4)
+        if d1 >= 1.0 or d2 >= 1.0:
+            return False, w1, w2, w3, w4  # lam (w1 - w2) <= lam (w1 + w3) <= 1 at a PSD point
+        ok, xlo, xhi, ylo, yhi = _xy_box(s1, s2, d1, d2, lam * (l1 + l2), lam * (h1 + h2),
+                                         lam * (l3 + l4), lam * (h3 + h4))
+        if not ok:
+            return False, w1, w2, w3, w4
+        st, v1, v2, v3, v4 = _dense(z1, z2, z3, z4, lam)
+        if st < 0:
+            st, v1, v2, v3, v4 = _dense_convex(z1, z2, z3, z4, lam, xlo, xhi, ylo, yhi, best)
+            if st < 0:
+                return True, w1, w2, w3, w4
+            if st == 0:
+                return False, w1, w2, w3, w4
+        if v2 > 0.0 and v4 > 0.0:
+            f4 = _objective4(v1, v2, v3, v4, z1, z2, z3, z4, lam)
+            if f4 < best:
+                return False, v1, v2, v3, v4
+        return False, w1, w2, w3, w4
+
+    @njit(cache=True, inline="always")
+    def _pick(r, v0, v1, v2, v3):
+        """``(v0, v1, v2, v3)[r]`` without a branch."""
+        return v0 * (r == 0) + v1 * (r == 1) + v2 * (r == 2) + v3 * (r == 3)
+
+    @njit(cache=True, parallel=True)
+    def prox_cells(z: np.ndarray, lam: np.ndarray, out: np.ndarray, undecided: np.ndarray) -> None:
+        """Write the 2:4 prox of every cell ``z[i]`` (``(n, 4)``) with ``lam[i]`` into ``out``;
+        ``undecided[i]`` is set where the cell must be re-solved by the exact torch path."""
+        for i in prange(z.shape[0]):
+            b0, b1, b2, b3 = abs(np.float64(z[i, 0])), abs(np.float64(z[i, 1])), abs(np.float64(z[i, 2])), abs(np.float64(z[i, 3]))
+            # stable descending ranks, branch-free (the order of torch.sort(stable=True))
+            c01, c02, c03 = int(b1 > b0), int(b2 > b0), int(b3 > b0)
+            c12, c13, c23 = int(b2 > b1), int(b3 > b1), int(b3 > b2)
+            r0 = c01 + c02 + c03
+            r1 = 1 - c01 + c12 + c13
+            r2 = 2 - c02 - c12 + c23
+            r3 = 3 - c03 - c13 - c23
+            # sorted value k is the b_j with rank k
+            a0 = b0 * (r0 == 0) + b1 * (r1 == 0) + b2 * (r2 == 0) + b3 * (r3 == 0)
+            a1 = b0 * (r0 == 1) + b1 * (r1 == 1) + b2 * (r2 == 1) + b3 * (r3 == 1)
+            a2 = b0 * (r0 == 2) + b1 * (r1 == 2) + b2 * (r2 == 2) + b3 * (r3 == 2)
+            a3 = b0 * (r0 == 3) + b1 * (r1 == 3) + b2 * (r2 == 3) + b3 * (r3 == 3)
+            und, w0, w1, w2, w3 = _solve_sorted(a0, a1, a2, a3, np.float64(lam[i]))
+            undecided[i] = und
+            out[i, 0] = math.copysign(_pick(r0, w0, w1, w2, w3), z[i, 0])
+            out[i, 1] = math.copysign(_pick(r1, w0, w1, w2, w3), z[i, 1])
+            out[i, 2] = math.copysign(_pick(r2, w0, w1, w2, w3), z[i, 2])
+            out[i, 3] = math.copysign(_pick(r3, w0, w1, w2, w3), z[i, 3])
+
+
+def run(z: np.ndarray, lam: np.ndarray, out: np.ndarray, undecided: np.ndarray) -> None:
+    """:func:`prox_cells` on as many numba threads as torch uses."""
+    import torch
+
+    numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
+    prox_cells(z, lam, out, undecided)
