@@ -2,13 +2,26 @@
 over weights supported on a fixed mask -- the fixed point that masked gradient descent
 (eq. ``masked_gd``) approaches, reached in far fewer matrix products.
 
-Per row ``r`` with kept set ``S`` the optimum solves ``w_S H_SS = (W* H)_S`` (the masked
-gradient ``2 M . (W H - W* H)`` vanishes). All rows are solved together by preconditioned
-conjugate gradients (Jacobi preconditioner ``diag H``, i.e. CG in the Wanda-scaled
-coordinates), each row with its own step sizes; one iteration costs one ``(d_out x d_in) @
-(d_in x d_in)`` product, like one gradient step. The system is always consistent (its right
-side lies in the range of ``H_SS``), so singular ``H`` and dead inputs need no damping: CG
-converges to a minimiser, and directions with zero curvature are left unchanged.
+Per row ``r`` with kept set ``S`` the optimum solves ``H_SS w_S = (W* H)_S`` (the masked
+gradient ``2 M . (W H - W* H)`` vanishes). Two solvers, chosen by a flop estimate:
+
+* ``direct``: every row's ``k x k`` block ``H_SS`` is gathered (``k`` kept entries per row,
+  always the same for an N:M mask; rows with fewer are padded with identity rows) and
+  factorised by a batched Cholesky decomposition, a chunk of rows at a time, in the Wanda
+  (Jacobi) scaled coordinates ``H_ij (H_ii H_jj)^{-1/2}`` (paper Section 4) with a ridge of
+  ``eps`` on the unit diagonal, raised on the rows whose block is numerically singular.
+  Cost about ``d_out k^3 / 3`` flops; a few PCG iterations then polish it to ``tol``.
+* ``pcg``: all rows together by preconditioned conjugate gradients (Jacobi preconditioner
+  ``diag H``), each row with its own step sizes; one iteration costs one
+  ``(d_out x d_in) @ (d_in x d_in)`` product (``2 d_out d_in^2`` flops), like one step of
+  eq. ``masked_gd``.
+
+The system is always consistent (its right side lies in the range of ``H_SS``), so singular
+``H`` and dead inputs need no damping for CG: it converges to a minimiser, and directions with
+zero curvature are left unchanged. The direct solve puts the dead inputs' zero rows to one on
+the diagonal (their right side is zero, so their weights become zero); a rank-deficient
+``H_SS`` whose factorisation fails gets a larger ridge, which keeps its weights bounded along
+the null directions.
 """
 
 from __future__ import annotations
@@ -16,40 +29,113 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..loss import local_loss_tensor
+from .._linalg import column_scale
 from ..registry import register_refiner
 
+SOLVERS = ("auto", "direct", "pcg")
+_RIDGE_GROWTH = 10.0
 
-@register_refiner("exact", description="minimiser of the local loss with the mask held (batched PCG)")
-def refine_exact(w: Tensor, w_star: Tensor, h: Tensor, mask: Tensor, *, tol: float = 1e-6,
-                 max_iter: int = 150, restart: int = 25) -> Tensor:
-    """Minimise ``Tr((W-W*) H (W-W*)^T)`` over ``W`` zero outside ``mask``, warm-started at ``w``.
 
-    Stops when an iteration lowers the loss by less than ``tol`` times the current loss (CG
-    knows each row's decrease: ``alpha_r (p_r . r_r)``), or after ``max_iter`` iterations.
-    Every ``restart`` iterations the residual and the loss are recomputed exactly (no extra
-    product: they come from ``W H``) and CG restarts from them; if rounding made the true
-    loss worse than at the previous restart, the previous iterate is returned. This keeps
-    float32 reliable on ill-conditioned Hessians.
-    """
-    if not tol >= 0:
-        raise ValueError(f"tol must be non-negative, got {tol!r}")
-    if not isinstance(max_iter, int) or max_iter < 0:
-        raise ValueError(f"max_iter must be a non-negative integer, got {max_iter!r}")
-    if not isinstance(restart, int) or restart < 1:
-        raise ValueError(f"restart must be a positive integer, got {restart!r}")
-    keep = mask.to(w.dtype)
-    w = w * keep
-    if w.numel() == 0 or max_iter == 0:
-        return w
-    target = w_star @ h
+def _loss(w: Tensor, w_star: Tensor, wh: Tensor, target: Tensor) -> float:
+    """``Tr((W-W*) H (W-W*)^T)`` from ``W H`` and ``target = W* H``."""
+    return float(((w - w_star) * (wh - target)).sum())
+
+
+def direct_flops(d_out: int, k: int) -> float:
+    """Flop estimate of the direct solve: one ``k x k`` Cholesky factorisation per row."""
+    return d_out * k ** 3 / 3.0
+
+
+def pcg_flops(d_out: int, d_in: int, iterations: int) -> float:
+    """Flop estimate of ``iterations`` PCG iterations: one ``W H``-sized product each."""
+    return 2.0 * d_out * d_in ** 2 * iterations
+
+
+def pick_solver(d_out: int, d_in: int, k: int, max_iter: int) -> str:
+    """``"direct"`` when its flop estimate is below that of ``max_iter`` PCG iterations (the
+    budget PCG tends to use up on correlated Hessians), else ``"pcg"``."""
+    return "direct" if direct_flops(d_out, k) < pcg_flops(d_out, d_in, max_iter) else "pcg"
+
+
+def _chunk_rows(k: int, d_in: int, element_size: int, device: torch.device) -> int:
+    """Rows per chunk of the direct solve: their gathered rows of ``H`` (``k x d_in``), blocks
+    and factors (``k x k`` each) take at most 256 MiB on an accelerator, 8 MiB on the CPU,
+    where larger buffers fall out of the cache and make the gather memory-bound."""
+    budget = (256 if device.type != "cpu" else 8) * 2 ** 20
+    return max(1, budget // ((k * d_in + 2 * k * k) * element_size))
+
+
+def _cholesky_solve(factor: Tensor, b: Tensor) -> Tensor:
+    """``y`` with ``factor factor^T y = b`` (batched; two triangular solves)."""
+    z = torch.linalg.solve_triangular(factor, b.unsqueeze(-1), upper=False)
+    return torch.linalg.solve_triangular(factor.mT, z, upper=True).squeeze(-1)
+
+
+def _solve_blocks(a: Tensor, b: Tensor, fallback: Tensor) -> Tensor:
+    """Solve the unit-diagonal PSD systems ``(a + ridge I) y = b`` (batched, ``a`` is
+    overwritten). The ridge starts at the machine epsilon, below the rounding error of the
+    factorisation itself (its effect on the loss is second order in the ridge); it grows
+    tenfold on the rows whose Cholesky factorisation fails (a numerically singular block), up
+    to ``k`` (beyond the spectrum of a unit-diagonal PSD block); rows that still fail (an
+    indefinite or non-finite ``H``) get ``fallback``."""
+    k = a.shape[-1]
+    ridge = torch.finfo(a.dtype).eps
+    a.diagonal(dim1=-2, dim2=-1).add_(ridge)
+    factor, info = torch.linalg.cholesky_ex(a)
+    y = _cholesky_solve(factor, b)
+    rows = (info != 0).nonzero().squeeze(1)
+    sub = a[rows]
+    while rows.numel() and ridge < k:
+        sub.diagonal(dim1=-2, dim2=-1).add_(ridge * (_RIDGE_GROWTH - 1.0))
+        ridge *= _RIDGE_GROWTH
+        factor, info = torch.linalg.cholesky_ex(sub)
+        y[rows] = _cholesky_solve(factor, b[rows])
+        failed = info != 0
+        rows, sub = rows[failed], sub[failed]
+    y[rows] = fallback[rows]
+    return y
+
+
+def _direct(w: Tensor, h: Tensor, mask: Tensor, target: Tensor, k: int) -> Tensor:
+    """Masked minimiser by per-row Cholesky solves of ``H_SS w_S = target_S`` (see module
+    docstring); ``w`` (already zero outside ``mask``) is the fallback of unsolvable rows."""
+    d_out, d_in = w.shape
+    s = column_scale(h)
+    hs = h / s[:, None] / s[None, :]
+    hs.diagonal().masked_fill_(torch.diagonal(h) <= 0, 1.0)  # dead inputs: zero row and column
+    counts = mask.sum(1)
+    order = torch.sort(mask.to(torch.uint8), dim=1, descending=True, stable=True).indices[:, :k]
+    valid = torch.arange(k, device=w.device) < counts[:, None]  # (d_out, k): kept entries first
+    padded = not bool(valid.all())
+    s_kept = s[order]
+    rhs = (target.gather(1, order) / s_kept) * valid
+    start = w.gather(1, order) * s_kept
+    out = torch.empty_like(rhs)
+    chunk = _chunk_rows(k, d_in, h.element_size(), h.device)
+    rows_buf = h.new_empty(min(chunk, d_out) * k, d_in)
+    block_buf = h.new_empty(min(chunk, d_out), k, k)
+    for lo in range(0, d_out, chunk):
+        idx = order[lo:lo + chunk]
+        n = idx.shape[0]
+        rows = torch.index_select(hs, 0, idx.reshape(-1), out=rows_buf[:n * k]).view(n, k, d_in)
+        a = torch.gather(rows, 2, idx[:, None, :].expand(n, k, k), out=block_buf[:n])
+        if padded:  # identity on the padding: its weight solves 1 * y = 0
+            v = valid[lo:lo + chunk]
+            a.mul_(v[:, :, None] & v[:, None, :]).diagonal(dim1=-2, dim2=-1).add_(~v)
+        out[lo:lo + chunk] = _solve_blocks(a, rhs[lo:lo + chunk], start[lo:lo + chunk])
+    return torch.zeros_like(w).scatter_(1, order, out / s_kept * valid)
+
+
+def _pcg(w: Tensor, w_star: Tensor, h: Tensor, keep: Tensor, target: Tensor, *, tol: float,
+         max_iter: int, restart: int, best_w: Tensor, best_loss: float) -> Tensor:
+    """Batched Jacobi-preconditioned CG from ``w``; returns ``best_w`` (loss ``best_loss``)
+    unless it finds a lower loss."""
     diag = torch.diagonal(h)
     inv_diag = torch.where(diag > 0, 1.0 / diag.clamp_min(torch.finfo(h.dtype).tiny), 0.0) * keep
     it = 0
-    best_w, best_loss = w, float("inf")
     while it < max_iter:
         wh = w @ h  # exact residual and loss at every (re)start
-        loss = float(((w - w_star) * (wh - target)).sum())
+        loss = _loss(w, w_star, wh, target)
         if loss > best_loss:
             return best_w
         best_w, best_loss = w, loss
@@ -75,5 +161,49 @@ def refine_exact(w: Tensor, w_star: Tensor, h: Tensor, mask: Tensor, *, tol: flo
             beta = torch.where(rz > 0, rz_new / torch.where(rz > 0, rz, 1.0), 0.0)
             rz = rz_new
             p = z + beta[:, None] * p
-    final = float(((w - w_star) * (w @ h - target)).sum())
-    return w if final <= best_loss else best_w
+    return w if _loss(w, w_star, w @ h, target) <= best_loss else best_w
+
+
+@register_refiner("exact", description="minimiser of the local loss with the mask held "
+                                       "(batched Cholesky or PCG)")
+def refine_exact(w: Tensor, w_star: Tensor, h: Tensor, mask: Tensor, *, solver: str = "auto",
+                 tol: float = 1e-6, max_iter: int = 150, restart: int = 25) -> Tensor:
+    """Minimise ``Tr((W-W*) H (W-W*)^T)`` over ``W`` zero outside ``mask``, warm-started at ``w``.
+
+    ``solver="auto"`` takes the direct solve when its flop estimate ``d_out k^3 / 3`` (``k``
+    the most entries a row keeps) is below that of ``max_iter`` PCG iterations
+    (``2 d_out d_in^2`` each); ``"direct"`` and ``"pcg"`` force one. The direct solution is
+    polished by PCG (it stops after an iteration or two when the solve was accurate).
+
+    PCG stops when an iteration lowers the loss by less than ``tol`` times the current loss
+    (CG knows each row's decrease: ``alpha_r (p_r . r_r)``), or after ``max_iter`` iterations.
+    Every ``restart`` iterations the residual and the loss are recomputed exactly (no extra
+    product: they come from ``W H``) and CG restarts from them; if rounding made the true
+    loss worse than at the previous restart, the previous iterate is returned. This keeps
+    float32 reliable on ill-conditioned Hessians. The result's loss never exceeds that of
+    ``w`` with the mask applied.
+    """
+    if solver not in SOLVERS:
+        raise ValueError(f"solver must be one of {', '.join(SOLVERS)}, got {solver!r}")
+    if not tol >= 0:
+        raise ValueError(f"tol must be non-negative, got {tol!r}")
+    if not isinstance(max_iter, int) or max_iter < 0:
+        raise ValueError(f"max_iter must be a non-negative integer, got {max_iter!r}")
+    if not isinstance(restart, int) or restart < 1:
+        raise ValueError(f"restart must be a positive integer, got {restart!r}")
+    keep = mask.to(w.dtype)
+    w = w * keep
+    if w.numel() == 0:
+        return w
+    d_out, d_in = w.shape
+    k = int(mask.sum(1).max())
+    direct = (pick_solver(d_out, d_in, k, max_iter) if solver == "auto" else solver) == "direct"
+    if k == 0 or (not direct and max_iter == 0):
+        return w  # nothing kept (the only feasible point) or nothing to do
+    target = w_star @ h
+    options = {"tol": tol, "max_iter": max_iter, "restart": restart}
+    if not direct:
+        return _pcg(w, w_star, h, keep, target, best_w=w, best_loss=float("inf"), **options)
+    start_loss = _loss(w, w_star, w @ h, target)
+    return _pcg(_direct(w, h, mask, target, k), w_star, h, keep, target, best_w=w,
+                best_loss=start_loss, **options)

@@ -1,0 +1,125 @@
+"""refine="exact": the direct (batched Cholesky) and PCG solvers against a float64 per-row
+least-squares oracle, on regular, singular and degenerate problems."""
+
+import pytest
+import torch
+
+from nmprune.algorithms.refine_exact import pick_solver
+from nmprune.loss import local_loss
+from nmprune.pattern import NMPattern
+from nmprune.prune import full_mask
+from nmprune.registry import get_method, get_refiner
+
+refine_exact = get_refiner("exact").fn
+
+
+def oracle(w_star: torch.Tensor, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Float64 minimiser with the mask held: one least-squares solve per row."""
+    w_star, h = w_star.double(), h.double()
+    target = w_star @ h
+    out = torch.zeros_like(w_star)
+    for r in range(w_star.shape[0]):
+        s = mask[r]
+        if s.any():
+            block = h[s][:, s]
+            out[r, s] = torch.linalg.lstsq(block, target[r, s].unsqueeze(1), driver="gelsd").solution.squeeze(1)
+    return out
+
+
+def problem(d_out: int, d_in: int, n: int, seed: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Correlated inputs ``X`` (a shared factor, channel scales); ``H = X X^T / n`` is singular
+    when ``n < d_in``."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(d_in, 4, generator=g, dtype=torch.float64) @ torch.randn(4, n, generator=g, dtype=torch.float64)
+    x = (x + torch.randn(d_in, n, generator=g, dtype=torch.float64)) * torch.exp(torch.randn(d_in, 1, generator=g, dtype=torch.float64))
+    w = torch.randn(d_out, d_in, generator=g, dtype=torch.float64)
+    return w.to(dtype), (x @ x.T / n).to(dtype)
+
+
+def cases() -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    regular = problem(10, 48, 200, 0, torch.float64)
+    low_rank = problem(10, 48, 36, 1, torch.float64)  # rank 36 < 48: singular H
+    w, h = problem(10, 48, 200, 4, torch.float64)
+    idx = torch.arange(0, 48, 3)
+    h[idx + 1] = h[idx]
+    h[:, idx + 1] = h[:, idx]  # input 3j+1 duplicates input 3j: singular blocks H_SS
+    collinear = (w, h)
+    w, h = problem(10, 48, 200, 2, torch.float64)
+    h[5, :] = 0
+    h[:, 5] = 0  # a dead input
+    w[3] = 0  # an all-zero row
+    return [("regular", *regular), ("low_rank", *low_rank), ("collinear", *collinear), ("degenerate", w, h)]
+
+
+def wanda_mask(w: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    p = NMPattern(2, 4)
+    return full_mask(get_method("wanda").fn(w, h, p), w, h, p)
+
+
+def loss64(w: torch.Tensor, w_star: torch.Tensor, h: torch.Tensor) -> float:
+    return local_loss(w.double(), w_star.double(), h.double())
+
+
+@pytest.mark.parametrize("solver", ["auto", "direct", "pcg"])
+@pytest.mark.parametrize("name,w,h", cases(), ids=lambda c: c if isinstance(c, str) else "")
+def test_solvers_reach_the_oracle_loss(solver, name, w, h):
+    mask = wanda_mask(w, h)
+    start = w * mask
+    best = loss64(oracle(w, h, mask), w, h)
+    out = refine_exact(start, w, h, mask, solver=solver, tol=1e-12, max_iter=500)
+    assert out.dtype == w.dtype and not bool(out[~mask].any())
+    assert loss64(out, w, h) == pytest.approx(best, rel=1e-6, abs=1e-12 * loss64(start, w, h))
+    assert loss64(out, w, h) <= loss64(start, w, h)
+    assert not bool(out[3].any()) or name != "degenerate"
+
+
+@pytest.mark.parametrize("name,w,h", cases(), ids=lambda c: c if isinstance(c, str) else "")
+def test_float32_direct_solve_with_default_options(name, w, h):
+    mask = wanda_mask(w, h)
+    best = loss64(oracle(w, h, mask), w, h)
+    out = refine_exact(w.float() * mask, w.float(), h.float(), mask, solver="direct")
+    assert out.dtype == torch.float32 and bool(torch.isfinite(out).all()) and not bool(out[~mask].any())
+    assert loss64(out, w, h) == pytest.approx(best, rel=1e-4, abs=1e-6 * loss64(w * mask, w, h))
+
+
+def test_rows_keeping_different_numbers_of_entries_and_none():
+    w, h = problem(6, 16, 64, 3, torch.float64)
+    g = torch.Generator().manual_seed(0)
+    mask = torch.rand(6, 16, generator=g) < 0.5
+    mask[0] = False  # a row with nothing kept
+    mask[1] = True  # a row keeping everything: the optimum is W* itself
+    best = loss64(oracle(w, h, mask), w, h)
+    for solver in ("direct", "pcg"):
+        out = refine_exact(torch.zeros_like(w), w, h, mask, solver=solver, tol=1e-12, max_iter=500)
+        assert not bool(out[~mask].any())
+        assert loss64(out, w, h) == pytest.approx(best, rel=1e-6)
+    assert torch.allclose(refine_exact(w * 0, w, h, mask, solver="direct")[1], w[1], atol=1e-8)
+    empty = torch.zeros_like(mask)
+    assert not bool(refine_exact(w, w, h, empty, solver="direct").any())
+    assert refine_exact(w[:0], w[:0], h, mask[:0], solver="direct").shape == (0, 16)
+
+
+def test_loss_never_exceeds_the_start_and_zero_hessian():
+    w, h = cases()[2][1:]
+    mask = wanda_mask(w, h)
+    best_start = oracle(w, h, mask)
+    for solver in ("direct", "pcg"):
+        out = refine_exact(best_start, w, h, mask, solver=solver)
+        assert loss64(out, w, h) <= loss64(best_start, w, h) * (1 + 1e-12)
+    zero = torch.zeros_like(h)  # every input dead: every W has loss 0
+    assert torch.equal(refine_exact(w * mask, w, zero, mask, solver="pcg"), w * mask)
+    assert not bool(refine_exact(w * mask, w, zero, mask, solver="direct").any())
+
+
+def test_auto_picks_by_flop_estimate_and_bad_solver_raises():
+    assert pick_solver(576, 576, 288, max_iter=150) == "direct"
+    assert pick_solver(4096, 16384, 8192, max_iter=150) == "pcg"  # d_out k^3/3 > 150 PCG products
+    assert pick_solver(576, 576, 288, max_iter=0) == "pcg"
+    w, h = cases()[0][1:]
+    mask = wanda_mask(w, h)
+    # max_iter=0 leaves PCG no budget: auto returns the masked start, direct still solves
+    assert torch.equal(refine_exact(w * 0, w, h, mask, max_iter=0), w * 0)
+    best = loss64(oracle(w, h, mask), w, h)
+    assert loss64(refine_exact(w * 0, w, h, mask, solver="direct", max_iter=0), w, h) == pytest.approx(best, rel=1e-8)
+    with pytest.raises(ValueError, match="solver must be one of auto, direct, pcg, got 'lu'"):
+        refine_exact(w, w, h, mask, solver="lu")
