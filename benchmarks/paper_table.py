@@ -356,7 +356,8 @@ def lambda_ablation(bench: Bench, log: Callable[[str], None]) -> dict[str, Any]:
     """Lambda schedule (lambda_0, beta, adaptive vs fixed, eq. ``lambda_adapt``) on one real
     layer: local loss after the method and after exact refinement, iterations, seconds."""
     from nmprune.loss import local_loss
-    from nmprune.algorithms.prox import prox_gradient, screened_prox_2of4
+    from nmprune.algorithms.prox import prox_gradient
+    from nmprune.prox import prox_2of4
     from nmprune.pattern import parse_pattern
     from nmprune.prune import full_mask
     from nmprune.registry import get_refiner
@@ -376,7 +377,7 @@ def lambda_ablation(bench: Bench, log: Callable[[str], None]) -> dict[str, Any]:
 
                 def cell_prox(z, lam):
                     calls[0] += 1
-                    return screened_prox_2of4(z, lam, "gd")
+                    return prox_2of4(z, lam)
 
                 t = time.perf_counter()
                 with warnings.catch_warnings():

@@ -140,14 +140,3 @@ def test_exact_refiner_rejects_bad_options():
     with pytest.raises(ValueError, match="beta must be > 1"):
         prune_layer(w, h, method="prox", beta=1.0)
     assert get_refiner("exact").fn(w * 0, w, h, torch.zeros_like(w, dtype=torch.bool)).abs().sum() == 0
-
-
-@pytest.mark.parametrize("lam", [0.02, 0.3, 1.0, 5.0])
-def test_screened_prox_equals_the_plain_exact_prox(lam):
-    from nmprune.algorithms.prox import screened_prox_2of4
-    from nmprune.prox import prox_2of4
-
-    g = torch.Generator().manual_seed(1)
-    z = torch.randn(300, 4, generator=g, dtype=torch.float64) * torch.rand(300, 1, generator=g, dtype=torch.float64) * 3
-    lam_t = torch.tensor(lam, dtype=torch.float64)
-    assert torch.allclose(screened_prox_2of4(z, lam_t, "gd"), prox_2of4(z, lam_t, solver="gd"), atol=1e-9)

@@ -94,29 +94,9 @@ def prox_gradient(w_star: Tensor, h: Tensor, pattern: NMPattern, cell_prox: Cell
     return w / s
 
 
-def screened_prox_2of4(z: Tensor, lam: Tensor, solver: str) -> Tensor:
-    """``prox_2of4`` that answers the cells whose optimum is provably 2-sparse without the solver.
-
-    On sorted magnitudes ``a_1 >= ... >= a_4`` a 3-sparse optimum needs ``lam a_1 a_2 < 4 a_3``
-    and a dense one ``lam a_1 a_2 < 9 a_4`` (the PSD-Hessian conditions of Lemma
-    ``lem:hessian`` with the stationarity equations of Lemma ``lem:three_cases``; derived in
-    ``nmprune.prox.newton``); when both fail the prox is ``[z_1, z_2, 0, 0]``. Late in the
-    schedule almost every cell is of that kind, so only the few undecided cells reach the
-    (costly) exact solver.
-    """
-    a = torch.sort(z.abs(), dim=-1, descending=True).values
-    lam_a12 = lam * a[..., 0] * a[..., 1]
-    decided = (lam_a12 >= 4 * a[..., 2]) & (lam_a12 >= 9 * a[..., 3])
-    out = z * topn_mask(z.abs(), NMPattern(2, 4))
-    rest = (~decided).nonzero(as_tuple=True)
-    if rest[0].numel():
-        out[rest] = prox_2of4(z[rest], lam, solver=solver)
-    return out
-
-
 def _exact_prox(pattern: NMPattern, solver: str) -> CellProx:
     if (pattern.n, pattern.m) == (2, 4):
-        return lambda z, lam: screened_prox_2of4(z, lam, solver)
+        return lambda z, lam: prox_2of4(z, lam, solver=solver)
     if solver not in SOLVERS:
         raise ValueError(f"solver must be one of {SOLVERS}, got {solver!r}")
     return lambda z, lam: prox_nm(z, lam, pattern.n)  # the solver choice concerns 2:4 only
