@@ -89,7 +89,8 @@ def three_sparse_root(z1: Tensor, z2: Tensor, z3: Tensor, lam: Tensor) -> tuple[
         dphi = 1 - (aa * ip + bb * im) * 0.5
         none |= (u <= lo) | (u >= hi) | (dphi <= 0)
     # phi == 0 at u* exactly: step 0/... stays put (dphi > 0 there since k < 1)
-    converged = ~none & (step.abs() <= STEP_TOL * u)
+    # converged: a relative step of 1e-12, or a residual at rounding level (roots near u = 0)
+    converged = ~none & ((step.abs() <= STEP_TOL * u) | (phi.abs() <= 4e-16 * (u.abs() + (aa + bb) * 0.25 + c)))
     # the PSD root is unique: a converged root outside the valid range proves there is none
     invalid = converged & ((u <= 0) | (u >= umax))
     return u, converged & ~invalid, none | invalid

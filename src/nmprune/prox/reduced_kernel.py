@@ -33,6 +33,7 @@ BOX_ROUNDS = 4
 MAX_FALLBACK = 30
 MAX_HALVINGS = 20
 XY_ROUNDS = 3
+NEWTON4_ITER = 30
 DEC_TOL = 1e-24
 
 if AVAILABLE:
@@ -75,7 +76,8 @@ if AVAILABLE:
             dphi = 1.0 - (aa * ip + bb * im) * 0.5
             if dphi <= 0.0:
                 return 0, 0.0
-            if abs(step) <= STEP_TOL * u:
+            # converged: a relative step of 1e-12, or a residual at rounding level (roots u ~ 0)
+            if abs(step) <= STEP_TOL * u or abs(phi) <= 4e-16 * (u + (aa + bb) * 0.25 + c):
                 if u <= 0.0 or u >= umax:
                     return 0, 0.0
                 return 1, u
@@ -245,6 +247,17 @@ if AVAILABLE:
                     best = min(best, cx * x + cy * y)
         return best
 
+    @njit(cache=True, inline="always")
+    def _phi_grad(x, y, h11, h12, h22, d1, d2):
+        """``(dphi/dx, dphi/dy, phi)`` for ``phi = sqrt(h11 h22) - (x + y)`` (concave; ``R`` is
+        where it is positive, with ``x, y < 1``)."""
+        root = np.sqrt(h11 * h22)
+        ix = 1.0 / (1.0 - x)
+        iy = 1.0 / (1.0 - y)
+        ax = (h22 * (-3.0 * d2 * d2 * ix ** 4) + h11) / (2.0 * root) - 1.0
+        ay = (h22 + h11 * (-3.0 * d1 * d1 * iy ** 4)) / (2.0 * root) - 1.0
+        return ax, ay, root - h12
+
     @njit(cache=True)
     def _convex_lower_bound(x, y, gv, g1, g2, h11, h12, h22, d1, d2, xlo, xhi, ylo, yhi, cons):
         """Lower bound on ``G`` over the dense PSD points with non-negative entries in the box,
@@ -252,16 +265,14 @@ if AVAILABLE:
         convex on ``R``) minimised over the box cut by tangents of the convex constraints:
         ``phi = sqrt(h11 h22) - (x + y) >= 0`` (``phi`` concave; it holds ``R``), ``w_4 >= 0``
         i.e. ``y >= d2/(1 - x)`` and ``w_2 >= 0`` i.e. ``x >= d1/(1 - y)`` (convex curves)."""
-        root = np.sqrt(h11 * h22)
+        ax, ay, phi = _phi_grad(x, y, h11, h12, h22, d1, d2)
         ix = 1.0 / (1.0 - x)
         iy = 1.0 / (1.0 - y)
-        ax = (h22 * (-3.0 * d2 * d2 * ix ** 4) + h11) / (2.0 * root) - 1.0
-        ay = (h22 + h11 * (-3.0 * d1 * d1 * iy ** 4)) / (2.0 * root) - 1.0
         cons[0, 0], cons[0, 1], cons[0, 2] = 1.0, 0.0, xlo
         cons[1, 0], cons[1, 1], cons[1, 2] = -1.0, 0.0, -xhi
         cons[2, 0], cons[2, 1], cons[2, 2] = 0.0, 1.0, ylo
         cons[3, 0], cons[3, 1], cons[3, 2] = 0.0, -1.0, -yhi
-        cons[4, 0], cons[4, 1], cons[4, 2] = ax, ay, ax * x + ay * y - (root - h12)
+        cons[4, 0], cons[4, 1], cons[4, 2] = ax, ay, ax * x + ay * y - phi
         # y >= d2 ix + d2 ix^2 (x' - x), i.e. -d2 ix^2 x' + y' >= d2 ix - d2 ix^2 x
         cons[5, 0], cons[5, 1], cons[5, 2] = -d2 * ix * ix, 1.0, d2 * ix - d2 * ix * ix * x
         cons[6, 0], cons[6, 1], cons[6, 2] = 1.0, -d1 * iy * iy, d1 * iy - d1 * iy * iy * y
@@ -305,19 +316,136 @@ if AVAILABLE:
                 b = (z3 - z4) / (1.0 - x)
                 return 1, (p + a) / 2.0, (p - a) / 2.0, (q + b) / 2.0, (q - b) / 2.0
             t = 1.0
-            moved = False
+            xb, yb, gb = x, y, gv
             for _ in range(MAX_HALVINGS):
                 xn, yn = x + t * dx, y + t * dy
                 if _in_r(xn, yn, s1, s2, d1, d2):
                     gn = _g_value(xn, yn, s1, s2, d1, d2)
                     if gn <= gv - 2e-4 * t * dec:
-                        x, y, gv = xn, yn, gn
-                        moved = True
+                        xb, yb, gb = xn, yn, gn
                         break
                 t *= 0.5
-            if not moved:
+            if t < 0.25:
+                # near the boundary of R, where grad^2 G turns singular, Newton steps get cut
+                # short: also try the gradient projected onto the tangent of phi = 0, which
+                # slides along the boundary towards its minimiser
+                nx, ny, _ = _phi_grad(x, y, h11, h12, h22, d1, d2)
+                proj = (g1 * nx + g2 * ny) / (nx * nx + ny * ny)
+                tx, ty = -(g1 - proj * nx), -(g2 - proj * ny)
+                norm = np.sqrt(tx * tx + ty * ty)
+                if norm > 0.0:
+                    t = 0.1 / norm
+                    for _ in range(MAX_HALVINGS):
+                        xn, yn = x + t * tx, y + t * ty
+                        if _in_r(xn, yn, s1, s2, d1, d2):
+                            gn = _g_value(xn, yn, s1, s2, d1, d2)
+                            if gn < gb:
+                                xb, yb, gb = xn, yn, gn
+                                break
+                        t *= 0.5
+            if gb >= gv:
                 break
+            x, y, gv = xb, yb, gb
         return -1, 0.0, 0.0, 0.0, 0.0
+
+    @njit(cache=True)
+    def _grad_hess4(w, z, lam, g, h):
+        """Gradient and Hessian (eq. ``hessian_4sparse``) of ``f`` at ``w`` into ``g``, ``h``."""
+        g[0] = w[0] - z[0] + lam * (w[1] * w[2] + w[1] * w[3] + w[2] * w[3])
+        g[1] = w[1] - z[1] + lam * (w[0] * w[2] + w[0] * w[3] + w[2] * w[3])
+        g[2] = w[2] - z[2] + lam * (w[0] * w[1] + w[0] * w[3] + w[1] * w[3])
+        g[3] = w[3] - z[3] + lam * (w[0] * w[1] + w[0] * w[2] + w[1] * w[2])
+        total = w[0] + w[1] + w[2] + w[3]
+        for i in range(4):
+            h[i, i] = 1.0
+            for j in range(i + 1, 4):
+                h[i, j] = h[j, i] = lam * (total - w[i] - w[j])
+
+    @njit(cache=True)
+    def _newton_direction(h, g, d):
+        """``d = -h^{-1} g`` by Cholesky; False when ``h`` is not positive definite."""
+        low = np.zeros((4, 4))
+        for j in range(4):
+            v = h[j, j]
+            for t in range(j):
+                v -= low[j, t] * low[j, t]
+            if v <= 0.0:
+                return False
+            low[j, j] = np.sqrt(v)
+            for i in range(j + 1, 4):
+                v = h[i, j]
+                for t in range(j):
+                    v -= low[i, t] * low[j, t]
+                low[i, j] = v / low[j, j]
+        for i in range(4):
+            v = -g[i]
+            for t in range(i):
+                v -= low[i, t] * d[t]
+            d[i] = v / low[i, i]
+        for i in range(3, -1, -1):
+            v = d[i]
+            for t in range(i + 1, 4):
+                v -= low[t, i] * d[t]
+            d[i] = v / low[i, i]
+        return True
+
+    @njit(cache=True)
+    def _dense_newton4(z, lam, lo, hi, beat):
+        """Last resort for the dense case, the damped Newton method of
+        :func:`nmprune.prox.newton.damped_newton` on ``f`` over ``w > 0`` with a positive definite
+        Hessian, from the middle of the case box ``lo <= w <= hi`` (or a scaled ``z`` well inside
+        the PSD region); stops early when the convexity bound over the box exceeds ``beat``.
+        Returns ``(objective, w)`` of its last iterate."""
+        g = np.empty(4)
+        d = np.empty(4)
+        h = np.empty((4, 4))
+        cand = np.empty(4)
+        w = 0.5 * (lo + hi)
+        _grad_hess4(w, z, lam, g, h)
+        if not (_newton_direction(h, g, d) and w.min() > 0.0):
+            w = z * min(0.25 / max(lam * z.sum(), 1e-300), 1.0)
+        f = _objective4(w[0], w[1], w[2], w[3], z[0], z[1], z[2], z[3], lam)
+        zmax2 = z[0] * z[0]
+        for _ in range(NEWTON4_ITER):
+            _grad_hess4(w, z, lam, g, h)
+            _newton_direction(h, g, d)
+            dec = 0.0
+            lower = f
+            gg = 0.0
+            for i in range(4):
+                dec -= g[i] * d[i]
+                lower += min(g[i] * (lo[i] - w[i]), g[i] * (hi[i] - w[i]))
+                gg += g[i] * g[i]
+            if lower > beat or dec <= 1e-22 * zmax2 or w.min() <= 1e-12 * z[0]:
+                break
+            alpha_n = 1.0
+            alpha_g = 0.25
+            for i in range(4):
+                if d[i] < 0.0:
+                    alpha_n = min(alpha_n, -0.99 * w[i] / d[i])
+                if g[i] > 0.0:
+                    alpha_g = min(alpha_g, 0.99 * w[i] / g[i])
+            accepted = False
+            for trial in range(6):  # two Newton steps shrunk by 4, then gradient steps halved
+                if trial < 2:
+                    step = alpha_n * 0.25 ** trial
+                    for i in range(4):
+                        cand[i] = w[i] + step * d[i]
+                    need = f - 1e-4 * step * dec
+                else:
+                    step = alpha_g * 0.5 ** (trial - 2)
+                    for i in range(4):
+                        cand[i] = w[i] - step * g[i]
+                    need = f - 1e-4 * step * gg
+                fc = _objective4(cand[0], cand[1], cand[2], cand[3], z[0], z[1], z[2], z[3], lam)
+                if fc <= need and _pd4(lam, cand[0], cand[1], cand[2], cand[3]):
+                    w[:] = cand
+                    f = fc
+                    accepted = True
+                    break
+            if not accepted:
+                break
+        return f, w
 
     @njit(cache=True, inline="always")
     def _solve_sorted(z1, z2, z3, z4, lam):
@@ -360,7 +488,11 @@ if AVAILABLE:
         if st < 0:
             st, v1, v2, v3, v4 = _dense_convex(z1, z2, z3, z4, lam, xlo, xhi, ylo, yhi, best)
             if st < 0:
-                return True, w1, w2, w3, w4
+                f4, v = _dense_newton4(np.array((z1, z2, z3, z4)), lam, np.array((l1, l2, l3, l4)),
+                                       np.array((h1, h2, h3, h4)), best)
+                if f4 < best:
+                    return False, v[0], v[1], v[2], v[3]
+                return False, w1, w2, w3, w4
             if st == 0:
                 return False, w1, w2, w3, w4
         if v2 > 0.0 and v4 > 0.0:
@@ -401,8 +533,13 @@ if AVAILABLE:
 
 
 def run(z: np.ndarray, lam: np.ndarray, out: np.ndarray, undecided: np.ndarray) -> None:
-    """:func:`prox_cells` on as many numba threads as torch uses."""
+    """:func:`prox_cells` on as many numba threads as torch uses (torch's count is left as it was)."""
     import torch
 
-    numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
-    prox_cells(z, lam, out, undecided)
+    threads = torch.get_num_threads()
+    numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
+    try:
+        prox_cells(z, lam, out, undecided)
+    finally:
+        # numba's OpenMP layer can change the OpenMP thread count that torch reads
+        torch.set_num_threads(threads)
