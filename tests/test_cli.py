@@ -31,7 +31,7 @@ def test_yaml_then_flags(tmp_path):
     assert c.prune.overrides == {"*.mlp.down_proj": "skip", "*.q_proj": {"method": "wanda", "refine": "none"}}
     assert c.eval == ["austen", "wiki"] and c.out == "o"
     assert _config(["--config", str(y), "--no-eval"]).eval == []
-    assert _config([]).prune.method == "wanda" and _config([]).eval == ["wiki"]
+    assert _config([]).prune.method == "prox" and _config([]).eval == ["wiki"]
     assert _config(["--refine", "none"]).prune.refine is None
 
 

@@ -187,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML file of settings (flags override it)")
     _add_model_args(p)
     p.add_argument("--out", help="output directory for the pruned model (must not exist)")
-    p.add_argument("--method", help="layer pruning method (see `nmprune methods`; default wanda)")
+    p.add_argument("--method", help="layer pruning method (see `nmprune methods`; default prox, the paper's method)")
     p.add_argument("--refine", help="refiner after masking: exact (default), gd or none")
     p.add_argument("--pattern", help="N:M pattern (default 2:4)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",

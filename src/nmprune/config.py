@@ -43,7 +43,7 @@ class PruneSettings:
     blocks; Appendix ``app:use_unpruned_inputs``).
     """
 
-    method: str = "wanda"
+    method: str = "prox"
     refine: str | None = "exact"
     pattern: str = "2:4"
     options: dict[str, Any] = field(default_factory=dict)
