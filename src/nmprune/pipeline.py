@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from .checkpoint import Checkpoint
 from .config import LayerPlan, PruneSettings
+from ._memory import release_memory
 from .hessian import HessianCollector, InputStats, capture_block_inputs, run_block
 from .loss import local_loss
 from .models import find_blocks, find_linears, set_weight_matrix, shared_weight_ptrs, weight_matrix
@@ -257,6 +258,7 @@ def _prune_block(index: int, block: nn.Module, layers: dict[str, nn.Module], blo
         outputs = [run_block(block, h, inputs.call(index, h)) for h in inputs.hidden]
     inputs.hidden = outputs
     block.to("cpu")
+    release_memory()
     return records
 
 

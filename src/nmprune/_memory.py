@@ -1,0 +1,45 @@
+"""Give freed memory back to the operating system during a long run.
+
+glibc keeps freed heap memory for reuse, and its mmap threshold grows each time a large block
+is freed, so later large tensors come from the heap and fragment it: on the packaged model the
+resident set grew by about 100 MB per decoder block (1.87 GB peak for the main job).
+:func:`prefer_mmap` (called by the CLI) pins the threshold at 1 MiB, so tensors of a MiB or
+more are mapped and unmapped directly; :func:`release_memory` (after loading, evaluating and
+every block) returns the free heap pages. Together they brought that peak to about 1.4 GB.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import gc
+import sys
+
+
+def _glibc():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim, libc.mallopt  # noqa: B018 - both exist on glibc only
+        return libc
+    except (OSError, AttributeError):  # not glibc (e.g. musl)
+        return None
+
+
+_LIBC = _glibc()
+_M_MMAP_THRESHOLD = -3
+
+
+def prefer_mmap(threshold: int = 1 << 20) -> None:
+    """Serve allocations of ``threshold`` bytes or more by mmap (glibc; process-wide, so only
+    the command-line entry point calls it)."""
+    if _LIBC is not None:
+        _LIBC.mallopt(_M_MMAP_THRESHOLD, threshold)
+
+
+def release_memory() -> None:
+    """Collect garbage and, on glibc, return free heap pages to the system."""
+    gc.collect()
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
