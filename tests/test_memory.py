@@ -33,7 +33,7 @@ def test_release_memory_returns_freed_heap_pages():
 
 @pytest.mark.skipif(_memory._LIBC is None, reason="glibc only (malloc_trim/mallopt)")
 def test_prefer_mmap_maps_large_blocks():
-    _memory.prefer_mmap(1 << 20)
+    _memory.prefer_mmap()
     before = _rss_mb()
     block = bytearray(64 << 20)
     block[::4096] = b"x" * len(block[::4096])
