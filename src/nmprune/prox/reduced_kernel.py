@@ -136,27 +136,26 @@ if AVAILABLE:
         for _ in range(MAX_DENSE):
             if x >= 1.0 or y >= 1.0:
                 return -1, 0.0, 0.0, 0.0, 0.0
-            ix = 1.0 / (1.0 - x)
-            iy = 1.0 / (1.0 - y)
-            e2 = d2 * ix
-            e1 = d1 * iy
-            g1 = x - s1 + x * y + 0.5 * (y * y - e2 * e2)
-            g2 = y - s2 + x * y + 0.5 * (x * x - e1 * e1)
-            h11 = 1.0 + y - e2 * e2 * ix
-            h22 = 1.0 + x - e1 * e1 * iy
-            h12 = x + y
+            g1, g2, h11, h12, h22 = _g_derivs(x, y, s1, s2, d1, d2)
             det = h11 * h22 - h12 * h12
             dx = (h12 * g2 - h22 * g1) / det
             dy = (h12 * g1 - h11 * g2) / det
             if h11 > 0.0 and det > 0.0 and abs(dx) + abs(dy) <= STEP_TOL * (x + y):
-                p = x / lam
-                q = y / lam
-                a = (z1 - z2) / (1.0 - y)
-                b = (z3 - z4) / (1.0 - x)
-                return 1, (p + a) / 2.0, (p - a) / 2.0, (q + b) / 2.0, (q - b) / 2.0
+                w1, w2, w3, w4 = _dense_weights(x, y, z1, z2, z3, z4, lam)
+                return 1, w1, w2, w3, w4
             x += dx
             y += dy
         return -1, 0.0, 0.0, 0.0, 0.0
+
+    @njit(cache=True, inline="always")
+    def _dense_weights(x, y, z1, z2, z3, z4, lam):
+        """The dense point of ``(x, y)``: sums ``x/lam``, ``y/lam`` and the optimal differences
+        ``(z1 - z2)/(1 - y)``, ``(z3 - z4)/(1 - x)``."""
+        p = x / lam
+        q = y / lam
+        a = (z1 - z2) / (1.0 - y)
+        b = (z3 - z4) / (1.0 - x)
+        return (p + a) / 2.0, (p - a) / 2.0, (q + b) / 2.0, (q - b) / 2.0
 
     @njit(cache=True, inline="always")
     def _case_box(z1, z2, z3, z4, lam):
@@ -310,11 +309,8 @@ if AVAILABLE:
             dy = (h12 * g1 - h11 * g2) / det
             dec = -(g1 * dx + g2 * dy)
             if dec <= DEC_TOL * (s1 * s1 + s2 * s2) and abs(dx) + abs(dy) <= STEP_TOL * (x + y):
-                p = x / lam
-                q = y / lam
-                a = (z1 - z2) / (1.0 - y)
-                b = (z3 - z4) / (1.0 - x)
-                return 1, (p + a) / 2.0, (p - a) / 2.0, (q + b) / 2.0, (q - b) / 2.0
+                w1, w2, w3, w4 = _dense_weights(x, y, z1, z2, z3, z4, lam)
+                return 1, w1, w2, w3, w4
             t = 1.0
             xb, yb, gb = x, y, gv
             for _ in range(MAX_HALVINGS):

@@ -1,0 +1,85 @@
+"""The README's main job, timed and measured: ``nmprune prune --out DIR`` on the packaged
+SmolLM2-135M-Instruct with the default settings (issue targets: at most 15 minutes on this
+2-core CPU; peak resident memory below twice the model's size plus its Hessians).
+
+Runs the command as a subprocess, takes its peak RSS from ``getrusage(RUSAGE_CHILDREN)``
+(exact, like ``/usr/bin/time -v``), reads the stage timings and perplexities from the run's
+``nmprune_report.json``, and writes ``benchmarks/results/main_job.{json,md}``. The memory
+bound counts the model in float32 (the size of the saved safetensors) and one float32
+``d_in x d_in`` Hessian per distinct layer input of the decoder blocks (q/k/v and gate/up
+share theirs), i.e. all the Hessians a dense-input run computes.
+
+    flock /tmp/nmprune-bench.lock python benchmarks/main_job.py [extra nmprune prune flags]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+LIMIT_SECONDS = 15 * 60
+
+
+def hessian_bytes(report: dict) -> int:
+    """float32 bytes of one Hessian per distinct block input (layers sharing an input share it)."""
+    groups = {("qkv" if any(k in r["name"] for k in ("q_proj", "k_proj", "v_proj")) else
+               "gateup" if any(k in r["name"] for k in ("gate_proj", "up_proj")) else r["name"],
+               r["block"]): r["shape"][1] for r in report["layers"]}
+    return sum(4 * d * d for d in groups.values())
+
+
+def main(extra: list[str]) -> None:
+    out = ROOT / "runs" / "main_job_bench"
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(Path(f"{out}.checkpoint"), ignore_errors=True)
+    cmd = ["nmprune", "prune", "--out", str(out), *extra]
+    load = os.getloadavg()
+    start = time.perf_counter()
+    subprocess.run(cmd, check=True)
+    wall = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    report = json.loads((out / "nmprune_report.json").read_text())
+    model_bytes = (out / "model.safetensors").stat().st_size
+    hess = hessian_bytes(report)
+    bound = 2 * model_bytes + hess
+    res = {"command": " ".join(cmd), "wall_seconds": wall, "limit_seconds": LIMIT_SECONDS,
+           "time_ok": wall <= LIMIT_SECONDS, "peak_rss_bytes": peak, "model_bytes": model_bytes,
+           "hessian_bytes": hess, "memory_bound_bytes": bound, "memory_ok": peak < bound,
+           "stage_seconds": report["seconds"], "perplexity": report["perplexity"],
+           "summary": report["summary"], "method": report["config"]["method"],
+           "refine": report["config"]["refine"], "cpus": os.cpu_count(),
+           "load_average_start": load, "load_average_end": os.getloadavg()}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "main_job.json").write_text(json.dumps(res, indent=1))
+    mb = 1 << 20
+    st = report["seconds"]
+    lines = ["# Main job: `" + res["command"].replace(str(ROOT) + "/", "") + "`", "",
+             f"Packaged SmolLM2-135M-Instruct, default settings ({res['method']} + {res['refine']}), "
+             f"this 2-core CPU; load average {load[0]:.1f} at the start, {res['load_average_end'][0]:.1f} at the end.", "",
+             "| target | measured | limit | met |", "|---|---|---|---|",
+             f"| wall time | {wall / 60:.1f} min | {LIMIT_SECONDS / 60:.0f} min | {'yes' if res['time_ok'] else 'NO'} |",
+             f"| peak RSS | {peak / mb:.0f} MiB | {bound / mb:.0f} MiB = 2 x model {model_bytes / mb:.0f} MiB "
+             f"+ Hessians {hess / mb:.0f} MiB | {'yes' if res['memory_ok'] else 'NO'} |", "",
+             "| stage | seconds |", "|---|---|"]
+    lines += [f"| {k} | {v:.1f} |" for k, v in st.items() if isinstance(v, (int, float))]
+    lines += [f"| prune: {k} | {v:.1f} |" for k, v in st.get("pipeline", {}).items()]
+    ppl = report["perplexity"]
+    lines += ["", f"Perplexity (first {ppl['max_tokens']} held-out tokens, windows of {ppl['seqlen']}):", "",
+              "| model | " + " | ".join(ppl["dense"]) + " |", "|---|" + "---|" * len(ppl["dense"])]
+    for name in ("dense", "pruned"):
+        lines.append(f"| {name} | " + " | ".join(f"{v:.2f}" for v in ppl[name].values()) + " |")
+    lines += ["", f"Mean layer loss relative to Wanda: {report['summary'].get('mean_loss_vs_wanda', float('nan')):.3f}"]
+    (RESULTS / "main_job.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
