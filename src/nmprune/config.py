@@ -52,7 +52,7 @@ class PruneSettings:
     nsamples: int = 64
     seqlen: int = 512
     seed: int = 0
-    batch_size: int = 8
+    batch_size: int = 2
     hessian_inputs: str = "dense"
     hessian_dtype: str = "float32"
     strict: bool = False

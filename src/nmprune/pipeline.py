@@ -178,6 +178,7 @@ def prune_model(model: nn.Module, tokenizer: Any = None, settings: PruneSettings
     if hessians is None:
         calibration = _calibration(model, tokenizer, settings, calibration)
         batches = list(calibration.split(settings.batch_size))
+        release_memory()  # the tokenised corpus
     start = 0
     report = PruneReport(settings=asdict(settings))
     if checkpoint is not None:
