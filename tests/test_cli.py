@@ -154,7 +154,7 @@ def test_packaged_model_end_to_end(tmp_path, capsys):
     assert main(["prune", "--out", str(out), "--nsamples", "4", "--seqlen", "128",
                  "--eval-max-tokens", "2048", "--quiet"]) == 0
     table = capsys.readouterr().out
-    assert "| dense |" in table and "wanda+exact 2:4" in table
+    assert "| dense |" in table and "prox+exact 2:4" in table  # the default method
     report = json.loads((out / "nmprune_report.json").read_text())
     assert report["summary"]["layers_pruned"] == 30 * 7 and report["summary"]["layers_skipped"] == 0
     dense, pruned = report["perplexity"]["dense"]["wiki"], report["perplexity"]["pruned"]["wiki"]
