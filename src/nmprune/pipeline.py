@@ -237,8 +237,8 @@ def _prune_block(index: int, block: nn.Module, layers: dict[str, nn.Module], blo
         collector = inputs.for_block(names)
     else:
         block.to(device)
-        outputs, collector = _block_statistics(block, active, index, inputs, hdtype,
-                                               keep_outputs=settings.hessian_inputs == "dense")
+        collector = _block_statistics(block, active, index, inputs, hdtype,
+                                      propagate=settings.hessian_inputs == "dense")
     records = []
     for sub, plan in _progress(plans.items(), progress and len(plans) > 1, desc=f"block {index}",
                                leave=False):
@@ -255,25 +255,25 @@ def _prune_block(index: int, block: nn.Module, layers: dict[str, nn.Module], blo
     del collector
     if isinstance(inputs, _PrecomputedInputs):
         return records
-    if settings.hessian_inputs != "dense":
-        outputs = [run_block(block, h, inputs.call(index, h)) for h in inputs.hidden]
-    inputs.hidden = outputs
+    if settings.hessian_inputs != "dense":  # propagate through the pruned block
+        inputs.hidden = [run_block(block, h, inputs.call(index, h)) for h in inputs.hidden]
     block.to("cpu")
     release_memory()
     return records
 
 
 def _block_statistics(block: nn.Module, layers: dict[str, nn.Module], index: int, inputs,
-                      hdtype: torch.dtype, keep_outputs: bool) -> tuple[list[Tensor], HessianCollector]:
-    """Run ``block`` on every calibration batch with hooks on ``layers``; returns the block
-    outputs (if ``keep_outputs``) and the collector holding each layer's input statistics."""
-    outputs: list[Tensor] = []
+                      hdtype: torch.dtype, propagate: bool) -> HessianCollector:
+    """Run ``block`` on every calibration batch with hooks on ``layers``; returns the collector
+    holding each layer's input statistics. With ``propagate`` (dense-input mode) each batch's
+    dense output replaces its input in ``inputs.hidden`` at once (the input is not needed
+    again), so only one set of activations is held."""
     with HessianCollector(block, layers, hdtype) as collector:
-        for h in inputs.hidden:
+        for j, h in enumerate(inputs.hidden):
             out = run_block(block, h, inputs.call(index, h))
-            if keep_outputs:
-                outputs.append(out)
-    return outputs, collector
+            if propagate:
+                inputs.hidden[j] = out
+    return collector
 
 
 class _PrecomputedInputs:
@@ -326,13 +326,12 @@ def collect_hessians(model: nn.Module, calibration: Tensor, *, device: str | tor
             for i in _progress(range(len(blocks)), progress, desc="collecting Hessians"):
                 layers = find_linears(blocks[i], tied)
                 blocks[i].to(device)
-                outputs, collector = _block_statistics(blocks[i], layers, i, inputs, dtype, keep_outputs=True)
+                collector = _block_statistics(blocks[i], layers, i, inputs, dtype, propagate=True)
                 moved: dict[int, InputStats] = {}
                 for sub, full in _layer_names(blocks_name, i, layers).items():
                     stats = collector.of(sub)
                     result[full] = moved.setdefault(id(stats), InputStats(stats.xtx.cpu(), stats.xsum.cpu(),
                                                                           stats.count))
-                inputs.hidden = outputs
                 blocks[i].to("cpu")
     finally:
         model.train(was_training)
