@@ -8,7 +8,7 @@ Part B (speed, full matrices): wanda and sparsegpt against minimal re-implementa
 published reference code (per-M-column loops of the Wanda/DSnoT repos, SparseGPT
 ``fasterprune``), and the exact refiner against 1000 masked-GD steps.
 Part C: default prox + exact vs the paper-faithful prox (lambda0 0.01, beta 1.01, gd prox
-solver) + 1000 gd steps.
+solver) + 1000 gd steps, on 16 rows of each SmolLM2 shape.
 
 Writes benchmarks/results/layer_methods.{json,md,png} (parts merged with what is there). Run:
     python benchmarks/layer_methods.py --parts A          (losses; its times are indicative)
@@ -207,8 +207,9 @@ def main(parts: str = "ABC") -> None:
             part_a(name, d_out, d_in, rows, METHODS_4096 if d_in >= 4096 else METHODS, results)
             write_report(results, out, parts)
     if "C" in parts:
-        part_c(*SHAPES[0][:3], 16, results)
-        write_report(results, out, parts)
+        for name, d_out, d_in, _ in SHAPES[:3]:
+            part_c(name, d_out, d_in, 16, results)
+            write_report(results, out, parts)
     if "B" in parts:
         for name, d_out, d_in, _ in SHAPES:
             if d_in < 4096:  # a gd step on full 4096x4096 costs seconds here: 1000 are not affordable
