@@ -166,11 +166,14 @@ def _pcg(w: Tensor, w_star: Tensor, h: Tensor, keep: Tensor, target: Tensor, *, 
 
 @register_refiner("exact", description="minimiser of the local loss with the mask held "
                                        "(batched Cholesky or PCG)")
-def refine_exact(w: Tensor, w_star: Tensor, h: Tensor, mask: Tensor, *, solver: str = "auto",
+def refine_exact(w: Tensor, w_star: Tensor, h: Tensor, mask: Tensor, *, solver: str = "pcg",
                  tol: float = 1e-6, max_iter: int = 150, restart: int = 25) -> Tensor:
     """Minimise ``Tr((W-W*) H (W-W*)^T)`` over ``W`` zero outside ``mask``, warm-started at ``w``.
 
-    ``solver="auto"`` takes the direct solve when its flop estimate ``d_out k^3 / 3`` (``k``
+    The default is ``"pcg"``: on strongly rank-deficient Hessians (fewer calibration tokens
+    than inputs) the float32 direct solve amplified rounding in the null space of ``H[S,S]``
+    and blew up the model (found by the slow end-to-end test), which PCG from the start does
+    not do. ``solver="auto"`` takes the direct solve when its flop estimate ``d_out k^3 / 3`` (``k``
     the most entries a row keeps) is below that of ``max_iter`` PCG iterations
     (``2 d_out d_in^2`` each); ``"direct"`` and ``"pcg"`` force one. The direct solution is
     polished by PCG (it stops after an iteration or two when the solve was accurate).
