@@ -9,18 +9,7 @@ from nmprune.loss import local_loss
 from nmprune.pattern import NMPattern, is_nm_sparse
 from nmprune.prune import prune_layer
 from nmprune.registry import get_method, get_refiner
-
-
-def masked_optimum(w_star, h, mask):
-    """Float64 minimiser of the local loss with the mask held, one direct solve per row."""
-    w_star, h = w_star.double(), h.double()
-    target = w_star @ h
-    out = torch.zeros_like(w_star)
-    for r in range(w_star.shape[0]):
-        s = mask[r]
-        if s.any():
-            out[r, s] = torch.linalg.lstsq(h[s][:, s], target[r, s].unsqueeze(1)).solution.squeeze(1)
-    return out
+from refine_oracle import masked_optimum
 
 
 def brute_force_best_loss(w_star, h, pattern):

@@ -9,22 +9,9 @@ from nmprune.loss import local_loss
 from nmprune.pattern import NMPattern
 from nmprune.prune import full_mask
 from nmprune.registry import get_method, get_refiner
+from refine_oracle import masked_optimum
 
 refine_exact = get_refiner("exact").fn
-
-
-def oracle(w_star: torch.Tensor, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Float64 minimiser with the mask held: one least-squares solve per row."""
-    w_star, h = w_star.double(), h.double()
-    target = w_star @ h
-    out = torch.zeros_like(w_star)
-    for r in range(w_star.shape[0]):
-        s = mask[r]
-        if s.any():
-            block = h[s][:, s]
-            out[r, s] = torch.linalg.lstsq(block, target[r, s].unsqueeze(1), driver="gelsd").solution.squeeze(1)
-    return out
-
 
 def problem(d_out: int, d_in: int, n: int, seed: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Correlated inputs ``X`` (a shared factor, channel scales); ``H = X X^T / n`` is singular
@@ -65,7 +52,7 @@ def loss64(w: torch.Tensor, w_star: torch.Tensor, h: torch.Tensor) -> float:
 def test_solvers_reach_the_oracle_loss(solver, name, w, h):
     mask = wanda_mask(w, h)
     start = w * mask
-    best = loss64(oracle(w, h, mask), w, h)
+    best = loss64(masked_optimum(w, h, mask), w, h)
     out = refine_exact(start, w, h, mask, solver=solver, tol=1e-12, max_iter=500)
     assert out.dtype == w.dtype and not bool(out[~mask].any())
     assert loss64(out, w, h) == pytest.approx(best, rel=1e-6, abs=1e-12 * loss64(start, w, h))
@@ -76,7 +63,7 @@ def test_solvers_reach_the_oracle_loss(solver, name, w, h):
 @pytest.mark.parametrize("name,w,h", cases(), ids=lambda c: c if isinstance(c, str) else "")
 def test_float32_direct_solve_with_default_options(name, w, h):
     mask = wanda_mask(w, h)
-    best = loss64(oracle(w, h, mask), w, h)
+    best = loss64(masked_optimum(w, h, mask), w, h)
     out = refine_exact(w.float() * mask, w.float(), h.float(), mask, solver="direct")
     assert out.dtype == torch.float32 and bool(torch.isfinite(out).all()) and not bool(out[~mask].any())
     assert loss64(out, w, h) == pytest.approx(best, rel=1e-4, abs=1e-6 * loss64(w * mask, w, h))
@@ -88,7 +75,7 @@ def test_rows_keeping_different_numbers_of_entries_and_none():
     mask = torch.rand(6, 16, generator=g) < 0.5
     mask[0] = False  # a row with nothing kept
     mask[1] = True  # a row keeping everything: the optimum is W* itself
-    best = loss64(oracle(w, h, mask), w, h)
+    best = loss64(masked_optimum(w, h, mask), w, h)
     for solver in ("direct", "pcg"):
         out = refine_exact(torch.zeros_like(w), w, h, mask, solver=solver, tol=1e-12, max_iter=500)
         assert not bool(out[~mask].any())
@@ -102,7 +89,7 @@ def test_rows_keeping_different_numbers_of_entries_and_none():
 def test_loss_never_exceeds_the_start_and_zero_hessian():
     w, h = cases()[2][1:]
     mask = wanda_mask(w, h)
-    best_start = oracle(w, h, mask)
+    best_start = masked_optimum(w, h, mask)
     for solver in ("direct", "pcg"):
         out = refine_exact(best_start, w, h, mask, solver=solver)
         assert loss64(out, w, h) <= loss64(best_start, w, h) * (1 + 1e-12)
@@ -119,7 +106,7 @@ def test_auto_picks_by_flop_estimate_and_bad_solver_raises():
     mask = wanda_mask(w, h)
     # max_iter=0 leaves PCG no budget: auto returns the masked start, direct still solves
     assert torch.equal(refine_exact(w * 0, w, h, mask, max_iter=0), w * 0)
-    best = loss64(oracle(w, h, mask), w, h)
+    best = loss64(masked_optimum(w, h, mask), w, h)
     assert loss64(refine_exact(w * 0, w, h, mask, solver="direct", max_iter=0), w, h) == pytest.approx(best, rel=1e-8)
     with pytest.raises(ValueError, match="solver must be one of auto, direct, pcg, got 'lu'"):
         refine_exact(w, w, h, mask, solver="lu")
