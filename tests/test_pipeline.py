@@ -97,7 +97,8 @@ def test_dense_and_pruned_hessian_inputs_match_manual_computation(family):
         model = copy.deepcopy(dense_model)
         RECORDED.clear()
         report = prune_model(model, calibration=ids, method="test-record", refine=None,
-                             hessian_inputs=mode, hessian_dtype="float64", batch_size=4, progress=False)
+                             hessian_inputs=mode, hessian_dtype="float64", damp=0.0, batch_size=4,
+                             progress=False)
         assert [r["name"] for r in report.layers] == names
         results[mode] = (model, {n: rec for n, rec in zip(names, RECORDED)})
 
@@ -247,3 +248,19 @@ def test_checkpoint_errors(tmp_path):
     (other / "x").write_text("x")
     with pytest.raises(CheckpointError, match="not an nmprune checkpoint"):
         Checkpoint.open(other, "run-a")
+
+
+def test_methods_see_the_dampened_hessian():
+    ids = token_batch(4, 12)
+    model = tiny_model("llama", layers=1)
+    RECORDED.clear()
+    prune_model(copy.deepcopy(model), calibration=ids, method="test-record", refine=None,
+                hessian_dtype="float64", damp=0.0, batch_size=4, progress=False)
+    undamped = [r["h"] for r in RECORDED]
+    RECORDED.clear()
+    damped_report = prune_model(copy.deepcopy(model), calibration=ids, method="test-record", refine=None,
+                                hessian_dtype="float64", damp=0.25, batch_size=4, progress=False)
+    for h, rec in zip(undamped, RECORDED):
+        expected = h + 0.25 * h.diagonal().mean() * torch.eye(h.shape[0], dtype=h.dtype)
+        torch.testing.assert_close(rec["h"], expected)
+    assert all(r["damp"] == 0.25 for r in damped_report.layers)

@@ -201,10 +201,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seqlen", type=int, help="calibration sequence length (default 512)")
     p.add_argument("--seed", type=int, help="calibration sampling seed (default 0)")
     p.add_argument("--batch-size", dest="batch_size", type=int,
-                   help="calibration sequences per forward pass (default 8)")
+                   help="calibration sequences per forward pass (default 2)")
     p.add_argument("--hessian-inputs", dest="hessian_inputs", choices=["dense", "pruned"],
                    help="block inputs from the dense model (default) or the pruned blocks")
     p.add_argument("--hessian-dtype", dest="hessian_dtype", choices=["float32", "float64"])
+    p.add_argument("--damp", type=float,
+                   help="Hessian dampening: solvers see H + DAMP * mean(diag H) * I (default 0.01; "
+                        "0 = the paper's undamped loss)")
     p.add_argument("--strict", action="store_true", default=None,
                    help="error (instead of skipping) on layers whose d_in is not divisible by M")
     p.add_argument("--eval", action="append", metavar="DATA",
@@ -237,7 +240,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     yaml_settings = load_yaml(args.config) if args.config else {}
     flags: dict[str, Any] = {k: getattr(args, k) for k in (
         "model", "gguf_file", "dtype", "device", "out", "method", "refine", "pattern", "calib",
-        "nsamples", "seqlen", "seed", "batch_size", "hessian_inputs", "hessian_dtype", "strict",
+        "nsamples", "seqlen", "seed", "batch_size", "hessian_inputs", "hessian_dtype", "damp", "strict",
         "eval_seqlen", "checkpoint_dir", "restart")}
     if args.option:
         flags["options"] = dict(parse_option(o) for o in args.option)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -22,12 +23,14 @@ SKIP = "skip"
 
 @dataclass(frozen=True)
 class LayerPlan:
-    """What to do with one layer: method, refiner, pattern and solver options."""
+    """What to do with one layer: method, refiner, pattern, solver options and the Hessian
+    dampening (:func:`nmprune.prune.dampen`)."""
 
     method: str
     refine: str | None
     pattern: str
     options: dict[str, Any]
+    damp: float = 0.0
 
 
 @dataclass
@@ -55,6 +58,7 @@ class PruneSettings:
     batch_size: int = 2
     hessian_inputs: str = "dense"
     hessian_dtype: str = "float32"
+    damp: float = 0.01
     strict: bool = False
 
     def __post_init__(self) -> None:
@@ -71,6 +75,10 @@ class PruneSettings:
         if self.hessian_dtype not in HESSIAN_DTYPES:
             raise ValueError(f"hessian_dtype must be one of {', '.join(HESSIAN_DTYPES)}, "
                              f"got {self.hessian_dtype!r}")
+        if (not isinstance(self.damp, (int, float)) or isinstance(self.damp, bool)
+                or not math.isfinite(self.damp) or self.damp < 0):
+            raise ValueError(f"damp must be a non-negative number, got {self.damp!r}")
+        self.damp = float(self.damp)
         if not isinstance(self.options, dict):
             raise ValueError(f"options must be a mapping, got {self.options!r}")
         if not isinstance(self.overrides, dict):
@@ -88,18 +96,18 @@ class PruneSettings:
         refine = value.get("refine", self.refine)
         refine = None if isinstance(refine, str) and refine.lower() in ("none", "") else refine
         return LayerPlan(method, refine, str(parse_pattern(value.get("pattern", self.pattern))),
-                         {**base, **value.get("options", {})})
+                         {**base, **value.get("options", {})}, self.damp)
 
     def plan(self, layer_name: str) -> LayerPlan | None:
         """The plan for a layer (by its full module name), ``None`` when it is skipped."""
         for glob, value in self.overrides.items():
             if fnmatch.fnmatchcase(layer_name, glob):
                 return None if value == SKIP else self._override_plan(value)
-        return LayerPlan(self.method, self.refine, self.pattern, dict(self.options))
+        return LayerPlan(self.method, self.refine, self.pattern, dict(self.options), self.damp)
 
     def all_plans(self) -> list[LayerPlan]:
         """The global plan and the plan of every override (to validate them all up front)."""
-        return [LayerPlan(self.method, self.refine, self.pattern, dict(self.options))] + [
+        return [LayerPlan(self.method, self.refine, self.pattern, dict(self.options), self.damp)] + [
             self._override_plan(v) for v in self.overrides.values() if v != SKIP]
 
     def fingerprint(self) -> str:

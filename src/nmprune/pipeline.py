@@ -85,20 +85,22 @@ def _plans_for_block(settings: PruneSettings, blocks_name: str, index: int,
 def prune_one(w: Tensor, h: Tensor, plan: LayerPlan, input_mean: Tensor | None) -> tuple[Tensor, dict[str, Any]]:
     """Prune one weight matrix ``(d_out, d_in)`` with ``plan``; returns the pruned matrix
     (float, on ``h``'s device) and its record: local losses (paper eq. ``squared_loss``)
-    after the method and after refinement, relative to Wanda's on the same ``H``."""
+    after the method and after refinement, relative to Wanda's with the same dampening, all
+    on the undamped ``H``."""
     from .prune import prune_layer, prune_matrix
 
     w32 = w.detach().to(device=h.device, dtype=h.dtype, copy=True)
     options = dict(plan.options)
     if input_mean is not None and INPUT_MEAN in get_method(plan.method).option_names():
         options[INPUT_MEAN] = input_mean
-    result = prune_layer(w32, h, method=plan.method, pattern=plan.pattern, refine=plan.refine, **options)
+    result = prune_layer(w32, h, method=plan.method, pattern=plan.pattern, refine=plan.refine,
+                         damp=plan.damp, **options)
     start = time.perf_counter()
-    loss_wanda = local_loss(prune_matrix(w32, h, "wanda", plan.pattern), w32, h)
+    loss_wanda = local_loss(prune_matrix(w32, h, "wanda", plan.pattern, damp=plan.damp), w32, h)
     seconds_wanda = time.perf_counter() - start
     final = result.loss_refined if result.loss_refined is not None else result.loss_method
     record = {
-        "method": plan.method, "refine": plan.refine, "pattern": plan.pattern,
+        "method": plan.method, "refine": plan.refine, "pattern": plan.pattern, "damp": plan.damp,
         "loss_method": result.loss_method, "loss_refined": result.loss_refined,
         "loss_wanda": loss_wanda,
         "loss_vs_wanda": final / loss_wanda if loss_wanda > 0 else None,

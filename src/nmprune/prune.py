@@ -9,6 +9,7 @@ to ``W``'s dtype at the end. Methods and refiners know nothing about models or f
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -73,17 +74,37 @@ def full_mask(w_pruned: Tensor, w_star: Tensor, h: Tensor, pattern: NMPattern) -
     return topn_mask((w_pruned != 0).to(score.dtype) + score, pattern)
 
 
+def dampen(h: Tensor, damp: float) -> Tensor:
+    """``H + damp * mean(diag H) * I`` (a new tensor; ``h`` itself when ``damp == 0``).
+
+    The local loss with this ``H`` is ``Tr((W-W*) H (W-W*)^T) + damp * mean(diag H) *
+    ||W - W*||_F^2``: a Tikhonov pull towards the dense weights, scaled like SparseGPT's
+    dampening. It keeps solvers from fitting the directions an under-determined ``H`` (fewer
+    calibration tokens than inputs) does not see.
+    """
+    if damp == 0.0:
+        return h
+    out = h.clone()
+    out.diagonal().add_(damp * float(torch.diagonal(h).mean()))
+    return out
+
+
 def prune_layer(W: Tensor, H: Tensor, method: str = "prox", pattern: str | NMPattern = "2:4",
-                refine: str | None = None, **options: Any) -> LayerResult:
+                refine: str | None = None, *, damp: float = 0.0, **options: Any) -> LayerResult:
     """Prune ``W`` (d_out, d_in) to N:M along ``d_in`` minimising ``Tr((W-W*) H (W-W*)^T)``.
 
     ``method`` is any name of :func:`nmprune.methods`; ``refine`` (``None``, ``"gd"``,
     ``"exact"``) then re-optimises the kept weights with the mask held. ``options`` go to
     the method (its keyword-only parameters) and, prefixed ``refine_``, to the refiner.
-    Raises ValueError naming any bad input or option.
+    With ``damp > 0`` the method and the refiner see :func:`dampen` ``(H, damp)`` instead of
+    ``H``; the reported losses are always on ``H`` itself. Raises ValueError naming any bad
+    input or option.
     """
     p = parse_pattern(pattern)
     _validate(W, H, p)
+    if not (isinstance(damp, (int, float)) and not isinstance(damp, bool)
+            and math.isfinite(damp) and damp >= 0.0):
+        raise ValueError(f"damp must be a non-negative number, got {damp!r}")
     m = get_method(method)
     if not m.supports(p):
         raise ValueError(f"method {method!r} does not support pattern {p}")
@@ -92,9 +113,10 @@ def prune_layer(W: Tensor, H: Tensor, method: str = "prox", pattern: str | NMPat
 
     dtype = _compute_dtype(W, H)
     w_star, h = W.to(dtype), H.to(dtype)
+    h_solve = dampen(h, float(damp))
 
     start = time.perf_counter()
-    w = m.fn(w_star, h, p, **m_opts)
+    w = m.fn(w_star, h_solve, p, **m_opts)
     _sync(w)
     seconds_method = time.perf_counter() - start
     if w.shape != w_star.shape or not is_nm_sparse(w, p):
@@ -105,7 +127,7 @@ def prune_layer(W: Tensor, H: Tensor, method: str = "prox", pattern: str | NMPat
     loss_refined, seconds_refine = None, 0.0
     if r is not None:
         start = time.perf_counter()
-        w = r.fn(w, w_star, h, mask, **r_opts)
+        w = r.fn(w, w_star, h_solve, mask, **r_opts)
         _sync(w)
         seconds_refine = time.perf_counter() - start
         if bool((w[~mask] != 0).any()):
@@ -118,6 +140,7 @@ def prune_layer(W: Tensor, H: Tensor, method: str = "prox", pattern: str | NMPat
 
 
 def prune_matrix(W: Tensor, H: Tensor, method: str = "prox", pattern: str | NMPattern = "2:4",
-                 refine: str | None = None, **options: Any) -> Tensor:
+                 refine: str | None = None, *, damp: float = 0.0, **options: Any) -> Tensor:
     """The pruned weights of :func:`prune_layer` (same shape, dtype and device as ``W``)."""
-    return prune_layer(W, H, method=method, pattern=pattern, refine=refine, **options).weight
+    return prune_layer(W, H, method=method, pattern=pattern, refine=refine, damp=damp,
+                       **options).weight
