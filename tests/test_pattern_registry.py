@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from nmprune.pattern import NMPattern, is_nm_sparse, parse_pattern, topn_mask
+from nmprune.pattern import NMPattern, from_cells, is_nm_sparse, parse_pattern, to_cells, topn_mask
 from nmprune.registry import Registered, split_options
 
 
@@ -50,3 +50,22 @@ def test_methods_function_survives_importing_the_algorithms_package():
 
     assert callable(nmprune.methods)
     assert {"magnitude", "wanda", "sparsegpt", "dsnot", "prox", "prox-l0"} <= set(nmprune.methods())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("pattern", ["2:4", "1:4", "3:8"])
+def test_topn_mask_matches_a_stable_sort_on_ties_signs_and_infinities(dtype, pattern):
+    p = parse_pattern(pattern)
+    gen = torch.Generator().manual_seed(1)
+    s = torch.randn(64, 32, generator=gen) * torch.randint(0, 3, (64, 32), generator=gen)
+    s[:, 3] = s[:, 2]
+    s[:, 8:12] = 0.0
+    s[:, 16:20] = -0.0
+    s[:, 17] = 0.0
+    s[5], s[6] = float("inf"), -float("inf")
+    s[7, :4] = torch.tensor([-1e-30, -0.0, 1e-30, -3e38])
+    s = s.to(dtype)
+    cells = to_cells(s.double(), p.m)  # the oracle: a stable descending sort in float64
+    order = torch.sort(cells, dim=-1, descending=True, stable=True).indices[..., : p.n]
+    expected = from_cells(torch.zeros_like(cells, dtype=torch.bool).scatter_(-1, order, True))
+    assert torch.equal(topn_mask(s, p), expected)

@@ -53,16 +53,29 @@ def from_cells(cells: Tensor) -> Tensor:
     return cells.reshape(*cells.shape[:-2], cells.shape[-2] * cells.shape[-1])
 
 
+def _sortable_keys(cells: Tensor) -> Tensor:
+    """int64 keys ordered like the scores of ``cells`` (float32 or narrower), ties broken
+    towards the lower index: the float's bits mapped to a monotone integer, times ``M``, plus
+    ``M - 1 - index``. Every key in a cell is distinct, so an unstable top-k is exact."""
+    bits = cells.float().view(torch.int32)
+    sign = bits >> 31  # 0 or -1
+    monotone = ((bits & 0x7FFFFFFF) ^ sign) - sign  # -|bits| for negative floats; -0.0 -> 0
+    m = cells.shape[-1]
+    return monotone.to(torch.int64) * m + torch.arange(m - 1, -1, -1, device=cells.device)
+
+
 def topn_mask(scores: Tensor, pattern: NMPattern) -> Tensor:
     """Boolean mask keeping the ``n`` largest scores of every cell (ties: lowest index first).
 
     This is the mask rule of Wanda and magnitude pruning (paper Theorem 1) for any score.
     """
     cells = to_cells(scores, pattern.m)
-    # stable descending sort: among equal scores the earlier weight is kept
-    order = torch.sort(cells, dim=-1, descending=True, stable=True).indices
+    if cells.dtype == torch.float64:  # no integer key can hold 64 bits and the index
+        order = torch.sort(cells, dim=-1, descending=True, stable=True).indices[..., : pattern.n]
+    else:  # one top-k over distinct integer keys: faster than a stable sort
+        order = torch.topk(_sortable_keys(cells), pattern.n, dim=-1, sorted=False).indices
     keep = torch.zeros_like(cells, dtype=torch.bool)
-    keep.scatter_(-1, order[..., : pattern.n], True)
+    keep.scatter_(-1, order, True)
     return from_cells(keep)
 
 
