@@ -253,6 +253,8 @@ def _prune_block(index: int, block: nn.Module, layers: dict[str, nn.Module], blo
         start = time.perf_counter()
         pruned, rec = prune_one(w, stats.hessian().to(device), plan, stats.mean().to(device))
         set_weight_matrix(layers[sub], pruned)
+        del pruned
+        release_memory(collect=False)  # the solvers' temporaries: heap pages back to the system
         records.append({**record, **rec, "skipped": False, "seconds": time.perf_counter() - start})
     del collector
     if isinstance(inputs, _PrecomputedInputs):
