@@ -168,7 +168,8 @@ def write_report(results, out, parts):
     (out / "layer_methods.json").write_text(json.dumps(results, indent=1))
     lines = ["# Layer methods: local loss and time", "",
              "Synthetic correlated Hessians (`benchmarks/_problems.py: correlated_layer`), 2:4, float32, "
-             "this 2-core CPU (shared with other jobs: times are indicative).", "",
+             "this 2-core CPU. Times of parts A and C are indicative (they shared the machine with "
+             "other jobs); part B lists its threads and load.", "",
              "## A. Local loss, whole matrices (4096x4096: a row subset), raw / + 1000 gd steps / + exact", "",
              "| shape | rows | method | raw | +gd1000 | +exact | method s | gd s | exact s |",
              "|---|---|---|---|---|---|---|---|---|"]
