@@ -129,9 +129,11 @@ def _direct(w: Tensor, h: Tensor, mask: Tensor, target: Tensor, k: int) -> Tenso
 def _pcg(w: Tensor, w_star: Tensor, h: Tensor, keep: Tensor, target: Tensor, *, tol: float,
          max_iter: int, restart: int, best_w: Tensor, best_loss: float) -> Tensor:
     """Batched Jacobi-preconditioned CG from ``w``; returns ``best_w`` (loss ``best_loss``)
-    unless it finds a lower loss."""
+    unless it finds a lower loss. The iteration updates its ``(d_out, d_in)`` buffers in
+    place (one product and about six passes over them per iteration)."""
     diag = torch.diagonal(h)
     inv_diag = torch.where(diag > 0, 1.0 / diag.clamp_min(torch.finfo(h.dtype).tiny), 0.0) * keep
+    dot = torch.linalg.vecdot
     it = 0
     while it < max_iter:
         wh = w @ h  # exact residual and loss at every (re)start
@@ -139,35 +141,36 @@ def _pcg(w: Tensor, w_star: Tensor, h: Tensor, keep: Tensor, target: Tensor, *, 
         if loss > best_loss:
             return best_w
         best_w, best_loss = w, loss
-        resid = keep * (target - wh)
+        w = w.clone()  # best_w stays the restart point
+        resid = torch.sub(target, wh, out=wh).mul_(keep)
         z = resid * inv_diag
-        rz = (resid * z).sum(1)
-        p = z
+        rz = dot(resid, z)
+        p = z.clone()
         for _ in range(min(restart, max_iter - it)):
             it += 1
-            q = keep * (p @ h)
-            pq = (p * q).sum(1)
+            q = torch.matmul(p, h).mul_(keep)
+            pq = dot(p, q)
             ok = pq > 0
-            alpha = torch.where(ok, (p * resid).sum(1) / torch.where(ok, pq, 1.0), 0.0)
-            w = w + alpha[:, None] * p
+            alpha = torch.where(ok, dot(p, resid) / torch.where(ok, pq, 1.0), 0.0)
+            w.addcmul_(alpha[:, None], p)
             decrease = float((alpha * rz).sum())
             loss -= decrease
             if decrease <= tol * max(loss, 0.0):
                 it = max_iter  # converged
                 break
-            resid = resid - alpha[:, None] * q
-            z = resid * inv_diag
-            rz_new = (resid * z).sum(1)
+            resid.addcmul_(alpha[:, None], q, value=-1.0)
+            torch.mul(resid, inv_diag, out=z)
+            rz_new = dot(resid, z)
             beta = torch.where(rz > 0, rz_new / torch.where(rz > 0, rz, 1.0), 0.0)
             rz = rz_new
-            p = z + beta[:, None] * p
+            p.mul_(beta[:, None]).add_(z)
     return w if _loss(w, w_star, w @ h, target) <= best_loss else best_w
 
 
 @register_refiner("exact", description="minimiser of the local loss with the mask held "
                                        "(batched Cholesky or PCG)")
 def refine_exact(w: Tensor, w_star: Tensor, h: Tensor, mask: Tensor, *, solver: str = "pcg",
-                 tol: float = 1e-6, max_iter: int = 150, restart: int = 25) -> Tensor:
+                 tol: float = 1e-8, max_iter: int = 600, restart: int = 25) -> Tensor:
     """Minimise ``Tr((W-W*) H (W-W*)^T)`` over ``W`` zero outside ``mask``, warm-started at ``w``.
 
     The default is ``"pcg"``: on strongly rank-deficient Hessians (fewer calibration tokens
@@ -180,6 +183,9 @@ def refine_exact(w: Tensor, w_star: Tensor, h: Tensor, mask: Tensor, *, solver: 
 
     PCG stops when an iteration lowers the loss by less than ``tol`` times the current loss
     (CG knows each row's decrease: ``alpha_r (p_r . r_r)``), or after ``max_iter`` iterations.
+    The remaining gap is larger than the last decrease: on real SmolLM2 layers (float32,
+    against float64 direct solves) ``tol=1e-6`` left 1.6e-6 to 3.6e-6 of the optimal loss,
+    ``1e-7`` up to 1.2e-6, the default ``1e-8`` below 1e-7, in at most 1.7x the time of 1e-6.
     Every ``restart`` iterations the residual and the loss are recomputed exactly (no extra
     product: they come from ``W H``) and CG restarts from them; if rounding made the true
     loss worse than at the previous restart, the previous iterate is returned. This keeps
