@@ -431,6 +431,15 @@ def build_report(runs: Path = RUNS, results: Path = RESULTS) -> Path | None:
                   f"up to {max(loads):.1f} on {threads} threads; see the `load` column). Perplexities and "
                   "losses do not depend on it; for clean seconds rerun those rows with `--force` on a quiet "
                   "machine.", ""]
+    by_threads: dict[int, list[str]] = {}
+    for name, r in rows.items():
+        by_threads.setdefault(r["machine"]["threads"], []).append(name)
+    if len(by_threads) > 1:
+        parts = "; ".join(f"{t} thread{'s' if t > 1 else ''}: {', '.join(sorted(names))}"
+                          for t, names in sorted(by_threads.items(), reverse=True))
+        lines += [f"**Threads differ between rows** ({parts}). Rows run with fewer threads ran as "
+                  "parallel processes side by side, so their seconds are not comparable with the "
+                  "others'; perplexities and losses do not depend on it.", ""]
     lines += settings_section(rows) + DEVIATIONS + targets(rows) + table3(rows)
     if layer_png:
         lines += ["Layer-wise local loss relative to wanda+gd (paper Fig. `fig:layerwise_loss_open_llama`):", "",
