@@ -188,11 +188,11 @@ def write_report(results, out, parts):
               "| shape | threads | load | wanda s (ref) | sparsegpt s (ref) | sparsegpt loss (ref) | same mask | gd steps | gd s | gd loss | exact s | exact loss | exact to gd loss: iterations, s, / gd s |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in (r for r in results if r["part"] == "B"):
-        lines.append(f"| {e['shape']} {e['d_out']}x{e['d_in']} | {e.get('threads', '?')} | {e.get('load_before', float('nan')):.1f} | "
+        lines.append(f"| {e['shape']} {e['d_out']}x{e['d_in']} | {e['threads']} | {e['load_before']:.1f} | "
                      f"{e['seconds_wanda']:.4f} ({e['seconds_reference_wanda']:.4f}) | "
                      f"{e['seconds_sparsegpt']:.2f} ({e['seconds_reference_sparsegpt']:.2f}) | "
-                     f"{e.get('sparsegpt_loss', float('nan')):.4f} ({e.get('reference_sparsegpt_loss', float('nan')):.4f}) | "
-                     f"{100 * e.get('sparsegpt_same_mask', float('nan')):.2f}% | "
+                     f"{e['sparsegpt_loss']:.4f} ({e['reference_sparsegpt_loss']:.4f}) | "
+                     f"{100 * e['sparsegpt_same_mask']:.2f}% | "
                      f"{e['gd_steps']} | {e['seconds_gd']:.1f} | {e['loss_gd']:.4f} | {e['seconds_exact']:.2f} | {e['loss_exact']:.4f} | "
                      + (f"{e['exact_iterations_to_gd_loss']}, {e['seconds_exact_to_gd_loss']:.2f}, "
                         f"{e['seconds_exact_to_gd_loss'] / e['seconds_gd']:.3f} |" if 'seconds_exact_to_gd_loss' in e else "- |"))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -23,3 +25,11 @@ def check_symmetric(name: str, h: Tensor, rtol: float = 1e-4) -> None:
     scale = float(h.abs().max()) if h.numel() else 0.0
     if float((h - h.T).abs().max() if h.numel() else 0.0) > rtol * max(scale, 1e-30):
         raise ValueError(f"{name} is not symmetric")
+
+
+def check_non_negative(name: str, value: object) -> float:
+    """Reject anything but a finite, non-negative int or float (bools too); returns it as float."""
+    if (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
+            or value < 0):
+        raise ValueError(f"{name} must be a non-negative number, got {value!r}")
+    return float(value)

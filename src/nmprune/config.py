@@ -9,11 +9,11 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import json
-import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from ._checks import check_non_negative
 from .pattern import parse_pattern
 
 HESSIAN_INPUTS = ("dense", "pruned")
@@ -75,10 +75,7 @@ class PruneSettings:
         if self.hessian_dtype not in HESSIAN_DTYPES:
             raise ValueError(f"hessian_dtype must be one of {', '.join(HESSIAN_DTYPES)}, "
                              f"got {self.hessian_dtype!r}")
-        if (not isinstance(self.damp, (int, float)) or isinstance(self.damp, bool)
-                or not math.isfinite(self.damp) or self.damp < 0):
-            raise ValueError(f"damp must be a non-negative number, got {self.damp!r}")
-        self.damp = float(self.damp)
+        self.damp = check_non_negative("damp", self.damp)
         if not isinstance(self.options, dict):
             raise ValueError(f"options must be a mapping, got {self.options!r}")
         if not isinstance(self.overrides, dict):

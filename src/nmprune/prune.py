@@ -9,7 +9,6 @@ to ``W``'s dtype at the end. Methods and refiners know nothing about models or f
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._checks import check_float, check_symmetric
+from ._checks import check_float, check_non_negative, check_symmetric
 from ._linalg import wanda_scale
 from .loss import local_loss
 from .pattern import NMPattern, is_nm_sparse, parse_pattern, topn_mask
@@ -102,9 +101,7 @@ def prune_layer(W: Tensor, H: Tensor, method: str = "prox", pattern: str | NMPat
     """
     p = parse_pattern(pattern)
     _validate(W, H, p)
-    if not (isinstance(damp, (int, float)) and not isinstance(damp, bool)
-            and math.isfinite(damp) and damp >= 0.0):
-        raise ValueError(f"damp must be a non-negative number, got {damp!r}")
+    damp = check_non_negative("damp", damp)
     m = get_method(method)
     if not m.supports(p):
         raise ValueError(f"method {method!r} does not support pattern {p}")
@@ -113,7 +110,7 @@ def prune_layer(W: Tensor, H: Tensor, method: str = "prox", pattern: str | NMPat
 
     dtype = _compute_dtype(W, H)
     w_star, h = W.to(dtype), H.to(dtype)
-    h_solve = dampen(h, float(damp))
+    h_solve = dampen(h, damp)
 
     start = time.perf_counter()
     w = m.fn(w_star, h_solve, p, **m_opts)

@@ -173,10 +173,11 @@ def refine_exact(w: Tensor, w_star: Tensor, h: Tensor, mask: Tensor, *, solver: 
                  tol: float = 1e-8, max_iter: int = 600, restart: int = 25) -> Tensor:
     """Minimise ``Tr((W-W*) H (W-W*)^T)`` over ``W`` zero outside ``mask``, warm-started at ``w``.
 
-    The default is ``"pcg"``: on strongly rank-deficient Hessians (fewer calibration tokens
-    than inputs) the float32 direct solve amplified rounding in the null space of ``H[S,S]``
-    and blew up the model (found by the slow end-to-end test), which PCG from the start does
-    not do. ``solver="auto"`` takes the direct solve when its flop estimate ``d_out k^3 / 3`` (``k``
+    The default is ``"pcg"``: on real Hessians it converges in a few dozen iterations and beats
+    the direct solve, and on strongly rank-deficient Hessians (fewer calibration tokens than
+    inputs) the float32 direct solve amplifies rounding in the null space of ``H[S,S]`` (any
+    exact fit overfits such an ``H``; the pipeline dampens it, :func:`nmprune.prune.dampen`).
+    ``solver="auto"`` takes the direct solve when its flop estimate ``d_out k^3 / 3`` (``k``
     the most entries a row keeps) is below that of ``max_iter`` PCG iterations
     (``2 d_out d_in^2`` each); ``"direct"`` and ``"pcg"`` force one. The direct solution is
     polished by PCG (it stops after an iteration or two when the solve was accurate).
