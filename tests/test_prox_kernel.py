@@ -1,4 +1,4 @@
-"""The compiled per-cell 2:4 prox (nmprune.prox.reduced_kernel, used by prox_2of4 on CPU) against
+"""The compiled per-cell 2:4 prox (nmprune.prox.reduced_simd, used by prox_2of4 on CPU) against
 the vectorised exact solvers and the float64 brute force: same objective on every cell, a rare
 fallback, and the undecided cells handed back for the exact torch path."""
 
@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from nmprune.prox import prox_2of4, reduced_kernel
+from nmprune.prox import prox_2of4, reduced_simd
 from nmprune.prox._cells import sort_abs, unsort
 from nmprune.prox.newton import solve_sorted_newton
 from prox_bruteforce import objective, reference_min
 
-pytestmark = pytest.mark.skipif(not reduced_kernel.AVAILABLE, reason="numba is not installed")
+pytestmark = pytest.mark.skipif(not reduced_simd.AVAILABLE, reason="numba is not installed")
 
 
 def _matrix_cells(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,7 +29,7 @@ def _matrix_cells(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _kernel(z: torch.Tensor, lam: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.empty_like(z)
     undecided = torch.zeros(z.shape[0], dtype=torch.bool)
-    reduced_kernel.run(z.contiguous().numpy(), lam.contiguous().numpy(), out.numpy(), undecided.numpy())
+    reduced_simd.run(z.contiguous().numpy(), lam.contiguous().numpy(), out.numpy(), undecided.numpy())
     return out, undecided
 
 
@@ -56,7 +56,7 @@ def test_prox_2of4_cpu_path_resolves_undecided_cells_exactly(monkeypatch):
     """Cells the kernel flags as undecided (rare: near-fold 3-sparse roots) are re-solved by the
     vectorised exact path; force a random tenth of them to be flagged, with garbage output."""
     z, lam = _matrix_cells(4000, 1)
-    real_run = reduced_kernel.run
+    real_run = reduced_simd.run
     flagged = torch.rand(len(z), generator=torch.Generator().manual_seed(0)) < 0.1
 
     def flaky_run(zz, ll, out, undecided):
@@ -64,7 +64,7 @@ def test_prox_2of4_cpu_path_resolves_undecided_cells_exactly(monkeypatch):
         out[flagged.numpy()] = 123.0
         undecided[flagged.numpy()] = True
 
-    monkeypatch.setattr(reduced_kernel, "run", flaky_run)
+    monkeypatch.setattr(reduced_simd, "run", flaky_run)
     w = prox_2of4(z, lam)
     assert not bool((w == 123.0).any())
     sub = flagged.nonzero().squeeze(-1)[:200]
@@ -113,3 +113,27 @@ def test_kernel_threads_give_identical_results():
         torch.set_num_threads(before)
     assert torch.equal(one, two)
     assert np.isfinite(one.numpy()).all()
+
+
+def test_vectorised_stages_give_the_per_cell_solver_answers():
+    """The staged, vectorised pass (reduced_simd) against the scalar per-cell solver
+    (reduced_kernel._solve_sorted) on cells where every stage and both fallbacks occur."""
+    from numba import njit
+
+    from nmprune.prox.reduced_kernel import _solve_sorted
+
+    @njit
+    def per_cell(a, lam, out):
+        for i in range(a.shape[0]):
+            _, out[i, 0], out[i, 1], out[i, 2], out[i, 3] = _solve_sorted(a[i, 0], a[i, 1], a[i, 2], a[i, 3], lam[i])
+
+    z, lam = _matrix_cells(30_000, 5)
+    w, undecided = _kernel(z, lam)
+    a, order = sort_abs(z)
+    ref = torch.empty_like(a)
+    per_cell(a.numpy(), lam.numpy(), ref.numpy())
+    ref = unsort(ref, order, z)
+    f, f_ref = objective(w, z, lam, 2), objective(ref, z, lam, 2)
+    ok = ~undecided
+    assert float(((f - f_ref) / f_ref.abs().clamp_min(1e-300))[ok].abs().max()) <= 1e-12
+    assert torch.equal(w[ok] != 0, ref[ok] != 0)  # the same support

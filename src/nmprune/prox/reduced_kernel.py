@@ -1,29 +1,29 @@
 """Compiled per-cell form of the reduced 2:4 solver (:mod:`nmprune.prox.reduced`) for CPU tensors.
 
-The vectorised torch solver runs every cell through fixed numbers of Newton steps and pays
-one pass over memory per elementwise operation. Here each cell is solved by scalar code
-(numba, parallel over cells) with the same mathematics -- Lemma ``lemma:sorted_prox``
-(sort ``|z|``), Algorithm ``alg:prox_enumerate`` (best of the 2-sparse point, the PSD
-stationary point of ``g`` and that of ``f``), the 3-sparse equation ``Phi(u) = 0`` solved by
-monotone Newton from its inflection point, the dense case by Newton on the two reduced
-equations ``grad G = 0``, the necessary conditions and KKT certificates -- but with early
-exits: a cell stops iterating as soon as it is solved or certified. Cells that no
-certificate decides (rare: folds and cells whose dense case has no PSD stationary point that
-Newton can reach) are flagged and re-solved by the exact torch path, so the answer is exact.
-All arithmetic is float64; see :mod:`nmprune.prox.reduced` for the derivations.
+Each cell is solved by scalar code (numba) with the same mathematics as the torch solver --
+Lemma ``lemma:sorted_prox`` (sorted ``|z|``), Algorithm ``alg:prox_enumerate`` (best of the
+2-sparse point, the PSD stationary point of ``g`` and that of ``f``), the 3-sparse equation
+``Phi(u) = 0`` solved by monotone Newton from its inflection point, the dense case by Newton
+on the two reduced equations ``grad G = 0``, the necessary conditions and KKT certificates --
+plus the slower exact fallbacks of the dense case (damped Newton on the convex reduced problem
+with a convexity lower bound, then damped Newton on ``f``), with early exits.
+:func:`_solve_sorted` is the exact answer for one sorted cell; :mod:`nmprune.prox.reduced_simd`
+runs the common paths vectorised over many cells and calls it for the cells they leave open.
+The small helpers are branch-free so that those vectorised loops can inline them; all
+functions use numpy's error model (a division by zero gives inf or nan, which the
+comparisons then reject, instead of raising). Cells that
+no certificate decides (rare) are flagged and re-solved by the exact torch path. All
+arithmetic is float64; see :mod:`nmprune.prox.reduced` for the derivations.
 """
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 try:
-    import numba
-    from numba import njit, prange
+    from numba import njit
 except ImportError:  # pragma: no cover - numba is a dependency; the torch path still works
-    numba = njit = prange = None
+    njit = None
 
 AVAILABLE = njit is not None
 MAX_3SPARSE = 40
@@ -38,7 +38,7 @@ DEC_TOL = 1e-24
 
 if AVAILABLE:
 
-    @njit(cache=True, inline="always")
+    @njit(cache=True, error_model="numpy", inline="always")
     def _three_root(z1: float, z2: float, z3: float, lam: float):
         """``(status, u)`` of the PSD stationary point of ``g`` (``u = lam w_3``): status 1 found,
         0 proven absent, -1 undecided (see :func:`nmprune.prox.reduced.three_sparse_root`)."""
@@ -83,46 +83,40 @@ if AVAILABLE:
                 return 1, u
         return -1, u
 
-    @njit(cache=True, inline="always")
+    @njit(cache=True, error_model="numpy", inline="always")
     def _objective4(w1, w2, w3, w4, z1, z2, z3, z4, lam):
         q = 0.5 * ((w1 - z1) ** 2 + (w2 - z2) ** 2 + (w3 - z3) ** 2 + (w4 - z4) ** 2)
         return q + lam * (w1 * w2 * (w3 + w4) + w3 * w4 * (w1 + w2))
 
-    @njit(cache=True, inline="always")
+    @njit(cache=True, error_model="numpy", inline="always")
     def _pd4(lam, w1, w2, w3, w4):
-        """Is the 4x4 Hessian (eq. ``hessian_4sparse``) at ``w`` positive definite? Unrolled Cholesky."""
+        """Is the 4x4 Hessian (eq. ``hessian_4sparse``) at ``w`` positive definite? Unrolled
+        Cholesky, branch-free (so loops over cells that call it vectorise): a non-positive pivot
+        is replaced by a tiny one to keep the arithmetic finite, and the answer is False."""
         h12 = lam * (w3 + w4)
         h13 = lam * (w2 + w4)
         h14 = lam * (w2 + w3)
         h23 = lam * (w1 + w4)
         h24 = lam * (w1 + w3)
         h34 = lam * (w1 + w2)
-        # column 1 (diagonal 1)
-        l21, l31, l41 = h12, h13, h14
-        d2 = 1.0 - l21 * l21
-        if d2 <= 0.0:
-            return False
-        l22 = np.sqrt(d2)
-        l32 = (h23 - l31 * l21) / l22
-        l42 = (h24 - l41 * l21) / l22
-        d3 = 1.0 - l31 * l31 - l32 * l32
-        if d3 <= 0.0:
-            return False
-        l33 = np.sqrt(d3)
-        l43 = (h34 - l41 * l31 - l42 * l32) / l33
-        d4 = 1.0 - l41 * l41 - l42 * l42 - l43 * l43
-        return d4 > 0.0
+        d2 = 1.0 - h12 * h12
+        l22 = np.sqrt(max(d2, 1e-300))
+        l32 = (h23 - h13 * h12) / l22
+        l42 = (h24 - h14 * h12) / l22
+        d3 = 1.0 - h13 * h13 - l32 * l32
+        l33 = np.sqrt(max(d3, 1e-300))
+        l43 = (h34 - h14 * h13 - l42 * l32) / l33
+        d4 = 1.0 - h14 * h14 - l42 * l42 - l43 * l43
+        return (d2 > 0.0) & (d3 > 0.0) & (d4 > 0.0)
 
-    @njit(cache=True, inline="always")
+    @njit(cache=True, error_model="numpy", inline="always")
     def _settles(w1, w2, w3, z3, z4, lam):
         """KKT certificate of :func:`nmprune.prox.reduced._settles` for ``[w1, w2, w3, 0]``."""
         nu3 = 0.0 if w3 > 0.0 else lam * w1 * w2 - z3
         nu4 = lam * (w1 * w2 + w3 * (w1 + w2)) - z4
-        if nu3 < 0.0 or nu4 < 0.0:
-            return False
-        return _pd4(lam, w1, w2, w3, 0.0)
+        return (nu3 >= 0.0) & (nu4 >= 0.0) & _pd4(lam, w1, w2, w3, 0.0)
 
-    @njit(cache=True, inline="always")
+    @njit(cache=True, error_model="numpy", inline="always")
     def _dense(z1, z2, z3, z4, lam):
         """Newton on ``grad G = 0`` (:func:`nmprune.prox.reduced.dense_point`) with early exit.
         Returns ``(status, w1..w4)``: 1 converged to a PD point (the unique PSD stationary point
@@ -147,7 +141,7 @@ if AVAILABLE:
             y += dy
         return -1, 0.0, 0.0, 0.0, 0.0
 
-    @njit(cache=True, inline="always")
+    @njit(cache=True, error_model="numpy", inline="always")
     def _dense_weights(x, y, z1, z2, z3, z4, lam):
         """The dense point of ``(x, y)``: sums ``x/lam``, ``y/lam`` and the optimal differences
         ``(z1 - z2)/(1 - y)``, ``(z3 - z4)/(1 - x)``."""
@@ -157,7 +151,7 @@ if AVAILABLE:
         b = (z3 - z4) / (1.0 - x)
         return (p + a) / 2.0, (p - a) / 2.0, (q + b) / 2.0, (q - b) / 2.0
 
-    @njit(cache=True, inline="always")
+    @njit(cache=True, error_model="numpy", inline="always")
     def _case_box(z1, z2, z3, z4, lam):
         """Bounds ``lo <= w <= hi`` on every interior minimiser of the dense case
         (:func:`nmprune.prox.newton._case_bounds`, k = 4). Returns ``(ok, lo1..lo4, hi1..hi4)``;
@@ -173,35 +167,44 @@ if AVAILABLE:
             l2 = max(l2, z2 - lam * (h1 * h3 + h1 * h4 + h3 * h4))
             l3 = max(l3, z3 - lam * (h1 * h2 + h1 * h4 + h2 * h4))
             l4 = max(l4, z4 - lam * (h1 * h2 + h1 * h3 + h2 * h3))
-        ok = h4 > 0.0 and l1 <= h1 and l2 <= h2 and l3 <= h3 and l4 <= h4
+        ok = (h4 > 0.0) & (l1 <= h1) & (l2 <= h2) & (l3 <= h3) & (l4 <= h4)
         return ok, l1, l2, l3, l4, h1, h2, h3, h4
 
-    @njit(cache=True, inline="always")
+    @njit(cache=True, error_model="numpy", inline="always")
     def _xy_box(s1, s2, d1, d2, xlo, xhi, ylo, yhi):
         """Tighten the box on ``(x, y)`` of a dense PSD stationary point with ``w_2, w_4 > 0``.
         Necessary conditions, from ``grad G = 0`` and ``w_4 > 0`` (``d2/(1-x) < y``):
         ``(S1 - y^2/2)/(1+y) <= x < S1/(1+y)``, and symmetrically for ``y``; from ``w_2, w_4 > 0``:
         ``x > d1/(1-y)``, ``y > d2/(1-x)``; from the diagonal of ``grad^2 G > 0``:
-        ``(1-x)^3 > d2^2/(1+y)``, ``(1-y)^3 > d1^2/(1+x)``. Returns ``(ok, xlo, xhi, ylo, yhi)``."""
+        ``(1-x)^3 > d2^2/(1+y)``, ``(1-y)^3 > d1^2/(1+x)``. Returns ``(ok, xlo, xhi, ylo, yhi)``.
+        Branch-free: the bounds only tighten, so a box found empty stays empty."""
         xhi = min(xhi, 1.0)
         yhi = min(yhi, 1.0)
         for _ in range(XY_ROUNDS):
-            if xlo >= xhi or ylo >= yhi:
-                return False, xlo, xhi, ylo, yhi
-            xhi = min(xhi, s1 / (1.0 + ylo), 1.0 - np.cbrt(d2 * d2 / (1.0 + yhi)))
-            yhi = min(yhi, s2 / (1.0 + xlo), 1.0 - np.cbrt(d1 * d1 / (1.0 + xhi)))
+            xhi = min(xhi, s1 / (1.0 + ylo), 1.0 - _cbrt_below(d2 * d2 / (1.0 + yhi)))
+            yhi = min(yhi, s2 / (1.0 + xlo), 1.0 - _cbrt_below(d1 * d1 / (1.0 + xhi)))
             xlo = max(xlo, d1 / (1.0 - ylo), (s1 - 0.5 * yhi * yhi) / (1.0 + yhi))
             ylo = max(ylo, d2 / (1.0 - xlo), (s2 - 0.5 * xhi * xhi) / (1.0 + xhi))
-        return xlo < xhi and ylo < yhi, xlo, xhi, ylo, yhi
+        return (xlo < xhi) & (ylo < yhi), xlo, xhi, ylo, yhi
 
-    @njit(cache=True, inline="always")
+    @njit(cache=True, error_model="numpy", inline="always")
+    def _cbrt_below(q):
+        """A lower bound on the cube root ``r`` of ``q >= 0`` without a libm call (so it
+        vectorises): Newton steps on ``t^3 = q`` from ``max(1, q)`` stay above ``r``, and then
+        ``r = q / r^2 >= q / t^2``. Used only to loosen bounds, never to solve."""
+        t = max(1.0, q)
+        for _ in range(4):
+            t = (2.0 * t + q / (t * t)) * (1.0 / 3.0)
+        return q / (t * t)
+
+    @njit(cache=True, error_model="numpy", inline="always")
     def _g_value(x, y, s1, s2, d1, d2):
         """``G(x, y)`` of :mod:`nmprune.prox.reduced`; the dense objective minimised over the
         differences ``w1 - w2``, ``w3 - w4`` is ``G / (4 lam^2)``."""
         return ((x - s1) ** 2 + (y - s2) ** 2 + x * y * (x + y)
                 - d1 * d1 * y / (1.0 - y) - d2 * d2 * x / (1.0 - x))
 
-    @njit(cache=True, inline="always")
+    @njit(cache=True, error_model="numpy", inline="always")
     def _g_derivs(x, y, s1, s2, d1, d2):
         """Half the gradient and half the Hessian of ``G``: ``(g1, g2, h11, h12, h22)``."""
         ix = 1.0 / (1.0 - x)
@@ -212,16 +215,14 @@ if AVAILABLE:
         g2 = y - s2 + x * y + 0.5 * (x * x - e1 * e1)
         return g1, g2, 1.0 + y - e2 * e2 * ix, x + y, 1.0 + x - e1 * e1 * iy
 
-    @njit(cache=True, inline="always")
+    @njit(cache=True, error_model="numpy", inline="always")
     def _in_r(x, y, s1, s2, d1, d2):
         """Is ``(x, y)`` inside ``R = {x, y < 1, grad^2 G > 0}``, the image of the region where
         the Hessian of ``f`` is positive definite (convex; ``G`` is convex on it)?"""
-        if x >= 1.0 or y >= 1.0:
-            return False
         _, _, h11, h12, h22 = _g_derivs(x, y, s1, s2, d1, d2)
-        return h11 > 0.0 and h11 * h22 - h12 * h12 > 0.0
+        return (x < 1.0) & (y < 1.0) & (h11 > 0.0) & (h11 * h22 - h12 * h12 > 0.0)
 
-    @njit(cache=True)
+    @njit(cache=True, error_model="numpy")
     def _lp_min(cx, cy, cons, m):
         """Minimum of ``cx x + cy y`` over ``{cons[k, 0] x + cons[k, 1] y >= cons[k, 2], k < m}``
         (a bounded 2-D polygon: the optimum is at a crossing of two constraint lines); ``inf``
@@ -246,7 +247,7 @@ if AVAILABLE:
                     best = min(best, cx * x + cy * y)
         return best
 
-    @njit(cache=True, inline="always")
+    @njit(cache=True, error_model="numpy", inline="always")
     def _phi_grad(x, y, h11, h12, h22, d1, d2):
         """``(dphi/dx, dphi/dy, phi)`` for ``phi = sqrt(h11 h22) - (x + y)`` (concave; ``R`` is
         where it is positive, with ``x, y < 1``)."""
@@ -257,7 +258,7 @@ if AVAILABLE:
         ay = (h22 + h11 * (-3.0 * d1 * d1 * iy ** 4)) / (2.0 * root) - 1.0
         return ax, ay, root - h12
 
-    @njit(cache=True)
+    @njit(cache=True, error_model="numpy")
     def _convex_lower_bound(x, y, gv, g1, g2, h11, h12, h22, d1, d2, xlo, xhi, ylo, yhi, cons):
         """Lower bound on ``G`` over the dense PSD points with non-negative entries in the box,
         from the point ``p = (x, y)`` of ``R``: ``G(q) >= G(p) + grad G(p).(q - p)`` (``G`` is
@@ -277,7 +278,7 @@ if AVAILABLE:
         cons[6, 0], cons[6, 1], cons[6, 2] = 1.0, -d1 * iy * iy, d1 * iy - d1 * iy * iy * y
         return gv - 2.0 * (g1 * x + g2 * y) + 2.0 * _lp_min(g1, g2, cons, 7)
 
-    @njit(cache=True)
+    @njit(cache=True, error_model="numpy")
     def _dense_convex(z1, z2, z3, z4, lam, xlo, xhi, ylo, yhi, best):
         """Minimise ``G`` over ``R`` (a convex problem in two variables) by damped Newton from a
         point of ``R``, for cells where plain Newton did not converge. Returns
@@ -344,7 +345,7 @@ if AVAILABLE:
             x, y, gv = xb, yb, gb
         return -1, 0.0, 0.0, 0.0, 0.0
 
-    @njit(cache=True)
+    @njit(cache=True, error_model="numpy")
     def _grad_hess4(w, z, lam, g, h):
         """Gradient and Hessian (eq. ``hessian_4sparse``) of ``f`` at ``w`` into ``g``, ``h``."""
         g[0] = w[0] - z[0] + lam * (w[1] * w[2] + w[1] * w[3] + w[2] * w[3])
@@ -357,7 +358,7 @@ if AVAILABLE:
             for j in range(i + 1, 4):
                 h[i, j] = h[j, i] = lam * (total - w[i] - w[j])
 
-    @njit(cache=True)
+    @njit(cache=True, error_model="numpy")
     def _newton_direction(h, g, d):
         """``d = -h^{-1} g`` by Cholesky; False when ``h`` is not positive definite."""
         low = np.zeros((4, 4))
@@ -385,7 +386,7 @@ if AVAILABLE:
             d[i] = v / low[i, i]
         return True
 
-    @njit(cache=True)
+    @njit(cache=True, error_model="numpy")
     def _dense_newton4(z, lam, lo, hi, beat):
         """Last resort for the dense case, the damped Newton method of
         :func:`nmprune.prox.newton.damped_newton` on ``f`` over ``w > 0`` with a positive definite
@@ -443,7 +444,7 @@ if AVAILABLE:
                 break
         return f, w
 
-    @njit(cache=True, inline="always")
+    @njit(cache=True, error_model="numpy", inline="always")
     def _solve_sorted(z1, z2, z3, z4, lam):
         """``(undecided, w1..w4)`` for one sorted non-negative cell."""
         w1, w2, w3, w4 = z1, z2, 0.0, 0.0
@@ -469,73 +470,39 @@ if AVAILABLE:
                 w1, w2, w3, best = v1, v2, v3, f3
         if lam * z4 <= 0.0 or lam * z1 * z2 >= 9.0 * z4 or _settles(w1, w2, w3, z3, z4, lam):
             return False, w1, w2, w3, w4
+        return False, *_dense_case(z1, z2, z3, z4, lam, w1, w2, w3, best, True)
+
+    @njit(cache=True, error_model="numpy")
+    def _dense_case(z1, z2, z3, z4, lam, w1, w2, w3, best, plain_newton):
+        """The answer ``w1..w4`` given the best sparse point ``[w1, w2, w3, 0]`` (objective
+        ``best``) of a cell whose dense case is open: the necessary conditions, then plain
+        Newton on ``grad G = 0`` (skipped when ``plain_newton`` is False, i.e. the caller
+        already saw it fail), then the convex fallback, then damped Newton on ``f``."""
+        w4 = 0.0
         ok, l1, l2, l3, l4, h1, h2, h3, h4 = _case_box(z1, z2, z3, z4, lam)
         if not ok:
-            return False, w1, w2, w3, w4
+            return w1, w2, w3, w4
         s1, s2 = lam * (z1 + z2), lam * (z3 + z4)
         d1, d2 = lam * (z1 - z2), lam * (z3 - z4)
         if d1 >= 1.0 or d2 >= 1.0:
-            return False, w1, w2, w3, w4  # lam (w1 - w2) <= lam (w1 + w3) <= 1 at a PSD point
+            return w1, w2, w3, w4  # lam (w1 - w2) <= lam (w1 + w3) <= 1 at a PSD point
         ok, xlo, xhi, ylo, yhi = _xy_box(s1, s2, d1, d2, lam * (l1 + l2), lam * (h1 + h2),
                                          lam * (l3 + l4), lam * (h3 + h4))
         if not ok:
-            return False, w1, w2, w3, w4
-        st, v1, v2, v3, v4 = _dense(z1, z2, z3, z4, lam)
+            return w1, w2, w3, w4
+        st, v1, v2, v3, v4 = _dense(z1, z2, z3, z4, lam) if plain_newton else (-1, 0.0, 0.0, 0.0, 0.0)
         if st < 0:
             st, v1, v2, v3, v4 = _dense_convex(z1, z2, z3, z4, lam, xlo, xhi, ylo, yhi, best)
             if st < 0:
                 f4, v = _dense_newton4(np.array((z1, z2, z3, z4)), lam, np.array((l1, l2, l3, l4)),
                                        np.array((h1, h2, h3, h4)), best)
                 if f4 < best:
-                    return False, v[0], v[1], v[2], v[3]
-                return False, w1, w2, w3, w4
+                    return v[0], v[1], v[2], v[3]
+                return w1, w2, w3, w4
             if st == 0:
-                return False, w1, w2, w3, w4
+                return w1, w2, w3, w4
         if v2 > 0.0 and v4 > 0.0:
             f4 = _objective4(v1, v2, v3, v4, z1, z2, z3, z4, lam)
             if f4 < best:
-                return False, v1, v2, v3, v4
-        return False, w1, w2, w3, w4
-
-    @njit(cache=True, inline="always")
-    def _pick(r, v0, v1, v2, v3):
-        """``(v0, v1, v2, v3)[r]`` without a branch."""
-        return v0 * (r == 0) + v1 * (r == 1) + v2 * (r == 2) + v3 * (r == 3)
-
-    @njit(cache=True, parallel=True)
-    def prox_cells(z: np.ndarray, lam: np.ndarray, out: np.ndarray, undecided: np.ndarray) -> None:
-        """Write the 2:4 prox of every cell ``z[i]`` (``(n, 4)``) with ``lam[i]`` into ``out``;
-        ``undecided[i]`` is set where the cell must be re-solved by the exact torch path."""
-        for i in prange(z.shape[0]):
-            b0, b1, b2, b3 = abs(np.float64(z[i, 0])), abs(np.float64(z[i, 1])), abs(np.float64(z[i, 2])), abs(np.float64(z[i, 3]))
-            # stable descending ranks, branch-free (the order of torch.sort(stable=True))
-            c01, c02, c03 = int(b1 > b0), int(b2 > b0), int(b3 > b0)
-            c12, c13, c23 = int(b2 > b1), int(b3 > b1), int(b3 > b2)
-            r0 = c01 + c02 + c03
-            r1 = 1 - c01 + c12 + c13
-            r2 = 2 - c02 - c12 + c23
-            r3 = 3 - c03 - c13 - c23
-            # sorted value k is the b_j with rank k
-            a0 = b0 * (r0 == 0) + b1 * (r1 == 0) + b2 * (r2 == 0) + b3 * (r3 == 0)
-            a1 = b0 * (r0 == 1) + b1 * (r1 == 1) + b2 * (r2 == 1) + b3 * (r3 == 1)
-            a2 = b0 * (r0 == 2) + b1 * (r1 == 2) + b2 * (r2 == 2) + b3 * (r3 == 2)
-            a3 = b0 * (r0 == 3) + b1 * (r1 == 3) + b2 * (r2 == 3) + b3 * (r3 == 3)
-            und, w0, w1, w2, w3 = _solve_sorted(a0, a1, a2, a3, np.float64(lam[i]))
-            undecided[i] = und
-            out[i, 0] = math.copysign(_pick(r0, w0, w1, w2, w3), z[i, 0])
-            out[i, 1] = math.copysign(_pick(r1, w0, w1, w2, w3), z[i, 1])
-            out[i, 2] = math.copysign(_pick(r2, w0, w1, w2, w3), z[i, 2])
-            out[i, 3] = math.copysign(_pick(r3, w0, w1, w2, w3), z[i, 3])
-
-
-def run(z: np.ndarray, lam: np.ndarray, out: np.ndarray, undecided: np.ndarray) -> None:
-    """:func:`prox_cells` on as many numba threads as torch uses (torch's count is left as it was)."""
-    import torch
-
-    threads = torch.get_num_threads()
-    numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
-    try:
-        prox_cells(z, lam, out, undecided)
-    finally:
-        # numba's OpenMP layer can change the OpenMP thread count that torch reads
-        torch.set_num_threads(threads)
+                return v1, v2, v3, v4
+        return w1, w2, w3, w4

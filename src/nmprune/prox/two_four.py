@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import reduced_kernel
+from . import reduced_simd
 from ._cells import check_cells, lam_tensor, sort_abs, unsort
 from .gd_solver import solve_sorted_gd
 from .newton import solve_sorted_newton
@@ -43,7 +43,7 @@ def prox_2of4(
     work = z.dtype if solver == "gd" else torch.float64
     lam_c = lam_tensor(lam, z, work).reshape(-1)
     zc = z.reshape(-1, 4)
-    if solver == "reduced" and z.device.type == "cpu" and reduced_kernel.AVAILABLE:
+    if solver == "reduced" and z.device.type == "cpu" and reduced_simd.AVAILABLE:
         return _reduced_compiled(zc.detach(), lam_c).reshape(z.shape)
     a, order = sort_abs(zc)
     a = a.to(work)
@@ -58,14 +58,14 @@ def prox_2of4(
 
 def _reduced_compiled(zc: Tensor, lam_c: Tensor) -> Tensor:
     """``solver="reduced"`` on CPU: the compiled per-cell kernel
-    (:mod:`nmprune.prox.reduced_kernel`), with the cells it leaves undecided re-solved by the
+    (:mod:`nmprune.prox.reduced_simd`), with the cells it leaves undecided re-solved by the
     vectorised exact path."""
     kernel_dtype = zc.dtype if zc.dtype in (torch.float32, torch.float64) else torch.float32
     zk = zc.to(kernel_dtype).contiguous()
     out = torch.empty_like(zk)
     undecided = torch.zeros(zk.shape[0], dtype=torch.bool)
     if zk.shape[0]:
-        reduced_kernel.run(zk.numpy(), lam_c.contiguous().numpy(), out.numpy(), undecided.numpy())
+        reduced_simd.run(zk.numpy(), lam_c.contiguous().numpy(), out.numpy(), undecided.numpy())
     rows = undecided.nonzero().squeeze(-1)
     if rows.numel():
         a, order = sort_abs(zk[rows])

@@ -1,0 +1,326 @@
+"""The reduced 2:4 solver (:mod:`nmprune.prox.reduced`) vectorised over cells, for CPU tensors.
+
+The per-cell solver (:func:`nmprune.prox.reduced_kernel._solve_sorted`) branches on every
+cell and spends its time in mispredicted branches and in the latency of dependent divisions.
+Here the cells are cut into chunks; within a chunk every stage is one branch-free loop over
+structure-of-arrays that LLVM vectorises (AVX2/AVX-512 lanes of float64), and each stage
+hands only the cells it could not settle to the next one:
+
+1. load ``|z|``, sort each cell by a comparison network (Lemma ``lemma:sorted_prox``) and
+   settle the cells whose answer is the 2-sparse point ``[z_1, z_2, 0, 0]`` by the necessary
+   condition ``K < 1`` or its KKT certificate (lam = 0 returns ``z``);
+2. the 3-sparse stationary point of ``g`` (eq. ``stationarity_3sparse``): the monotone Newton
+   iteration on ``Phi(u) = 0`` from its inflection point, a fixed number of masked steps,
+   then the better of it and the 2-sparse point, and the KKT certificate ``_settles``
+   (the candidate minimises ``f`` over the PSD region, so no dense point beats it);
+3. the dense case, for the remaining cells that pass its necessary conditions (the case box,
+   ``lam (z_1 - z_2) < 1``, the ``(x, y)`` box): a fixed number of masked Newton steps on ``grad G = 0``; a converged
+   point with a positive definite Hessian is the unique PSD stationary point of ``f``
+   (Corollary ``corollary:no_spurious``);
+4. the cells still undecided (Newton not converged in the fixed number of steps; a few per
+   cent) are solved by the exact per-cell solver, then everything is written back with the
+   signs and positions of ``z``.
+
+Same mathematics and the same certificates as the per-cell solver, so the answer is the same
+exact minimiser. Loops index arrays with unsigned integers: numba's wrap-around of negative
+indices otherwise makes the addresses non-affine and LLVM refuses to vectorise.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import reduced_kernel
+
+AVAILABLE = reduced_kernel.AVAILABLE
+CHUNK = 1024  # cells per chunk: its work arrays stay in the L2 cache
+ITER_3SPARSE = 7  # masked Newton steps on Phi; nearly all cells converge in 3-6
+ITER_DENSE = 8  # masked Newton steps on grad G = 0
+_SCRATCH = 29  # float64 work rows per chunk
+
+if AVAILABLE:
+    import numba
+    from numba import njit, prange
+
+    from .reduced_kernel import (
+        STEP_TOL,
+        _case_box,
+        _dense_case,
+        _dense_weights,
+        _g_derivs,
+        _objective4,
+        _pd4,
+        _settles,
+        _solve_sorted,
+        _xy_box,
+    )
+
+    _JIT = dict(cache=True, error_model="numpy")  # numpy error model: no zero-division branches
+    U64 = np.uint64
+
+    @njit(**_JIT)
+    def _load(z, lam, start, a0, a1, a2, a3, lv, ranks):
+        """Sorted ``|z|`` of cells ``start ..`` into ``a0 >= a1 >= a2 >= a3``, their lam into
+        ``lv`` and the descending rank of each position (2 bits each) into ``ranks``. Ranks
+        break ties by position, as ``torch.sort(stable=True)`` does."""
+        for t in range(U64(a0.shape[0])):
+            i = U64(4) * (U64(start) + t)
+            b0 = abs(np.float64(z[i]))
+            b1 = abs(np.float64(z[i + U64(1)]))
+            b2 = abs(np.float64(z[i + U64(2)]))
+            b3 = abs(np.float64(z[i + U64(3)]))
+            c01, c02, c03 = np.int32(b1 > b0), np.int32(b2 > b0), np.int32(b3 > b0)
+            c12, c13, c23 = np.int32(b2 > b1), np.int32(b3 > b1), np.int32(b3 > b2)
+            r0 = c01 + c02 + c03
+            r1 = 1 - c01 + c12 + c13
+            r2 = 2 - c02 - c12 + c23
+            r3 = 3 - c03 - c13 - c23
+            a0[t] = b0 * (r0 == 0) + b1 * (r1 == 0) + b2 * (r2 == 0) + b3 * (r3 == 0)
+            a1[t] = b0 * (r0 == 1) + b1 * (r1 == 1) + b2 * (r2 == 1) + b3 * (r3 == 1)
+            a2[t] = b0 * (r0 == 2) + b1 * (r1 == 2) + b2 * (r2 == 2) + b3 * (r3 == 2)
+            a3[t] = b0 * (r0 == 3) + b1 * (r1 == 3) + b2 * (r2 == 3) + b3 * (r3 == 3)
+            ranks[t] = r0 | (r1 << 2) | (r2 << 4) | (r3 << 6)
+            lv[t] = np.float64(lam[U64(start) + t])
+
+    @njit(**_JIT)
+    def _sparse_start(a0, a1, a2, a3, lv, w0, w1, w2, w3, flag):
+        """Start every cell at its 2-sparse point (``z`` for lam = 0); ``flag`` 1 where the
+        3-sparse and dense cases are still open, i.e. ``K < 1`` (necessary for both, see
+        :func:`nmprune.prox.reduced.solve_sorted_reduced`), ``lam z_3 > 0`` and the 2-sparse
+        KKT certificate fails."""
+        for t in range(U64(a0.shape[0])):
+            z1, z2, z3, z4, lam = a0[t], a1[t], a2[t], a3[t], lv[t]
+            zero = lam == 0.0
+            w0[t] = z1
+            w1[t] = z2
+            w2[t] = z3 if zero else 0.0
+            w3[t] = z4 if zero else 0.0
+            k2 = lam * (z1 + np.sqrt((z1 - z2) * (z1 + z2)))
+            cert = (lam * z1 * z2 >= z3) & _pd4(lam, z1, z2, 0.0, 0.0)
+            flag[t] = 0.0 if zero | (k2 >= 2.0) | (lam * z3 <= 0.0) | cert else 1.0
+
+    @njit(**_JIT)
+    def _select(flag, value, idx):
+        """Positions ``t`` with ``flag[t] == value`` into ``idx[:k]``; returns ``k``."""
+        k = 0
+        for t in range(flag.shape[0]):
+            idx[k] = t
+            k += flag[t] == value
+        return k
+
+    @njit(**_JIT)
+    def _gather(idx, src, dst):
+        for j in range(dst.shape[0]):
+            dst[j] = src[idx[j]]
+
+    @njit(**_JIT)
+    def _scatter(idx, src, dst):
+        for j in range(src.shape[0]):
+            dst[idx[j]] = src[j]
+
+    @njit(**_JIT)
+    def _three_start(z1, z2, z3, lv, u, phi, dphi, a, b, c, lo, hi, state):
+        """The inflection point ``u*`` of ``Phi`` and the bounds that certify an absent root
+        (:func:`nmprune.prox.reduced.three_sparse_root`). ``state``: 0 iterating, 1
+        converged, 2 proven absent."""
+        for j in range(U64(u.shape[0])):
+            x1, x2, lam = z1[j], z2[j], lv[j]
+            s, d = x1 + x2, x1 - x2
+            cj = lam * z3[j]
+            r = np.sqrt(d / s)
+            uj = (1.0 - r) / (1.0 + r)
+            k = lam * (x1 + np.sqrt(d * s)) * 0.5
+            a[j], b[j], c[j] = lam * s, lam * d, cj
+            pj = uj + k * (lam * s - lam * d) * 0.25 - cj
+            umax = min(x2 / x1, cj)
+            left = pj > 0.0
+            u[j], phi[j], dphi[j] = uj, pj, 1.0 - k * k
+            lo[j] = 0.0 if left else -np.inf
+            hi[j] = np.inf if left else umax
+            state[j] = 2.0 if (k >= 1.0) | (~left & (uj >= umax)) else 0.0
+
+    @njit(**_JIT)
+    def _three_step(u, phi, dphi, a, b, c, lo, hi, state):
+        """One masked Newton step on ``Phi(u) = 0`` for the cells still iterating."""
+        for j in range(U64(u.shape[0])):
+            cj = c[j]
+            step = phi[j] / dphi[j]
+            un = u[j] - step
+            ip = 1.0 / (1.0 + un)
+            im = 1.0 / (1.0 - un)
+            aa = a[j] * ip
+            bb = b[j] * im
+            aa = aa * aa
+            bb = bb * bb
+            pn = un + (aa - bb) * 0.25 - cj
+            dn = 1.0 - (aa * ip + bb * im) * 0.5
+            out = (un <= lo[j]) | (un >= hi[j]) | (dn <= 0.0)
+            done = (abs(step) <= STEP_TOL * un) | (abs(pn) <= 4e-16 * (un + (aa + bb) * 0.25 + cj))
+            active = state[j] == 0.0
+            state[j] = (2.0 if out else (1.0 if done else 0.0)) if active else state[j]
+            u[j] = un if active else u[j]
+            phi[j] = pn if active else phi[j]
+            dphi[j] = dn if active else dphi[j]
+
+    @njit(**_JIT)
+    def _three_finish(z1, z2, z3, z4, lv, u, c, state, w0, w1, w2, flag):
+        """The better of the 3-sparse point and the 2-sparse one into ``w0..w2``; ``flag``:
+        0 settled, 1 the dense case must be checked, 2 undecided (Newton not converged)."""
+        for j in range(U64(u.shape[0])):
+            x1, x2, x3, x4, lam, uj, st = z1[j], z2[j], z3[j], z4[j], lv[j], u[j], state[j]
+            found = (st == 1.0) & (uj > 0.0) & (uj < min(x2 / x1, c[j]))
+            den = 1.0 - uj * uj
+            v1 = (x1 - uj * x2) / den
+            v2 = (x2 - uj * x1) / den
+            v3 = uj / lam
+            f3 = 0.5 * ((v1 - x1) ** 2 + (v2 - x2) ** 2 + (v3 - x3) ** 2 + x4 * x4) + lam * v1 * v2 * v3
+            take = found & (f3 < 0.5 * (x3 * x3 + x4 * x4))
+            v1 = v1 if take else x1
+            v2 = v2 if take else x2
+            v3 = v3 if take else 0.0
+            w0[j], w1[j], w2[j] = v1, v2, v3
+            # the dense case needs z_4 > 0, the PSD bound lam z1 z2 < 9 z4, a non-empty case
+            # box, lam (z_1 - z_2) < 1 and lam (z_3 - z_4) < 1, and no certificate of the best
+            # sparse point
+            box = _case_box(x1, x2, x3, x4, lam)[0]
+            open_ = ((lam * x4 > 0.0) & (lam * x1 * x2 < 9.0 * x4) & box & (lam * (x1 - x2) < 1.0)
+                     & (lam * (x3 - x4) < 1.0) & ~_settles(v1, v2, v3, x3, x4, lam))
+            flag[j] = 2.0 if st == 0.0 else (1.0 if open_ else 0.0)
+
+    @njit(**_JIT)
+    def _dense_start(z1, z2, z3, z4, lv, x, y, s1, s2, d1, d2, state):
+        """``(S_1, S_2)/2`` and the reduced constants; ``state`` 3 where the ``(x, y)`` box
+        proves there is no dense point with ``w_2, w_4 > 0``, else 0 (iterating)."""
+        for j in range(U64(x.shape[0])):
+            x1, x2, x3, x4, lam = z1[j], z2[j], z3[j], z4[j], lv[j]
+            p, q = lam * (x1 + x2), lam * (x3 + x4)
+            e, f = lam * (x1 - x2), lam * (x3 - x4)
+            s1[j], s2[j], d1[j], d2[j] = p, q, e, f
+            x[j], y[j] = 0.5 * p, 0.5 * q
+            _, l1, l2, l3, l4, h1, h2, h3, h4 = _case_box(x1, x2, x3, x4, lam)
+            box, _, _, _, _ = _xy_box(p, q, e, f, lam * (l1 + l2), lam * (h1 + h2), lam * (l3 + l4), lam * (h3 + h4))
+            state[j] = 0.0 if box else 3.0
+
+    @njit(**_JIT)
+    def _dense_step(x, y, s1, s2, d1, d2, state):
+        """One masked Newton step on ``grad G = 0``; ``state`` 1 once converged at a point with
+        ``x, y < 1`` and a positive definite ``grad^2 G``, 2 if an iterate leaves ``x, y < 1``."""
+        for j in range(U64(x.shape[0])):
+            xj, yj = x[j], y[j]
+            g1, g2, h11, h12, h22 = _g_derivs(xj, yj, s1[j], s2[j], d1[j], d2[j])
+            det = h11 * h22 - h12 * h12
+            dx = (h12 * g2 - h22 * g1) / det
+            dy = (h12 * g1 - h11 * g2) / det
+            out = (xj >= 1.0) | (yj >= 1.0)
+            done = (h11 > 0.0) & (det > 0.0) & (abs(dx) + abs(dy) <= STEP_TOL * (xj + yj))
+            active = state[j] == 0.0
+            state[j] = (2.0 if out else (1.0 if done else 0.0)) if active else state[j]
+            move = active & ~out & ~done
+            x[j] = xj + dx if move else xj
+            y[j] = yj + dy if move else yj
+
+    @njit(**_JIT)
+    def _dense_finish(z1, z2, z3, z4, lv, x, y, state, w0, w1, w2, w3, flag):
+        """Keep the dense point where it is valid (``w_2, w_4 > 0``) and better; ``flag`` 3
+        where Newton did not converge (the per-cell dense fallbacks decide), else 0."""
+        for j in range(U64(x.shape[0])):
+            x1, x2, x3, x4, lam, st = z1[j], z2[j], z3[j], z4[j], lv[j], state[j]
+            v1, v2, v3, v4 = _dense_weights(x[j], y[j], x1, x2, x3, x4, lam)
+            p1, p2, p3 = w0[j], w1[j], w2[j]
+            best = _objective4(p1, p2, p3, 0.0, x1, x2, x3, x4, lam)
+            take = (st == 1.0) & (v2 > 0.0) & (v4 > 0.0) & (_objective4(v1, v2, v3, v4, x1, x2, x3, x4, lam) < best)
+            w0[j] = v1 if take else p1
+            w1[j] = v2 if take else p2
+            w2[j] = v3 if take else p3
+            w3[j] = v4 if take else 0.0
+            flag[j] = 0.0 if (st == 1.0) | (st == 3.0) else 3.0
+
+    @njit(inline="always", **_JIT)
+    def _pick(r, w0, w1, w2, w3):
+        return w0 * (r == 0) + w1 * (r == 1) + w2 * (r == 2) + w3 * (r == 3)
+
+    @njit(**_JIT)
+    def _store(z, start, w0, w1, w2, w3, ranks, out):
+        """The sorted solutions back at the positions and with the signs of ``z``."""
+        for t in range(U64(w0.shape[0])):
+            i = U64(4) * (U64(start) + t)
+            v0, v1, v2, v3, r = w0[t], w1[t], w2[t], w3[t], ranks[t]
+            out[i] = math.copysign(_pick(r & 3, v0, v1, v2, v3), z[i])
+            out[i + U64(1)] = math.copysign(_pick((r >> 2) & 3, v0, v1, v2, v3), z[i + U64(1)])
+            out[i + U64(2)] = math.copysign(_pick((r >> 4) & 3, v0, v1, v2, v3), z[i + U64(2)])
+            out[i + U64(3)] = math.copysign(_pick((r >> 6) & 3, v0, v1, v2, v3), z[i + U64(3)])
+
+    @njit(**_JIT)
+    def _chunk(z, lam, out, undecided, start, stop):
+        """Stages 1-4 of the module docstring for cells ``start .. stop``."""
+        m = stop - start
+        ws = np.empty((_SCRATCH, m))
+        ranks = np.empty(m, np.int32)
+        idx = np.empty(m, np.int64)
+        a0, a1, a2, a3, lv = ws[0], ws[1], ws[2], ws[3], ws[4]
+        w0, w1, w2, w3, flag = ws[5], ws[6], ws[7], ws[8], ws[9]
+        _load(z, lam, start, a0, a1, a2, a3, lv, ranks)
+        _sparse_start(a0, a1, a2, a3, lv, w0, w1, w2, w3, flag)
+        # rows 10.. hold the compacted cells of one stage at a time
+        for stage in range(2):
+            k = _select(flag, 1.0, idx)
+            if k == 0:
+                continue
+            sel = idx[:k]
+            z1, z2, z3, z4, lk = ws[10, :k], ws[11, :k], ws[12, :k], ws[13, :k], ws[14, :k]
+            v0, v1, v2, v3, fk = ws[15, :k], ws[16, :k], ws[17, :k], ws[18, :k], ws[19, :k]
+            for src, dst in ((a0, z1), (a1, z2), (a2, z3), (a3, z4), (lv, lk), (w0, v0), (w1, v1), (w2, v2)):
+                _gather(sel, src, dst)
+            if stage == 0:
+                u, phi, dphi, a = ws[20, :k], ws[21, :k], ws[22, :k], ws[23, :k]
+                b, c, lo, hi, state = ws[24, :k], ws[25, :k], ws[26, :k], ws[27, :k], ws[28, :k]
+                _three_start(z1, z2, z3, lk, u, phi, dphi, a, b, c, lo, hi, state)
+                for _ in range(ITER_3SPARSE):
+                    _three_step(u, phi, dphi, a, b, c, lo, hi, state)
+                _three_finish(z1, z2, z3, z4, lk, u, c, state, v0, v1, v2, fk)
+                for src, dst in ((v0, w0), (v1, w1), (v2, w2), (fk, flag)):
+                    _scatter(sel, src, dst)
+            else:
+                x, y, s1, s2 = ws[20, :k], ws[21, :k], ws[22, :k], ws[23, :k]
+                d1, d2, state = ws[24, :k], ws[25, :k], ws[26, :k]
+                _dense_start(z1, z2, z3, z4, lk, x, y, s1, s2, d1, d2, state)
+                for _ in range(ITER_DENSE):
+                    _dense_step(x, y, s1, s2, d1, d2, state)
+                _dense_finish(z1, z2, z3, z4, lk, x, y, state, v0, v1, v2, v3, fk)
+                for src, dst in ((v0, w0), (v1, w1), (v2, w2), (v3, w3), (fk, flag)):
+                    _scatter(sel, src, dst)
+        for t in range(m):
+            if flag[t] == 2.0:  # 3-sparse Newton not converged: the whole per-cell solver
+                und, p0, p1, p2, p3 = _solve_sorted(a0[t], a1[t], a2[t], a3[t], lv[t])
+                w0[t], w1[t], w2[t], w3[t] = p0, p1, p2, p3
+                undecided[start + t] = und
+            elif flag[t] == 3.0:  # plain dense Newton failed: the per-cell dense fallbacks
+                best = _objective4(w0[t], w1[t], w2[t], 0.0, a0[t], a1[t], a2[t], a3[t], lv[t])
+                w0[t], w1[t], w2[t], w3[t] = _dense_case(a0[t], a1[t], a2[t], a3[t], lv[t],
+                                                         w0[t], w1[t], w2[t], best, False)
+        _store(z, start, w0, w1, w2, w3, ranks, out)
+
+    @njit(parallel=True, **_JIT)
+    def prox_cells(z, lam, out, undecided):
+        """The 2:4 prox of every cell ``z[4 i : 4 i + 4]`` (flat, float32 or float64) with
+        ``lam[i]`` into ``out`` (flat, like ``z``); ``undecided[i]`` is set where the exact
+        torch path must re-solve the cell (rare, see :mod:`nmprune.prox.reduced_kernel`)."""
+        n = z.shape[0] // 4
+        for c in prange((n + CHUNK - 1) // CHUNK):
+            _chunk(z, lam, out, undecided, c * CHUNK, min(n, (c + 1) * CHUNK))
+
+
+def run(z: np.ndarray, lam: np.ndarray, out: np.ndarray, undecided: np.ndarray) -> None:
+    """:func:`prox_cells` for cells ``z`` (``(n, 4)``, C-contiguous) on as many numba threads as
+    torch uses (torch's thread count is left as it was)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
+    try:
+        prox_cells(z.reshape(-1), lam, out.reshape(-1), undecided)
+    finally:
+        # numba's OpenMP layer can change the OpenMP thread count that torch reads
+        torch.set_num_threads(threads)
