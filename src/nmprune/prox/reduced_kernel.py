@@ -190,10 +190,12 @@ if AVAILABLE:
     @njit(cache=True, error_model="numpy", inline="always")
     def _cbrt_below(q):
         """A lower bound on the cube root ``r`` of ``q >= 0`` without a libm call (so it
-        vectorises): Newton steps on ``t^3 = q`` from ``max(1, q)`` stay above ``r``, and then
-        ``r = q / r^2 >= q / t^2``. Used only to loosen bounds, never to solve."""
-        t = max(1.0, q)
-        for _ in range(4):
+        vectorises): the tangent of ``q^(1/3)`` at 1, ``(q + 2)/3``, lies above ``r`` (concave
+        root), so do the Newton steps on ``t^3 = q`` from it, and then ``r = q / r^2 >= q / t^2``.
+        Used only to loosen bounds, never to solve: two steps make it tight where it matters
+        (``q`` near 1; for small ``q`` the bound ``1 - r`` is near 1 anyway)."""
+        t = (q + 2.0) * (1.0 / 3.0)
+        for _ in range(2):
             t = (2.0 * t + q / (t * t)) * (1.0 / 3.0)
         return q / (t * t)
 

@@ -6,9 +6,9 @@ Here the cells are cut into chunks; within a chunk every stage is one branch-fre
 structure-of-arrays that LLVM vectorises (AVX2/AVX-512 lanes of float64), and each stage
 hands only the cells it could not settle to the next one:
 
-1. load ``|z|``, sort each cell by a comparison network (Lemma ``lemma:sorted_prox``) and
-   settle the cells whose answer is the 2-sparse point ``[z_1, z_2, 0, 0]`` by the necessary
-   condition ``K < 1`` or its KKT certificate (lam = 0 returns ``z``);
+1. load ``|z|``, sort each cell by comparisons (Lemma ``lemma:sorted_prox``) and settle the
+   cells whose answer is the 2-sparse point ``[z_1, z_2, 0, 0]`` by the necessary condition
+   ``K < 1`` or its KKT certificate (lam = 0 returns ``z``);
 2. the 3-sparse stationary point of ``g`` (eq. ``stationarity_3sparse``): the monotone Newton
    iteration on ``Phi(u) = 0`` from its inflection point, a fixed number of masked steps,
    then the better of it and the 2-sparse point, and the KKT certificate ``_settles``
@@ -38,7 +38,10 @@ AVAILABLE = reduced_kernel.AVAILABLE
 CHUNK = 1024  # cells per chunk: its work arrays stay in the L2 cache
 ITER_3SPARSE = 7  # masked Newton steps on Phi; nearly all cells converge in 3-6
 ITER_DENSE = 8  # masked Newton steps on grad G = 0
-_SCRATCH = 29  # float64 work rows per chunk
+ITER_CONVEX = 3  # masked damped-Newton steps with the convexity bound, where plain Newton failed
+CONVEX_PULLS = 12  # halvings of the start towards the origin, into R
+CONVEX_HALVINGS = 4  # backtracking steps of the damped Newton line search
+_SCRATCH = 39  # float64 work rows per chunk
 
 if AVAILABLE:
     import numba
@@ -46,11 +49,15 @@ if AVAILABLE:
 
     from .reduced_kernel import (
         STEP_TOL,
+        DEC_TOL,
         _case_box,
         _dense_case,
         _dense_weights,
         _g_derivs,
+        _g_value,
+        _in_r,
         _objective4,
+        _phi_grad,
         _pd4,
         _settles,
         _solve_sorted,
@@ -61,10 +68,14 @@ if AVAILABLE:
     U64 = np.uint64
 
     @njit(**_JIT)
-    def _load(z, lam, start, a0, a1, a2, a3, lv, ranks):
-        """Sorted ``|z|`` of cells ``start ..`` into ``a0 >= a1 >= a2 >= a3``, their lam into
-        ``lv`` and the descending rank of each position (2 bits each) into ``ranks``. Ranks
-        break ties by position, as ``torch.sort(stable=True)`` does."""
+    def _load(z, lam, start, a0, a1, a2, a3, lv, ranks, w0, w1, w2, w3, flag):
+        """Stage 1 for cells ``start ..``: their sorted ``|z|`` into ``a0 >= a1 >= a2 >= a3``,
+        lam into ``lv``, the descending rank of each position (2 bits each; ties broken by
+        position, as ``torch.sort(stable=True)`` does) into ``ranks``, and the 2-sparse start
+        ``[a0, a1, 0, 0]`` (``z`` for lam = 0) into ``w0..w3``; ``flag`` 1 where the 3-sparse and
+        dense cases are still open: ``K < 1`` (necessary for both, see
+        :func:`nmprune.prox.reduced.solve_sorted_reduced`), ``lam z_3 > 0`` and the 2-sparse
+        KKT certificate fails."""
         for t in range(U64(a0.shape[0])):
             i = U64(4) * (U64(start) + t)
             b0 = abs(np.float64(z[i]))
@@ -77,29 +88,21 @@ if AVAILABLE:
             r1 = 1 - c01 + c12 + c13
             r2 = 2 - c02 - c12 + c23
             r3 = 3 - c03 - c13 - c23
-            a0[t] = b0 * (r0 == 0) + b1 * (r1 == 0) + b2 * (r2 == 0) + b3 * (r3 == 0)
-            a1[t] = b0 * (r0 == 1) + b1 * (r1 == 1) + b2 * (r2 == 1) + b3 * (r3 == 1)
-            a2[t] = b0 * (r0 == 2) + b1 * (r1 == 2) + b2 * (r2 == 2) + b3 * (r3 == 2)
-            a3[t] = b0 * (r0 == 3) + b1 * (r1 == 3) + b2 * (r2 == 3) + b3 * (r3 == 3)
+            z1 = b0 * (r0 == 0) + b1 * (r1 == 0) + b2 * (r2 == 0) + b3 * (r3 == 0)
+            z2 = b0 * (r0 == 1) + b1 * (r1 == 1) + b2 * (r2 == 1) + b3 * (r3 == 1)
+            z3 = b0 * (r0 == 2) + b1 * (r1 == 2) + b2 * (r2 == 2) + b3 * (r3 == 2)
+            z4 = b0 * (r0 == 3) + b1 * (r1 == 3) + b2 * (r2 == 3) + b3 * (r3 == 3)
+            lam_t = np.float64(lam[U64(start) + t])
+            a0[t], a1[t], a2[t], a3[t], lv[t] = z1, z2, z3, z4, lam_t
             ranks[t] = r0 | (r1 << 2) | (r2 << 4) | (r3 << 6)
-            lv[t] = np.float64(lam[U64(start) + t])
-
-    @njit(**_JIT)
-    def _sparse_start(a0, a1, a2, a3, lv, w0, w1, w2, w3, flag):
-        """Start every cell at its 2-sparse point (``z`` for lam = 0); ``flag`` 1 where the
-        3-sparse and dense cases are still open, i.e. ``K < 1`` (necessary for both, see
-        :func:`nmprune.prox.reduced.solve_sorted_reduced`), ``lam z_3 > 0`` and the 2-sparse
-        KKT certificate fails."""
-        for t in range(U64(a0.shape[0])):
-            z1, z2, z3, z4, lam = a0[t], a1[t], a2[t], a3[t], lv[t]
-            zero = lam == 0.0
+            zero = lam_t == 0.0
             w0[t] = z1
             w1[t] = z2
             w2[t] = z3 if zero else 0.0
             w3[t] = z4 if zero else 0.0
-            k2 = lam * (z1 + np.sqrt((z1 - z2) * (z1 + z2)))
-            cert = (lam * z1 * z2 >= z3) & _pd4(lam, z1, z2, 0.0, 0.0)
-            flag[t] = 0.0 if zero | (k2 >= 2.0) | (lam * z3 <= 0.0) | cert else 1.0
+            k2 = lam_t * (z1 + np.sqrt((z1 - z2) * (z1 + z2)))
+            cert = (lam_t * z1 * z2 >= z3) & _pd4(lam_t, z1, z2, 0.0, 0.0)
+            flag[t] = 0.0 if zero | (k2 >= 2.0) | (lam_t * z3 <= 0.0) | cert else 1.0
 
     @njit(**_JIT)
     def _select(flag, value, idx):
@@ -223,8 +226,8 @@ if AVAILABLE:
 
     @njit(**_JIT)
     def _dense_finish(z1, z2, z3, z4, lv, x, y, state, w0, w1, w2, w3, flag):
-        """Keep the dense point where it is valid (``w_2, w_4 > 0``) and better; ``flag`` 3
-        where Newton did not converge (the per-cell dense fallbacks decide), else 0."""
+        """Keep the dense point where it is valid (``w_2, w_4 > 0``) and better; ``flag`` 1
+        where Newton did not converge (the convex stage tries), else 0."""
         for j in range(U64(x.shape[0])):
             x1, x2, x3, x4, lam, st = z1[j], z2[j], z3[j], z4[j], lv[j], state[j]
             v1, v2, v3, v4 = _dense_weights(x[j], y[j], x1, x2, x3, x4, lam)
@@ -235,7 +238,136 @@ if AVAILABLE:
             w1[j] = v2 if take else p2
             w2[j] = v3 if take else p3
             w3[j] = v4 if take else 0.0
-            flag[j] = 0.0 if (st == 1.0) | (st == 3.0) else 3.0
+            flag[j] = 0.0 if (st == 1.0) | (st == 3.0) else 1.0
+
+    @njit(inline="always", **_JIT)
+    def _meets(a, b, c, x, y):
+        """``a x + b y >= c`` up to the per-cell solver's tolerance (``_lp_min``)."""
+        return a * x + b * y >= c - 1e-9 * (abs(a * x) + abs(b * y) + abs(c))
+
+    @njit(inline="always", **_JIT)
+    def _vertex(a1, b1, c1, a2, b2, c2, g1, g2, c):
+        """``g1 x + g2 y`` at the crossing of lines ``a1 x + b1 y = c1`` and ``a2 x + b2 y = c2``
+        if it satisfies the seven constraints ``c`` (21 numbers, ``a, b, c`` each), else inf."""
+        det = a1 * b2 - a2 * b1
+        x = (c1 * b2 - c2 * b1) / det
+        y = (a1 * c2 - a2 * c1) / det
+        ok = ((det != 0.0) & _meets(c[0], c[1], c[2], x, y) & _meets(c[3], c[4], c[5], x, y)
+              & _meets(c[6], c[7], c[8], x, y) & _meets(c[9], c[10], c[11], x, y)
+              & _meets(c[12], c[13], c[14], x, y) & _meets(c[15], c[16], c[17], x, y)
+              & _meets(c[18], c[19], c[20], x, y))
+        return g1 * x + g2 * y if ok else np.inf
+
+    @njit(inline="always", **_JIT)
+    def _lp_min7(g1, g2, c):
+        """:func:`nmprune.prox.reduced_kernel._lp_min` for seven constraints, unrolled over the
+        21 pairs of lines (straight-line code, so the loop over cells that calls it vectorises)."""
+        low = np.inf
+        low = min(low, _vertex(c[0], c[1], c[2], c[3], c[4], c[5], g1, g2, c))
+        low = min(low, _vertex(c[0], c[1], c[2], c[6], c[7], c[8], g1, g2, c))
+        low = min(low, _vertex(c[0], c[1], c[2], c[9], c[10], c[11], g1, g2, c))
+        low = min(low, _vertex(c[0], c[1], c[2], c[12], c[13], c[14], g1, g2, c))
+        low = min(low, _vertex(c[0], c[1], c[2], c[15], c[16], c[17], g1, g2, c))
+        low = min(low, _vertex(c[0], c[1], c[2], c[18], c[19], c[20], g1, g2, c))
+        low = min(low, _vertex(c[3], c[4], c[5], c[6], c[7], c[8], g1, g2, c))
+        low = min(low, _vertex(c[3], c[4], c[5], c[9], c[10], c[11], g1, g2, c))
+        low = min(low, _vertex(c[3], c[4], c[5], c[12], c[13], c[14], g1, g2, c))
+        low = min(low, _vertex(c[3], c[4], c[5], c[15], c[16], c[17], g1, g2, c))
+        low = min(low, _vertex(c[3], c[4], c[5], c[18], c[19], c[20], g1, g2, c))
+        low = min(low, _vertex(c[6], c[7], c[8], c[9], c[10], c[11], g1, g2, c))
+        low = min(low, _vertex(c[6], c[7], c[8], c[12], c[13], c[14], g1, g2, c))
+        low = min(low, _vertex(c[6], c[7], c[8], c[15], c[16], c[17], g1, g2, c))
+        low = min(low, _vertex(c[6], c[7], c[8], c[18], c[19], c[20], g1, g2, c))
+        low = min(low, _vertex(c[9], c[10], c[11], c[12], c[13], c[14], g1, g2, c))
+        low = min(low, _vertex(c[9], c[10], c[11], c[15], c[16], c[17], g1, g2, c))
+        low = min(low, _vertex(c[9], c[10], c[11], c[18], c[19], c[20], g1, g2, c))
+        low = min(low, _vertex(c[12], c[13], c[14], c[15], c[16], c[17], g1, g2, c))
+        low = min(low, _vertex(c[12], c[13], c[14], c[18], c[19], c[20], g1, g2, c))
+        low = min(low, _vertex(c[15], c[16], c[17], c[18], c[19], c[20], g1, g2, c))
+        return low
+
+    @njit(**_JIT)
+    def _convex_start(z1, z2, z3, z4, lv, w0, w1, w2, x, y, target, s1, s2, d1, d2, xlo, xhi, ylo, yhi):
+        """For the cells where plain Newton failed, as in
+        :func:`nmprune.prox.reduced_kernel._dense_convex`: the reduced constants, the start
+        ``(S_1, S_2)/2`` (which :func:`_convex_pull` then moves into ``R``), the ``(x, y)`` box
+        and the bound to beat (``4 lam^2`` times the best sparse objective). Three loops: one
+        over all 19 arrays would need too many run-time aliasing checks to vectorise."""
+        for j in range(U64(x.shape[0])):
+            lam = lv[j]
+            p, q = lam * (z1[j] + z2[j]), lam * (z3[j] + z4[j])
+            s1[j], s2[j], d1[j], d2[j] = p, q, lam * (z1[j] - z2[j]), lam * (z3[j] - z4[j])
+            x[j], y[j] = 0.5 * p, 0.5 * q
+        for j in range(U64(x.shape[0])):
+            x1, x2, x3, x4, lam = z1[j], z2[j], z3[j], z4[j], lv[j]
+            _, l1, l2, l3, l4, h1, h2, h3, h4 = _case_box(x1, x2, x3, x4, lam)
+            _, a, b, c, d = _xy_box(s1[j], s2[j], d1[j], d2[j], lam * (l1 + l2), lam * (h1 + h2),
+                                    lam * (l3 + l4), lam * (h3 + h4))
+            xlo[j], xhi[j], ylo[j], yhi[j] = a, b, c, d
+        for j in range(U64(x.shape[0])):
+            x1, x2, x3, x4, lam = z1[j], z2[j], z3[j], z4[j], lv[j]
+            target[j] = 4.0 * lam * lam * _objective4(w0[j], w1[j], w2[j], 0.0, x1, x2, x3, x4, lam)
+
+    @njit(**_JIT)
+    def _convex_pull(x, y, s1, s2, d1, d2):
+        """Halve the points outside ``R`` (towards the origin, which the convex ``R`` holds)."""
+        for j in range(U64(x.shape[0])):
+            inside = _in_r(x[j], y[j], s1[j], s2[j], d1[j], d2[j])
+            x[j] = x[j] if inside else 0.5 * x[j]
+            y[j] = y[j] if inside else 0.5 * y[j]
+
+    @njit(**_JIT)
+    def _convex_bound(x, y, s1, s2, d1, d2, xlo, xhi, ylo, yhi, target, gv, dx, dy, dec, state):
+        """At the current point of the cells still iterating (``state`` 0): state 3 where the
+        convexity bound (:func:`nmprune.prox.reduced_kernel._convex_lower_bound`) proves that
+        the dense case cannot beat the best sparse point, state 2 where the point is not in
+        ``R`` or the damped Newton method has converged (a stationary point: the per-cell
+        solver takes the cell); else ``G``, the Newton direction and decrement for the step."""
+        for j in range(U64(x.shape[0])):
+            xj, yj, p, q, e, f = x[j], y[j], s1[j], s2[j], d1[j], d2[j]
+            g1, g2, h11, h12, h22 = _g_derivs(xj, yj, p, q, e, f)
+            gj = _g_value(xj, yj, p, q, e, f)
+            ax, ay, phi = _phi_grad(xj, yj, h11, h12, h22, e, f)
+            ix = 1.0 / (1.0 - xj)
+            iy = 1.0 / (1.0 - yj)
+            cons = (1.0, 0.0, xlo[j], -1.0, 0.0, -xhi[j], 0.0, 1.0, ylo[j], 0.0, -1.0, -yhi[j],
+                    ax, ay, ax * xj + ay * yj - phi,
+                    -f * ix * ix, 1.0, f * ix - f * ix * ix * xj,
+                    1.0, -e * iy * iy, e * iy - e * iy * iy * yj)
+            bound = gj - 2.0 * (g1 * xj + g2 * yj) + 2.0 * _lp_min7(g1, g2, cons)
+            det = h11 * h22 - h12 * h12
+            u = (h12 * g2 - h22 * g1) / det
+            v = (h12 * g1 - h11 * g2) / det
+            dj = -(g1 * u + g2 * v)
+            done = (dj <= DEC_TOL * (p * p + q * q)) & (abs(u) + abs(v) <= STEP_TOL * (xj + yj))
+            gv[j], dx[j], dy[j], dec[j] = gj, u, v, dj
+            st = state[j]
+            new = 3.0 if bound > target[j] else (2.0 if done | ~_in_r(xj, yj, p, q, e, f) else 0.0)
+            state[j] = new if st == 0.0 else st
+
+    @njit(**_JIT)
+    def _convex_try(t, x, y, s1, s2, d1, d2, gv, dx, dy, dec, xn, yn, moved):
+        """Backtracking: the first step length ``t`` (1, 1/2, ...) that stays in ``R`` and
+        decreases ``G`` enough is kept in ``xn, yn`` (``moved`` 1)."""
+        for j in range(U64(x.shape[0])):
+            cx, cy = x[j] + t * dx[j], y[j] + t * dy[j]
+            p, q, e, f = s1[j], s2[j], d1[j], d2[j]
+            ok = ((moved[j] == 0.0) & _in_r(cx, cy, p, q, e, f)
+                  & (_g_value(cx, cy, p, q, e, f) <= gv[j] - 2e-4 * t * dec[j]))
+            xn[j] = cx if ok else xn[j]
+            yn[j] = cy if ok else yn[j]
+            moved[j] = 1.0 if ok else moved[j]
+
+    @njit(**_JIT)
+    def _convex_move(x, y, xn, yn, moved, state):
+        """Take the accepted steps; a cell still iterating without one has stalled (state 2)."""
+        for j in range(U64(x.shape[0])):
+            active = state[j] == 0.0
+            go = active & (moved[j] == 1.0)
+            x[j] = xn[j] if go else x[j]
+            y[j] = yn[j] if go else y[j]
+            state[j] = 2.0 if active & ~go else state[j]
+            moved[j] = 0.0
 
     @njit(inline="always", **_JIT)
     def _pick(r, w0, w1, w2, w3):
@@ -261,10 +393,9 @@ if AVAILABLE:
         idx = np.empty(m, np.int64)
         a0, a1, a2, a3, lv = ws[0], ws[1], ws[2], ws[3], ws[4]
         w0, w1, w2, w3, flag = ws[5], ws[6], ws[7], ws[8], ws[9]
-        _load(z, lam, start, a0, a1, a2, a3, lv, ranks)
-        _sparse_start(a0, a1, a2, a3, lv, w0, w1, w2, w3, flag)
+        _load(z, lam, start, a0, a1, a2, a3, lv, ranks, w0, w1, w2, w3, flag)
         # rows 10.. hold the compacted cells of one stage at a time
-        for stage in range(2):
+        for stage in range(3):
             k = _select(flag, 1.0, idx)
             if k == 0:
                 continue
@@ -282,7 +413,7 @@ if AVAILABLE:
                 _three_finish(z1, z2, z3, z4, lk, u, c, state, v0, v1, v2, fk)
                 for src, dst in ((v0, w0), (v1, w1), (v2, w2), (fk, flag)):
                     _scatter(sel, src, dst)
-            else:
+            elif stage == 1:
                 x, y, s1, s2 = ws[20, :k], ws[21, :k], ws[22, :k], ws[23, :k]
                 d1, d2, state = ws[24, :k], ws[25, :k], ws[26, :k]
                 _dense_start(z1, z2, z3, z4, lk, x, y, s1, s2, d1, d2, state)
@@ -291,6 +422,27 @@ if AVAILABLE:
                 _dense_finish(z1, z2, z3, z4, lk, x, y, state, v0, v1, v2, v3, fk)
                 for src, dst in ((v0, w0), (v1, w1), (v2, w2), (v3, w3), (fk, flag)):
                     _scatter(sel, src, dst)
+            else:
+                x, y, target, gv = ws[20, :k], ws[21, :k], ws[22, :k], ws[23, :k]
+                s1, s2, d1, d2 = ws[24, :k], ws[25, :k], ws[26, :k], ws[27, :k]
+                xlo, xhi, ylo, yhi = ws[28, :k], ws[29, :k], ws[30, :k], ws[31, :k]
+                dx, dy, dec, state = ws[32, :k], ws[33, :k], ws[34, :k], ws[35, :k]
+                xn, yn, moved = ws[36, :k], ws[37, :k], ws[38, :k]
+                _convex_start(z1, z2, z3, z4, lk, v0, v1, v2, x, y, target, s1, s2, d1, d2, xlo, xhi, ylo, yhi)
+                for _ in range(CONVEX_PULLS):
+                    _convex_pull(x, y, s1, s2, d1, d2)
+                state[:] = 0.0
+                moved[:] = 0.0
+                for _ in range(ITER_CONVEX):
+                    _convex_bound(x, y, s1, s2, d1, d2, xlo, xhi, ylo, yhi, target, gv, dx, dy, dec, state)
+                    step = 1.0
+                    for _ in range(CONVEX_HALVINGS):
+                        _convex_try(step, x, y, s1, s2, d1, d2, gv, dx, dy, dec, xn, yn, moved)
+                        step *= 0.5
+                    _convex_move(x, y, xn, yn, moved, state)
+                _convex_bound(x, y, s1, s2, d1, d2, xlo, xhi, ylo, yhi, target, gv, dx, dy, dec, state)
+                for j in range(k):  # proven: the sparse answer stands; else the per-cell fallbacks
+                    flag[sel[j]] = 0.0 if state[j] == 3.0 else 3.0
         for t in range(m):
             if flag[t] == 2.0:  # 3-sparse Newton not converged: the whole per-cell solver
                 und, p0, p1, p2, p3 = _solve_sorted(a0[t], a1[t], a2[t], a3[t], lv[t])
