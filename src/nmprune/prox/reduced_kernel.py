@@ -208,9 +208,11 @@ if AVAILABLE:
 
     @njit(cache=True, error_model="numpy", inline="always")
     def _g_derivs(x, y, s1, s2, d1, d2):
-        """Half the gradient and half the Hessian of ``G``: ``(g1, g2, h11, h12, h22)``."""
-        ix = 1.0 / (1.0 - x)
-        iy = 1.0 / (1.0 - y)
+        """Half the gradient and half the Hessian of ``G``: ``(g1, g2, h11, h12, h22)``
+        (``1/(1-x)`` and ``1/(1-y)`` from one division: divisions bound the vectorised loops)."""
+        r = 1.0 / ((1.0 - x) * (1.0 - y))
+        ix = (1.0 - y) * r
+        iy = (1.0 - x) * r
         e2 = d2 * ix
         e1 = d1 * iy
         g1 = x - s1 + x * y + 0.5 * (y * y - e2 * e2)

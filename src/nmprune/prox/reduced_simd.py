@@ -107,20 +107,20 @@ if AVAILABLE:
     @njit(**_JIT)
     def _select(flag, value, idx):
         """Positions ``t`` with ``flag[t] == value`` into ``idx[:k]``; returns ``k``."""
-        k = 0
-        for t in range(flag.shape[0]):
+        k = U64(0)
+        for t in range(U64(flag.shape[0])):
             idx[k] = t
-            k += flag[t] == value
+            k += U64(flag[t] == value)
         return k
 
     @njit(**_JIT)
     def _gather(idx, src, dst):
-        for j in range(dst.shape[0]):
+        for j in range(U64(dst.shape[0])):
             dst[j] = src[idx[j]]
 
     @njit(**_JIT)
     def _scatter(idx, src, dst):
-        for j in range(src.shape[0]):
+        for j in range(U64(src.shape[0])):
             dst[idx[j]] = src[j]
 
     @njit(**_JIT)
@@ -151,8 +151,9 @@ if AVAILABLE:
             cj = c[j]
             step = phi[j] / dphi[j]
             un = u[j] - step
-            ip = 1.0 / (1.0 + un)
-            im = 1.0 / (1.0 - un)
+            r = 1.0 / ((1.0 + un) * (1.0 - un))  # one division for 1/(1+u) and 1/(1-u)
+            ip = (1.0 - un) * r
+            im = (1.0 + un) * r
             aa = a[j] * ip
             bb = b[j] * im
             aa = aa * aa
@@ -214,8 +215,9 @@ if AVAILABLE:
             xj, yj = x[j], y[j]
             g1, g2, h11, h12, h22 = _g_derivs(xj, yj, s1[j], s2[j], d1[j], d2[j])
             det = h11 * h22 - h12 * h12
-            dx = (h12 * g2 - h22 * g1) / det
-            dy = (h12 * g1 - h11 * g2) / det
+            inv = 1.0 / det
+            dx = (h12 * g2 - h22 * g1) * inv
+            dy = (h12 * g1 - h11 * g2) * inv
             out = (xj >= 1.0) | (yj >= 1.0)
             done = (h11 > 0.0) & (det > 0.0) & (abs(dx) + abs(dy) <= STEP_TOL * (xj + yj))
             active = state[j] == 0.0
@@ -250,8 +252,9 @@ if AVAILABLE:
         """``g1 x + g2 y`` at the crossing of lines ``a1 x + b1 y = c1`` and ``a2 x + b2 y = c2``
         if it satisfies the seven constraints ``c`` (21 numbers, ``a, b, c`` each), else inf."""
         det = a1 * b2 - a2 * b1
-        x = (c1 * b2 - c2 * b1) / det
-        y = (a1 * c2 - a2 * c1) / det
+        inv = 1.0 / det
+        x = (c1 * b2 - c2 * b1) * inv
+        y = (a1 * c2 - a2 * c1) * inv
         ok = ((det != 0.0) & _meets(c[0], c[1], c[2], x, y) & _meets(c[3], c[4], c[5], x, y)
               & _meets(c[6], c[7], c[8], x, y) & _meets(c[9], c[10], c[11], x, y)
               & _meets(c[12], c[13], c[14], x, y) & _meets(c[15], c[16], c[17], x, y)
@@ -335,9 +338,9 @@ if AVAILABLE:
                     -f * ix * ix, 1.0, f * ix - f * ix * ix * xj,
                     1.0, -e * iy * iy, e * iy - e * iy * iy * yj)
             bound = gj - 2.0 * (g1 * xj + g2 * yj) + 2.0 * _lp_min7(g1, g2, cons)
-            det = h11 * h22 - h12 * h12
-            u = (h12 * g2 - h22 * g1) / det
-            v = (h12 * g1 - h11 * g2) / det
+            inv = 1.0 / (h11 * h22 - h12 * h12)
+            u = (h12 * g2 - h22 * g1) * inv
+            v = (h12 * g1 - h11 * g2) * inv
             dj = -(g1 * u + g2 * v)
             done = (dj <= DEC_TOL * (p * p + q * q)) & (abs(u) + abs(v) <= STEP_TOL * (xj + yj))
             gv[j], dx[j], dy[j], dec[j] = gj, u, v, dj
@@ -390,20 +393,23 @@ if AVAILABLE:
         m = stop - start
         ws = np.empty((_SCRATCH, m))
         ranks = np.empty(m, np.int32)
-        idx = np.empty(m, np.int64)
+        idx = np.empty(m, np.uint64)
         a0, a1, a2, a3, lv = ws[0], ws[1], ws[2], ws[3], ws[4]
         w0, w1, w2, w3, flag = ws[5], ws[6], ws[7], ws[8], ws[9]
         _load(z, lam, start, a0, a1, a2, a3, lv, ranks, w0, w1, w2, w3, flag)
         # rows 10.. hold the compacted cells of one stage at a time
         for stage in range(3):
             k = _select(flag, 1.0, idx)
-            if k == 0:
-                continue
+            if k == 0:  # flags only turn 1 in the stage before
+                break
             sel = idx[:k]
             z1, z2, z3, z4, lk = ws[10, :k], ws[11, :k], ws[12, :k], ws[13, :k], ws[14, :k]
             v0, v1, v2, v3, fk = ws[15, :k], ws[16, :k], ws[17, :k], ws[18, :k], ws[19, :k]
-            for src, dst in ((a0, z1), (a1, z2), (a2, z3), (a3, z4), (lv, lk), (w0, v0), (w1, v1), (w2, v2)):
+            for src, dst in ((a0, z1), (a1, z2), (a2, z3), (a3, z4), (lv, lk)):
                 _gather(sel, src, dst)
+            if stage > 0:  # the best sparse point so far
+                for src, dst in ((w0, v0), (w1, v1), (w2, v2)):
+                    _gather(sel, src, dst)
             if stage == 0:
                 u, phi, dphi, a = ws[20, :k], ws[21, :k], ws[22, :k], ws[23, :k]
                 b, c, lo, hi, state = ws[24, :k], ws[25, :k], ws[26, :k], ws[27, :k], ws[28, :k]
