@@ -137,3 +137,40 @@ def test_vectorised_stages_give_the_per_cell_solver_answers():
     ok = ~undecided
     assert float(((f - f_ref) / f_ref.abs().clamp_min(1e-300))[ok].abs().max()) <= 1e-12
     assert torch.equal(w[ok] != 0, ref[ok] != 0)  # the same support
+
+
+def test_unrolled_linear_programme_matches_the_per_cell_one():
+    """The convex stage's LP (21 vertex candidates, unrolled) against the per-cell solver's loop
+    (reduced_kernel._lp_min) on random 7-constraint polygons: box plus three random cuts."""
+    from numba import njit
+
+    from nmprune.prox.reduced_kernel import _lp_min
+    from nmprune.prox.reduced_simd import _lp_min7
+
+    @njit(error_model="numpy")  # as the kernels: parallel lines divide by zero
+    def both(cons, g):
+        out = np.empty((cons.shape[0], 2))
+        for i in range(cons.shape[0]):
+            c = cons[i]
+            t = (c[0, 0], c[0, 1], c[0, 2], c[1, 0], c[1, 1], c[1, 2], c[2, 0], c[2, 1], c[2, 2],
+                 c[3, 0], c[3, 1], c[3, 2], c[4, 0], c[4, 1], c[4, 2], c[5, 0], c[5, 1], c[5, 2],
+                 c[6, 0], c[6, 1], c[6, 2])
+            out[i, 0] = _lp_min(g[i, 0], g[i, 1], c, 7)
+            out[i, 1] = _lp_min7(g[i, 0], g[i, 1], t)
+        return out
+
+    rng = np.random.default_rng(0)
+    n = 3000
+    cons = np.zeros((n, 7, 3))
+    lo, hi = rng.uniform(-1, 0, (n, 2)), rng.uniform(0.2, 1, (n, 2))
+    cons[:, 0] = np.stack([np.ones(n), np.zeros(n), lo[:, 0]], 1)
+    cons[:, 1] = np.stack([-np.ones(n), np.zeros(n), -hi[:, 0]], 1)
+    cons[:, 2] = np.stack([np.zeros(n), np.ones(n), lo[:, 1]], 1)
+    cons[:, 3] = np.stack([np.zeros(n), -np.ones(n), -hi[:, 1]], 1)
+    cons[:, 4:, :2] = rng.normal(size=(n, 3, 2))
+    cons[:, 4:, 2] = rng.normal(scale=0.5, size=(n, 3))
+    out = both(cons, rng.normal(size=(n, 2)))
+    finite = np.isfinite(out[:, 0])
+    assert 0.2 * n < finite.sum() < n  # feasible and empty polygons both occur
+    assert np.array_equal(finite, np.isfinite(out[:, 1]))
+    assert np.allclose(out[finite, 0], out[finite, 1], rtol=1e-12, atol=1e-12)

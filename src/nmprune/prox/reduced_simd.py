@@ -2,7 +2,7 @@
 
 The per-cell solver (:func:`nmprune.prox.reduced_kernel._solve_sorted`) branches on every
 cell and spends its time in mispredicted branches and in the latency of dependent divisions.
-Here the cells are cut into chunks; within a chunk every stage is one branch-free loop over
+Here the cells are cut into chunks; within a chunk every stage is a branch-free loop over
 structure-of-arrays that LLVM vectorises (AVX2/AVX-512 lanes of float64), and each stage
 hands only the cells it could not settle to the next one:
 
@@ -14,12 +14,16 @@ hands only the cells it could not settle to the next one:
    then the better of it and the 2-sparse point, and the KKT certificate ``_settles``
    (the candidate minimises ``f`` over the PSD region, so no dense point beats it);
 3. the dense case, for the remaining cells that pass its necessary conditions (the case box,
-   ``lam (z_1 - z_2) < 1``, the ``(x, y)`` box): a fixed number of masked Newton steps on ``grad G = 0``; a converged
-   point with a positive definite Hessian is the unique PSD stationary point of ``f``
-   (Corollary ``corollary:no_spurious``);
-4. the cells still undecided (Newton not converged in the fixed number of steps; a few per
-   cent) are solved by the exact per-cell solver, then everything is written back with the
-   signs and positions of ``z``.
+   ``lam (z_1 - z_2) < 1``, the ``(x, y)`` box): a fixed number of masked Newton steps on
+   ``grad G = 0``; a converged point with a positive definite Hessian is the unique PSD
+   stationary point of ``f`` (Corollary ``corollary:no_spurious``);
+4. where plain Newton failed (a few per cent of the cells, mostly without a dense minimiser):
+   a few masked damped-Newton steps on the convex reduced problem with the convexity lower
+   bound of :func:`nmprune.prox.reduced_kernel._dense_convex` (its 2-D linear programme
+   unrolled over the 21 vertex candidates), which proves for most of them that the dense case
+   cannot beat the best sparse point;
+5. the cells still undecided (well under one per cent) are solved by the exact per-cell
+   solver, then everything is written back with the signs and positions of ``z``.
 
 Same mathematics and the same certificates as the per-cell solver, so the answer is the same
 exact minimiser. Loops index arrays with unsigned integers: numba's wrap-around of negative
@@ -123,11 +127,32 @@ if AVAILABLE:
         for j in range(U64(src.shape[0])):
             dst[idx[j]] = src[j]
 
+    @njit(inline="always", **_JIT)
+    def _three_newton(u, phi, dphi, a, b, c, lo, hi, state):
+        """One masked Newton step on ``Phi(u) = 0`` (a cell with ``state`` 0 moves; 1 once it
+        has converged, 2 once it leaves the region that holds a valid PSD root)."""
+        step = phi / dphi
+        un = u - step
+        r = 1.0 / ((1.0 + un) * (1.0 - un))  # one division for 1/(1+u) and 1/(1-u)
+        ip = (1.0 - un) * r
+        im = (1.0 + un) * r
+        aa = a * ip
+        bb = b * im
+        aa = aa * aa
+        bb = bb * bb
+        pn = un + (aa - bb) * 0.25 - c
+        dn = 1.0 - (aa * ip + bb * im) * 0.5
+        out = (un <= lo) | (un >= hi) | (dn <= 0.0)
+        done = (abs(step) <= STEP_TOL * un) | (abs(pn) <= 4e-16 * (un + (aa + bb) * 0.25 + c))
+        active = state == 0.0
+        new = (2.0 if out else (1.0 if done else 0.0)) if active else state
+        return (un if active else u), (pn if active else phi), (dn if active else dphi), new
+
     @njit(**_JIT)
-    def _three_start(z1, z2, z3, lv, u, phi, dphi, a, b, c, lo, hi, state):
-        """The inflection point ``u*`` of ``Phi`` and the bounds that certify an absent root
-        (:func:`nmprune.prox.reduced.three_sparse_root`). ``state``: 0 iterating, 1
-        converged, 2 proven absent."""
+    def _three_solve(z1, z2, z3, lv, u, c, state):
+        """The 3-sparse root ``u = lam w_3`` (:func:`nmprune.prox.reduced.three_sparse_root`):
+        monotone Newton from the inflection point ``u*``, a fixed number of masked steps kept
+        in registers. ``state``: 0 not converged, 1 converged, 2 proven absent."""
         for j in range(U64(u.shape[0])):
             x1, x2, lam = z1[j], z2[j], lv[j]
             s, d = x1 + x2, x1 - x2
@@ -135,38 +160,17 @@ if AVAILABLE:
             r = np.sqrt(d / s)
             uj = (1.0 - r) / (1.0 + r)
             k = lam * (x1 + np.sqrt(d * s)) * 0.5
-            a[j], b[j], c[j] = lam * s, lam * d, cj
-            pj = uj + k * (lam * s - lam * d) * 0.25 - cj
+            a, b = lam * s, lam * d
+            pj = uj + k * (a - b) * 0.25 - cj
+            dj = 1.0 - k * k
             umax = min(x2 / x1, cj)
             left = pj > 0.0
-            u[j], phi[j], dphi[j] = uj, pj, 1.0 - k * k
-            lo[j] = 0.0 if left else -np.inf
-            hi[j] = np.inf if left else umax
-            state[j] = 2.0 if (k >= 1.0) | (~left & (uj >= umax)) else 0.0
-
-    @njit(**_JIT)
-    def _three_step(u, phi, dphi, a, b, c, lo, hi, state):
-        """One masked Newton step on ``Phi(u) = 0`` for the cells still iterating."""
-        for j in range(U64(u.shape[0])):
-            cj = c[j]
-            step = phi[j] / dphi[j]
-            un = u[j] - step
-            r = 1.0 / ((1.0 + un) * (1.0 - un))  # one division for 1/(1+u) and 1/(1-u)
-            ip = (1.0 - un) * r
-            im = (1.0 + un) * r
-            aa = a[j] * ip
-            bb = b[j] * im
-            aa = aa * aa
-            bb = bb * bb
-            pn = un + (aa - bb) * 0.25 - cj
-            dn = 1.0 - (aa * ip + bb * im) * 0.5
-            out = (un <= lo[j]) | (un >= hi[j]) | (dn <= 0.0)
-            done = (abs(step) <= STEP_TOL * un) | (abs(pn) <= 4e-16 * (un + (aa + bb) * 0.25 + cj))
-            active = state[j] == 0.0
-            state[j] = (2.0 if out else (1.0 if done else 0.0)) if active else state[j]
-            u[j] = un if active else u[j]
-            phi[j] = pn if active else phi[j]
-            dphi[j] = dn if active else dphi[j]
+            lo = 0.0 if left else -np.inf
+            hi = np.inf if left else umax
+            st = 2.0 if (k >= 1.0) | (~left & (uj >= umax)) else 0.0
+            for _ in range(ITER_3SPARSE):
+                uj, pj, dj, st = _three_newton(uj, pj, dj, a, b, cj, lo, hi, st)
+            u[j], c[j], state[j] = uj, cj, st
 
     @njit(**_JIT)
     def _three_finish(z1, z2, z3, z4, lv, u, c, state, w0, w1, w2, flag):
@@ -389,7 +393,7 @@ if AVAILABLE:
 
     @njit(**_JIT)
     def _chunk(z, lam, out, undecided, start, stop):
-        """Stages 1-4 of the module docstring for cells ``start .. stop``."""
+        """Stages 1-5 of the module docstring for cells ``start .. stop``."""
         m = stop - start
         ws = np.empty((_SCRATCH, m))
         ranks = np.empty(m, np.int32)
@@ -411,11 +415,8 @@ if AVAILABLE:
                 for src, dst in ((w0, v0), (w1, v1), (w2, v2)):
                     _gather(sel, src, dst)
             if stage == 0:
-                u, phi, dphi, a = ws[20, :k], ws[21, :k], ws[22, :k], ws[23, :k]
-                b, c, lo, hi, state = ws[24, :k], ws[25, :k], ws[26, :k], ws[27, :k], ws[28, :k]
-                _three_start(z1, z2, z3, lk, u, phi, dphi, a, b, c, lo, hi, state)
-                for _ in range(ITER_3SPARSE):
-                    _three_step(u, phi, dphi, a, b, c, lo, hi, state)
+                u, c, state = ws[20, :k], ws[21, :k], ws[22, :k]
+                _three_solve(z1, z2, z3, lk, u, c, state)
                 _three_finish(z1, z2, z3, z4, lk, u, c, state, v0, v1, v2, fk)
                 for src, dst in ((v0, w0), (v1, w1), (v2, w2), (fk, flag)):
                     _scatter(sel, src, dst)
