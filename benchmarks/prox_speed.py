@@ -7,7 +7,10 @@
   (tests/prox_bruteforce.py) on a sample of easy and hard cells; the GD solver both with its
   defaults (float32) and run "to the same accuracy" (float64, tol 1e-12, 20000 steps);
 * the prox of a whole 1536x576 float32 matrix vs the matmul W @ H (H 576x576), timed back to
-  back in the same process (the machine is shared: the load average is recorded);
+  back in the same process (the machine is shared: the load average is recorded), at one lam
+  (the median 2-sparse threshold, a hard mix of the three cases) and inside a whole
+  proximal-gradient run of the default `prox` pruner on a layer-like problem (every
+  iteration's prox call timed; lam grows from "most cells dense" to "all 2-sparse");
 * the general N:M prox (4:8, 3:6, 2:8) vs brute force.
 
 Writes benchmarks/results/prox_speed.json and prox_speed.md.
@@ -27,8 +30,12 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _problems import correlated_layer  # noqa: E402
 from prox_bruteforce import objective, reference_min  # noqa: E402
 
+from nmprune.algorithms.prox import prox_gradient  # noqa: E402
+from nmprune.pattern import NMPattern  # noqa: E402
 from nmprune.prox import prox_2of4, prox_nm  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -144,6 +151,7 @@ def main() -> None:
                                    "prox_over_matmul": t_prox / t_mm, "newton_prox_ms": 1e3 * t_newton}
     torch.set_num_threads(threads)
     res["matrix_1536x576"] = {"lam": lam_mat, **matrix}
+    res["prox_gradient_run_1536x576"] = prox_in_run(threads)
 
     # ---- general N:M vs brute force --------------------------------------------------------------
     general = {}
@@ -168,6 +176,35 @@ def main() -> None:
     (RESULTS / "prox_speed.json").write_text(json.dumps(res, indent=2))
     (RESULTS / "prox_speed.md").write_text(to_markdown(res))
     print(to_markdown(res))
+
+
+def prox_in_run(threads: int) -> dict:
+    """Every prox call of one default ``prox`` pruning run (1536x576, correlated H, the
+    registered method's defaults) timed, against ``W @ H`` timed in the same process."""
+    w, h, _ = correlated_layer(1536, 576, seed=5)
+    calls: list[float] = []
+
+    def timed_prox(z: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
+        t = time.perf_counter()
+        out = prox_2of4(z, lam)
+        calls.append(time.perf_counter() - t)
+        return out
+
+    out = {}
+    for nt in sorted({threads, 1}):
+        torch.set_num_threads(nt)
+        prox_2of4(w.reshape(-1, 4), 0.1)  # warm-up: loads the compiled kernels
+        calls.clear()
+        t = time.perf_counter()
+        prox_gradient(w, h, NMPattern(2, 4), timed_prox, lambda0=0.001, beta=1.05, lambda_adapt=True,
+                      max_iter=5000, finish=0.005, accelerate=True, method="prox")
+        total = time.perf_counter() - t
+        t_mm = timed(lambda: w @ h, repeat=5)
+        out[f"threads={nt}"] = {"iterations": len(calls), "run_s": total, "prox_total_s": sum(calls),
+                                "prox_mean_ms": 1e3 * sum(calls) / len(calls), "prox_max_ms": 1e3 * max(calls),
+                                "matmul_ms": 1e3 * t_mm, "prox_mean_over_matmul": sum(calls) / len(calls) / t_mm}
+    torch.set_num_threads(threads)
+    return out
 
 
 def to_markdown(res: dict) -> str:
@@ -197,6 +234,13 @@ def to_markdown(res: dict) -> str:
         if k != "lam":
             lines.append(f"| {k} | {v['prox_ms']:.1f} | {v['matmul_ms']:.1f} | {v['prox_over_matmul']:.1f} | "
                          f"{v['newton_prox_ms']:.1f} |")
+    run = res["prox_gradient_run_1536x576"]
+    lines += ["", "## prox inside a whole default `prox` pruning run (1536x576, correlated H) vs W @ H", "",
+              "| threads | iterations | run s | prox total s | prox mean ms | prox max ms | matmul ms | mean prox / matmul |",
+              "|---|---|---|---|---|---|---|---|"]
+    for k, v in run.items():
+        lines.append(f"| {k} | {v['iterations']} | {v['run_s']:.2f} | {v['prox_total_s']:.2f} | {v['prox_mean_ms']:.1f} | "
+                     f"{v['prox_max_ms']:.1f} | {v['matmul_ms']:.1f} | {v['prox_mean_over_matmul']:.2f} |")
     lines += ["", "## general N:M prox vs brute force", "",
               "| pattern | cells | worst relative gap | cells worse by >1e-6 | solve s |", "|---|---|---|---|---|"]
     for k, v in res["general_nm"].items():
