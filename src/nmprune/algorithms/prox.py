@@ -80,7 +80,7 @@ def prox_gradient(w_star: Tensor, h: Tensor, pattern: NMPattern, cell_prox: Cell
                               RuntimeWarning, stacklevel=4)
             w = w * topn_mask(w.abs(), pattern)
             break
-        if accelerate:  # FISTA extrapolation (Beck & Teboulle); restarted when the mask changes
+        if accelerate:  # FISTA extrapolation (Beck & Teboulle), never restarted (see docs/methods.md)
             next_m = 0.5 * (1.0 + (1.0 + 4.0 * momentum * momentum) ** 0.5)
             y = w + ((momentum - 1.0) / next_m) * (w - w_prev)
             momentum = next_m
