@@ -41,7 +41,7 @@ CellProx = Callable[[Tensor, Tensor], Tensor]  # (cells (..., M), lambda per cel
 
 
 def _nonsparse_cells(w: Tensor, pattern: NMPattern) -> Tensor:
-    return (to_cells(w, pattern.m) != 0).sum(-1) > pattern.n
+    return torch.count_nonzero(to_cells(w, pattern.m), dim=-1) > pattern.n
 
 
 def prox_gradient(w_star: Tensor, h: Tensor, pattern: NMPattern, cell_prox: CellProx, *,
@@ -64,7 +64,7 @@ def prox_gradient(w_star: Tensor, h: Tensor, pattern: NMPattern, cell_prox: Cell
     if lambda_adapt:
         mean_abs = float(w_star.abs().mean()) if w_star.numel() else 0.0
         lam = lam / mean_abs if mean_abs > 0 else lam
-    target = w_star @ h
+    step_target = (2.0 * eta) * (w_star @ h)  # the constant part of the gradient step
     n_cells = w_star.numel() // pattern.m
     w, w_prev, momentum = w_star.clone(), w_star, 1.0
     it = 0
@@ -82,11 +82,12 @@ def prox_gradient(w_star: Tensor, h: Tensor, pattern: NMPattern, cell_prox: Cell
             break
         if accelerate:  # FISTA extrapolation (Beck & Teboulle), never restarted (see docs/methods.md)
             next_m = 0.5 * (1.0 + (1.0 + 4.0 * momentum * momentum) ** 0.5)
-            y = w + ((momentum - 1.0) / next_m) * (w - w_prev)
+            y = torch.lerp(w_prev, w, 1.0 + (momentum - 1.0) / next_m)  # w + t (w - w_prev)
             momentum = next_m
         else:
             y = w
-        z = y - (2.0 * eta) * (y @ h - target)
+        # z = y - 2 eta (y H - W* H), as one GEMM into a fresh tensor and one add
+        z = torch.addmm(y, y, h, alpha=-2.0 * eta).add_(step_target)
         w_prev = w
         w = from_cells(cell_prox(to_cells(z, pattern.m), torch.tensor(lam, dtype=z.dtype)))
         lam *= beta
