@@ -52,8 +52,8 @@ if AVAILABLE:
     from numba import njit, prange
 
     from .reduced_kernel import (
-        STEP_TOL,
         DEC_TOL,
+        STEP_TOL,
         _case_box,
         _dense_case,
         _dense_weights,
@@ -61,14 +61,14 @@ if AVAILABLE:
         _g_value,
         _in_r,
         _objective4,
-        _phi_grad,
         _pd4,
+        _phi_grad,
         _settles,
         _solve_sorted,
         _xy_box,
     )
 
-    _JIT = dict(cache=True, error_model="numpy")  # numpy error model: no zero-division branches
+    _JIT = {"cache": True, "error_model": "numpy"}  # numpy error model: no zero-division branches
     U64 = np.uint64
 
     @njit(**_JIT)
