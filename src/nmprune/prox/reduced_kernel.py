@@ -39,6 +39,20 @@ DEC_TOL = 1e-24
 if AVAILABLE:
 
     @njit(cache=True, error_model="numpy", inline="always")
+    def _phi(u, a, b, c):
+        """``Phi(u) = u + (A^2/(1+u)^2 - B^2/(1-u)^2)/4 - c``, ``Phi'(u)`` and the size of its
+        fraction terms ``(A^2/(1+u)^2 + B^2/(1-u)^2)/4`` (for a rounding-level residual test);
+        ``1/(1+u)`` and ``1/(1-u)`` come from one division."""
+        r = 1.0 / ((1.0 + u) * (1.0 - u))
+        ip = (1.0 - u) * r
+        im = (1.0 + u) * r
+        aa = a * ip
+        bb = b * im
+        aa = aa * aa
+        bb = bb * bb
+        return u + (aa - bb) * 0.25 - c, 1.0 - (aa * ip + bb * im) * 0.5, (aa + bb) * 0.25
+
+    @njit(cache=True, error_model="numpy", inline="always")
     def _three_root(z1: float, z2: float, z3: float, lam: float):
         """``(status, u)`` of the PSD stationary point of ``g`` (``u = lam w_3``): status 1 found,
         0 proven absent, -1 undecided (see :func:`nmprune.prox.reduced.three_sparse_root`)."""
@@ -66,18 +80,11 @@ if AVAILABLE:
                     return 0, 0.0
             elif u >= umax:
                 return 0, 0.0
-            ip = 1.0 / (1.0 + u)
-            im = 1.0 / (1.0 - u)
-            aa = a * ip
-            bb = b * im
-            aa = aa * aa
-            bb = bb * bb
-            phi = u + (aa - bb) * 0.25 - c
-            dphi = 1.0 - (aa * ip + bb * im) * 0.5
+            phi, dphi, frac = _phi(u, a, b, c)
             if dphi <= 0.0:
                 return 0, 0.0
             # converged: a relative step of 1e-12, or a residual at rounding level (roots u ~ 0)
-            if abs(step) <= STEP_TOL * u or abs(phi) <= 4e-16 * (u + (aa + bb) * 0.25 + c):
+            if abs(step) <= STEP_TOL * u or abs(phi) <= 4e-16 * (u + frac + c):
                 if u <= 0.0 or u >= umax:
                     return 0, 0.0
                 return 1, u

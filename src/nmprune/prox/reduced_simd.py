@@ -62,6 +62,7 @@ if AVAILABLE:
         _in_r,
         _objective4,
         _pd4,
+        _phi,
         _phi_grad,
         _settles,
         _solve_sorted,
@@ -133,17 +134,9 @@ if AVAILABLE:
         has converged, 2 once it leaves the region that holds a valid PSD root)."""
         step = phi / dphi
         un = u - step
-        r = 1.0 / ((1.0 + un) * (1.0 - un))  # one division for 1/(1+u) and 1/(1-u)
-        ip = (1.0 - un) * r
-        im = (1.0 + un) * r
-        aa = a * ip
-        bb = b * im
-        aa = aa * aa
-        bb = bb * bb
-        pn = un + (aa - bb) * 0.25 - c
-        dn = 1.0 - (aa * ip + bb * im) * 0.5
+        pn, dn, frac = _phi(un, a, b, c)
         out = (un <= lo) | (un >= hi) | (dn <= 0.0)
-        done = (abs(step) <= STEP_TOL * un) | (abs(pn) <= 4e-16 * (un + (aa + bb) * 0.25 + c))
+        done = (abs(step) <= STEP_TOL * un) | (abs(pn) <= 4e-16 * (un + frac + c))
         active = state == 0.0
         new = (2.0 if out else (1.0 if done else 0.0)) if active else state
         return (un if active else u), (pn if active else phi), (dn if active else dphi), new
