@@ -139,24 +139,40 @@ def test_vectorised_stages_give_the_per_cell_solver_answers():
     assert torch.equal(w[ok] != 0, ref[ok] != 0)  # the same support
 
 
-def test_unrolled_linear_programme_matches_the_per_cell_one():
-    """The convex stage's LP (21 vertex candidates, unrolled) against the per-cell solver's loop
-    (reduced_kernel._lp_min) on random 7-constraint polygons: box plus three random cuts."""
+def _lp_min_reference(cons: np.ndarray, g: np.ndarray) -> float:
+    """Minimum of ``g . (x, y)`` over ``{cons[k, 0] x + cons[k, 1] y >= cons[k, 2]}``, by the
+    plain loop over every pair of constraint lines (a bounded polygon's optimum is a vertex),
+    with the kernel's 1e-9 relative feasibility tolerance; ``inf`` when empty."""
+    best = np.inf
+    m = len(cons)
+    for i in range(m):
+        for j in range(i + 1, m):
+            (a1, b1, c1), (a2, b2, c2) = cons[i], cons[j]
+            det = a1 * b2 - a2 * b1
+            if det == 0.0:
+                continue
+            x, y = (c1 * b2 - c2 * b1) / det, (a1 * c2 - a2 * c1) / det
+            if all(a * x + b * y >= c - 1e-9 * (abs(a * x) + abs(b * y) + abs(c)) for a, b, c in cons):
+                best = min(best, g[0] * x + g[1] * y)
+    return best
+
+
+def test_unrolled_linear_programme_matches_the_plain_loop():
+    """The kernels' LP (reduced_kernel._lp_min7: 21 vertex candidates, unrolled) against a plain
+    Python loop over the same vertices, on random 7-constraint polygons: box plus three cuts."""
     from numba import njit
 
-    from nmprune.prox.reduced_kernel import _lp_min
-    from nmprune.prox.reduced_simd import _lp_min7
+    from nmprune.prox.reduced_kernel import _lp_min7
 
     @njit(error_model="numpy")  # as the kernels: parallel lines divide by zero
-    def both(cons, g):
-        out = np.empty((cons.shape[0], 2))
+    def unrolled(cons, g):
+        out = np.empty(cons.shape[0])
         for i in range(cons.shape[0]):
             c = cons[i]
             t = (c[0, 0], c[0, 1], c[0, 2], c[1, 0], c[1, 1], c[1, 2], c[2, 0], c[2, 1], c[2, 2],
                  c[3, 0], c[3, 1], c[3, 2], c[4, 0], c[4, 1], c[4, 2], c[5, 0], c[5, 1], c[5, 2],
                  c[6, 0], c[6, 1], c[6, 2])
-            out[i, 0] = _lp_min(g[i, 0], g[i, 1], c, 7)
-            out[i, 1] = _lp_min7(g[i, 0], g[i, 1], t)
+            out[i] = _lp_min7(g[i, 0], g[i, 1], t)
         return out
 
     rng = np.random.default_rng(0)
@@ -169,8 +185,10 @@ def test_unrolled_linear_programme_matches_the_per_cell_one():
     cons[:, 3] = np.stack([np.zeros(n), -np.ones(n), -hi[:, 1]], 1)
     cons[:, 4:, :2] = rng.normal(size=(n, 3, 2))
     cons[:, 4:, 2] = rng.normal(scale=0.5, size=(n, 3))
-    out = both(cons, rng.normal(size=(n, 2)))
-    finite = np.isfinite(out[:, 0])
+    g = rng.normal(size=(n, 2))
+    ref = np.array([_lp_min_reference(cons[i], g[i]) for i in range(n)])
+    out = unrolled(cons, g)
+    finite = np.isfinite(ref)
     assert 0.2 * n < finite.sum() < n  # feasible and empty polygons both occur
-    assert np.array_equal(finite, np.isfinite(out[:, 1]))
-    assert np.allclose(out[finite, 0], out[finite, 1], rtol=1e-12, atol=1e-12)
+    assert np.array_equal(finite, np.isfinite(out))
+    assert np.allclose(ref[finite], out[finite], rtol=1e-12, atol=1e-12)

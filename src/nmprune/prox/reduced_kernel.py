@@ -9,11 +9,12 @@ plus the slower exact fallbacks of the dense case (damped Newton on the convex r
 with a convexity lower bound, then damped Newton on ``f``), with early exits.
 :func:`_solve_sorted` is the exact answer for one sorted cell; :mod:`nmprune.prox.reduced_simd`
 runs the common paths vectorised over many cells and calls it for the cells they leave open.
-The small helpers are branch-free so that those vectorised loops can inline them; all
-functions use numpy's error model (a division by zero gives inf or nan, which the
-comparisons then reject, instead of raising). Cells that
-no certificate decides (rare) are flagged and re-solved by the exact torch path. All
-arithmetic is float64; see :mod:`nmprune.prox.reduced` for the derivations.
+The small helpers (the Newton step on ``G``, the convexity bound with its unrolled 2-D linear
+programme, the box tightening) are branch-free so that those vectorised loops share them;
+all functions use numpy's error model (a division by zero gives inf or nan, which the
+comparisons then reject, instead of raising). Cells that no certificate decides (rare) are
+flagged and re-solved by the exact torch path. All arithmetic is float64; see
+:mod:`nmprune.prox.reduced` for the derivations.
 """
 
 from __future__ import annotations
@@ -137,10 +138,7 @@ if AVAILABLE:
         for _ in range(MAX_DENSE):
             if x >= 1.0 or y >= 1.0:
                 return -1, 0.0, 0.0, 0.0, 0.0
-            g1, g2, h11, h12, h22 = _g_derivs(x, y, s1, s2, d1, d2)
-            det = h11 * h22 - h12 * h12
-            dx = (h12 * g2 - h22 * g1) / det
-            dy = (h12 * g1 - h11 * g2) / det
+            _, _, h11, _, _, det, dx, dy = _g_newton(x, y, s1, s2, d1, d2)
             if h11 > 0.0 and det > 0.0 and abs(dx) + abs(dy) <= STEP_TOL * (x + y):
                 w1, w2, w3, w4 = _dense_weights(x, y, z1, z2, z3, z4, lam)
                 return 1, w1, w2, w3, w4
@@ -233,30 +231,54 @@ if AVAILABLE:
         _, _, h11, h12, h22 = _g_derivs(x, y, s1, s2, d1, d2)
         return (x < 1.0) & (y < 1.0) & (h11 > 0.0) & (h11 * h22 - h12 * h12 > 0.0)
 
-    @njit(cache=True, error_model="numpy")
-    def _lp_min(cx, cy, cons, m):
-        """Minimum of ``cx x + cy y`` over ``{cons[k, 0] x + cons[k, 1] y >= cons[k, 2], k < m}``
-        (a bounded 2-D polygon: the optimum is at a crossing of two constraint lines); ``inf``
-        when it is empty."""
-        best = np.inf
-        for i in range(m):
-            for j in range(i + 1, m):
-                a1, b1, c1 = cons[i, 0], cons[i, 1], cons[i, 2]
-                a2, b2, c2 = cons[j, 0], cons[j, 1], cons[j, 2]
-                det = a1 * b2 - a2 * b1
-                if det == 0.0:
-                    continue
-                x = (c1 * b2 - c2 * b1) / det
-                y = (a1 * c2 - a2 * c1) / det
-                feasible = True
-                for k in range(m):
-                    lhs = cons[k, 0] * x + cons[k, 1] * y
-                    if lhs < cons[k, 2] - 1e-9 * (abs(cons[k, 0] * x) + abs(cons[k, 1] * y) + abs(cons[k, 2])):
-                        feasible = False
-                        break
-                if feasible:
-                    best = min(best, cx * x + cy * y)
-        return best
+    @njit(cache=True, error_model="numpy", inline="always")
+    def _meets(a, b, c, x, y):
+        """``a x + b y >= c`` up to a relative tolerance of 1e-9."""
+        return a * x + b * y >= c - 1e-9 * (abs(a * x) + abs(b * y) + abs(c))
+
+    @njit(cache=True, error_model="numpy", inline="always")
+    def _vertex(a1, b1, c1, a2, b2, c2, g1, g2, c):
+        """``g1 x + g2 y`` at the crossing of lines ``a1 x + b1 y = c1`` and ``a2 x + b2 y = c2``
+        if it satisfies the seven constraints ``c`` (21 numbers, ``a, b, c`` each), else inf."""
+        det = a1 * b2 - a2 * b1
+        inv = 1.0 / det
+        x = (c1 * b2 - c2 * b1) * inv
+        y = (a1 * c2 - a2 * c1) * inv
+        ok = ((det != 0.0) & _meets(c[0], c[1], c[2], x, y) & _meets(c[3], c[4], c[5], x, y)
+              & _meets(c[6], c[7], c[8], x, y) & _meets(c[9], c[10], c[11], x, y)
+              & _meets(c[12], c[13], c[14], x, y) & _meets(c[15], c[16], c[17], x, y)
+              & _meets(c[18], c[19], c[20], x, y))
+        return g1 * x + g2 * y if ok else np.inf
+
+    @njit(cache=True, error_model="numpy", inline="always")
+    def _lp_min7(g1, g2, c):
+        """Minimum of ``g1 x + g2 y`` over the polygon ``{a_k x + b_k y >= c_k, k < 7}`` given
+        as a tuple ``c`` of 21 numbers; ``inf`` when it is empty. The optimum of a bounded 2-D
+        polygon is at a crossing of two constraint lines: all 21 are checked, as straight-line
+        code (so loops over cells that call it vectorise)."""
+        low = np.inf
+        low = min(low, _vertex(c[0], c[1], c[2], c[3], c[4], c[5], g1, g2, c))
+        low = min(low, _vertex(c[0], c[1], c[2], c[6], c[7], c[8], g1, g2, c))
+        low = min(low, _vertex(c[0], c[1], c[2], c[9], c[10], c[11], g1, g2, c))
+        low = min(low, _vertex(c[0], c[1], c[2], c[12], c[13], c[14], g1, g2, c))
+        low = min(low, _vertex(c[0], c[1], c[2], c[15], c[16], c[17], g1, g2, c))
+        low = min(low, _vertex(c[0], c[1], c[2], c[18], c[19], c[20], g1, g2, c))
+        low = min(low, _vertex(c[3], c[4], c[5], c[6], c[7], c[8], g1, g2, c))
+        low = min(low, _vertex(c[3], c[4], c[5], c[9], c[10], c[11], g1, g2, c))
+        low = min(low, _vertex(c[3], c[4], c[5], c[12], c[13], c[14], g1, g2, c))
+        low = min(low, _vertex(c[3], c[4], c[5], c[15], c[16], c[17], g1, g2, c))
+        low = min(low, _vertex(c[3], c[4], c[5], c[18], c[19], c[20], g1, g2, c))
+        low = min(low, _vertex(c[6], c[7], c[8], c[9], c[10], c[11], g1, g2, c))
+        low = min(low, _vertex(c[6], c[7], c[8], c[12], c[13], c[14], g1, g2, c))
+        low = min(low, _vertex(c[6], c[7], c[8], c[15], c[16], c[17], g1, g2, c))
+        low = min(low, _vertex(c[6], c[7], c[8], c[18], c[19], c[20], g1, g2, c))
+        low = min(low, _vertex(c[9], c[10], c[11], c[12], c[13], c[14], g1, g2, c))
+        low = min(low, _vertex(c[9], c[10], c[11], c[15], c[16], c[17], g1, g2, c))
+        low = min(low, _vertex(c[9], c[10], c[11], c[18], c[19], c[20], g1, g2, c))
+        low = min(low, _vertex(c[12], c[13], c[14], c[15], c[16], c[17], g1, g2, c))
+        low = min(low, _vertex(c[12], c[13], c[14], c[18], c[19], c[20], g1, g2, c))
+        low = min(low, _vertex(c[15], c[16], c[17], c[18], c[19], c[20], g1, g2, c))
+        return low
 
     @njit(cache=True, error_model="numpy", inline="always")
     def _phi_grad(x, y, h11, h12, h22, d1, d2):
@@ -269,8 +291,8 @@ if AVAILABLE:
         ay = (h22 + h11 * (-3.0 * d1 * d1 * iy ** 4)) / (2.0 * root) - 1.0
         return ax, ay, root - h12
 
-    @njit(cache=True, error_model="numpy")
-    def _convex_lower_bound(x, y, gv, g1, g2, h11, h12, h22, d1, d2, xlo, xhi, ylo, yhi, cons):
+    @njit(cache=True, error_model="numpy", inline="always")
+    def _convex_lower_bound(x, y, gv, g1, g2, h11, h12, h22, d1, d2, xlo, xhi, ylo, yhi):
         """Lower bound on ``G`` over the dense PSD points with non-negative entries in the box,
         from the point ``p = (x, y)`` of ``R``: ``G(q) >= G(p) + grad G(p).(q - p)`` (``G`` is
         convex on ``R``) minimised over the box cut by tangents of the convex constraints:
@@ -279,15 +301,21 @@ if AVAILABLE:
         ax, ay, phi = _phi_grad(x, y, h11, h12, h22, d1, d2)
         ix = 1.0 / (1.0 - x)
         iy = 1.0 / (1.0 - y)
-        cons[0, 0], cons[0, 1], cons[0, 2] = 1.0, 0.0, xlo
-        cons[1, 0], cons[1, 1], cons[1, 2] = -1.0, 0.0, -xhi
-        cons[2, 0], cons[2, 1], cons[2, 2] = 0.0, 1.0, ylo
-        cons[3, 0], cons[3, 1], cons[3, 2] = 0.0, -1.0, -yhi
-        cons[4, 0], cons[4, 1], cons[4, 2] = ax, ay, ax * x + ay * y - phi
-        # y >= d2 ix + d2 ix^2 (x' - x), i.e. -d2 ix^2 x' + y' >= d2 ix - d2 ix^2 x
-        cons[5, 0], cons[5, 1], cons[5, 2] = -d2 * ix * ix, 1.0, d2 * ix - d2 * ix * ix * x
-        cons[6, 0], cons[6, 1], cons[6, 2] = 1.0, -d1 * iy * iy, d1 * iy - d1 * iy * iy * y
-        return gv - 2.0 * (g1 * x + g2 * y) + 2.0 * _lp_min(g1, g2, cons, 7)
+        # y >= d2 ix + d2 ix^2 (x' - x), i.e. -d2 ix^2 x' + y' >= d2 ix - d2 ix^2 x; same for x
+        cons = (1.0, 0.0, xlo, -1.0, 0.0, -xhi, 0.0, 1.0, ylo, 0.0, -1.0, -yhi,
+                ax, ay, ax * x + ay * y - phi,
+                -d2 * ix * ix, 1.0, d2 * ix - d2 * ix * ix * x,
+                1.0, -d1 * iy * iy, d1 * iy - d1 * iy * iy * y)
+        return gv - 2.0 * (g1 * x + g2 * y) + 2.0 * _lp_min7(g1, g2, cons)
+
+    @njit(cache=True, error_model="numpy", inline="always")
+    def _g_newton(x, y, s1, s2, d1, d2):
+        """Half the gradient and Hessian of ``G`` at ``(x, y)`` (:func:`_g_derivs`), the Hessian's
+        determinant and the Newton step ``(dx, dy) = -(grad^2 G)^{-1} grad G``."""
+        g1, g2, h11, h12, h22 = _g_derivs(x, y, s1, s2, d1, d2)
+        det = h11 * h22 - h12 * h12
+        inv = 1.0 / det
+        return g1, g2, h11, h12, h22, det, (h12 * g2 - h22 * g1) * inv, (h12 * g1 - h11 * g2) * inv
 
     @njit(cache=True, error_model="numpy")
     def _dense_convex(z1, z2, z3, z4, lam, xlo, xhi, ylo, yhi, best):
@@ -310,15 +338,11 @@ if AVAILABLE:
             x *= 0.5
             y *= 0.5
         gv = _g_value(x, y, s1, s2, d1, d2)
-        cons = np.empty((7, 3))
         for _ in range(MAX_FALLBACK):
-            g1, g2, h11, h12, h22 = _g_derivs(x, y, s1, s2, d1, d2)
-            lower = _convex_lower_bound(x, y, gv, g1, g2, h11, h12, h22, d1, d2, xlo, xhi, ylo, yhi, cons)
+            g1, g2, h11, h12, h22, _, dx, dy = _g_newton(x, y, s1, s2, d1, d2)
+            lower = _convex_lower_bound(x, y, gv, g1, g2, h11, h12, h22, d1, d2, xlo, xhi, ylo, yhi)
             if lower > best * scale:
                 return 0, 0.0, 0.0, 0.0, 0.0
-            det = h11 * h22 - h12 * h12
-            dx = (h12 * g2 - h22 * g1) / det
-            dy = (h12 * g1 - h11 * g2) / det
             dec = -(g1 * dx + g2 * dy)
             if dec <= DEC_TOL * (s1 * s1 + s2 * s2) and abs(dx) + abs(dy) <= STEP_TOL * (x + y):
                 w1, w2, w3, w4 = _dense_weights(x, y, z1, z2, z3, z4, lam)

@@ -20,7 +20,7 @@ hands only the cells it could not settle to the next one:
 4. where plain Newton failed (a few per cent of the cells, mostly without a dense minimiser):
    a few masked damped-Newton steps on the convex reduced problem with the convexity lower
    bound of :func:`nmprune.prox.reduced_kernel._dense_convex` (its 2-D linear programme
-   unrolled over the 21 vertex candidates), which proves for most of them that the dense case
+   unrolled over its 21 vertex candidates), which proves for most of them that the dense case
    cannot beat the best sparse point;
 5. the cells still undecided (well under one per cent) are solved by the exact per-cell
    solver, then everything is written back with the signs and positions of ``z``.
@@ -55,15 +55,15 @@ if AVAILABLE:
         DEC_TOL,
         STEP_TOL,
         _case_box,
+        _convex_lower_bound,
         _dense_case,
         _dense_weights,
-        _g_derivs,
+        _g_newton,
         _g_value,
         _in_r,
         _objective4,
         _pd4,
         _phi,
-        _phi_grad,
         _settles,
         _solve_sorted,
         _xy_box,
@@ -210,11 +210,7 @@ if AVAILABLE:
         ``x, y < 1`` and a positive definite ``grad^2 G``, 2 if an iterate leaves ``x, y < 1``."""
         for j in range(U64(x.shape[0])):
             xj, yj = x[j], y[j]
-            g1, g2, h11, h12, h22 = _g_derivs(xj, yj, s1[j], s2[j], d1[j], d2[j])
-            det = h11 * h22 - h12 * h12
-            inv = 1.0 / det
-            dx = (h12 * g2 - h22 * g1) * inv
-            dy = (h12 * g1 - h11 * g2) * inv
+            _, _, h11, _, _, det, dx, dy = _g_newton(xj, yj, s1[j], s2[j], d1[j], d2[j])
             out = (xj >= 1.0) | (yj >= 1.0)
             done = (h11 > 0.0) & (det > 0.0) & (abs(dx) + abs(dy) <= STEP_TOL * (xj + yj))
             active = state[j] == 0.0
@@ -238,53 +234,6 @@ if AVAILABLE:
             w2[j] = v3 if take else p3
             w3[j] = v4 if take else 0.0
             flag[j] = 0.0 if (st == 1.0) | (st == 3.0) else 1.0
-
-    @njit(inline="always", **_JIT)
-    def _meets(a, b, c, x, y):
-        """``a x + b y >= c`` up to the per-cell solver's tolerance (``_lp_min``)."""
-        return a * x + b * y >= c - 1e-9 * (abs(a * x) + abs(b * y) + abs(c))
-
-    @njit(inline="always", **_JIT)
-    def _vertex(a1, b1, c1, a2, b2, c2, g1, g2, c):
-        """``g1 x + g2 y`` at the crossing of lines ``a1 x + b1 y = c1`` and ``a2 x + b2 y = c2``
-        if it satisfies the seven constraints ``c`` (21 numbers, ``a, b, c`` each), else inf."""
-        det = a1 * b2 - a2 * b1
-        inv = 1.0 / det
-        x = (c1 * b2 - c2 * b1) * inv
-        y = (a1 * c2 - a2 * c1) * inv
-        ok = ((det != 0.0) & _meets(c[0], c[1], c[2], x, y) & _meets(c[3], c[4], c[5], x, y)
-              & _meets(c[6], c[7], c[8], x, y) & _meets(c[9], c[10], c[11], x, y)
-              & _meets(c[12], c[13], c[14], x, y) & _meets(c[15], c[16], c[17], x, y)
-              & _meets(c[18], c[19], c[20], x, y))
-        return g1 * x + g2 * y if ok else np.inf
-
-    @njit(inline="always", **_JIT)
-    def _lp_min7(g1, g2, c):
-        """:func:`nmprune.prox.reduced_kernel._lp_min` for seven constraints, unrolled over the
-        21 pairs of lines (straight-line code, so the loop over cells that calls it vectorises)."""
-        low = np.inf
-        low = min(low, _vertex(c[0], c[1], c[2], c[3], c[4], c[5], g1, g2, c))
-        low = min(low, _vertex(c[0], c[1], c[2], c[6], c[7], c[8], g1, g2, c))
-        low = min(low, _vertex(c[0], c[1], c[2], c[9], c[10], c[11], g1, g2, c))
-        low = min(low, _vertex(c[0], c[1], c[2], c[12], c[13], c[14], g1, g2, c))
-        low = min(low, _vertex(c[0], c[1], c[2], c[15], c[16], c[17], g1, g2, c))
-        low = min(low, _vertex(c[0], c[1], c[2], c[18], c[19], c[20], g1, g2, c))
-        low = min(low, _vertex(c[3], c[4], c[5], c[6], c[7], c[8], g1, g2, c))
-        low = min(low, _vertex(c[3], c[4], c[5], c[9], c[10], c[11], g1, g2, c))
-        low = min(low, _vertex(c[3], c[4], c[5], c[12], c[13], c[14], g1, g2, c))
-        low = min(low, _vertex(c[3], c[4], c[5], c[15], c[16], c[17], g1, g2, c))
-        low = min(low, _vertex(c[3], c[4], c[5], c[18], c[19], c[20], g1, g2, c))
-        low = min(low, _vertex(c[6], c[7], c[8], c[9], c[10], c[11], g1, g2, c))
-        low = min(low, _vertex(c[6], c[7], c[8], c[12], c[13], c[14], g1, g2, c))
-        low = min(low, _vertex(c[6], c[7], c[8], c[15], c[16], c[17], g1, g2, c))
-        low = min(low, _vertex(c[6], c[7], c[8], c[18], c[19], c[20], g1, g2, c))
-        low = min(low, _vertex(c[9], c[10], c[11], c[12], c[13], c[14], g1, g2, c))
-        low = min(low, _vertex(c[9], c[10], c[11], c[15], c[16], c[17], g1, g2, c))
-        low = min(low, _vertex(c[9], c[10], c[11], c[18], c[19], c[20], g1, g2, c))
-        low = min(low, _vertex(c[12], c[13], c[14], c[15], c[16], c[17], g1, g2, c))
-        low = min(low, _vertex(c[12], c[13], c[14], c[18], c[19], c[20], g1, g2, c))
-        low = min(low, _vertex(c[15], c[16], c[17], c[18], c[19], c[20], g1, g2, c))
-        return low
 
     @njit(**_JIT)
     def _convex_start(z1, z2, z3, z4, lv, w0, w1, w2, x, y, target, s1, s2, d1, d2, xlo, xhi, ylo, yhi):
@@ -325,19 +274,9 @@ if AVAILABLE:
         solver takes the cell); else ``G``, the Newton direction and decrement for the step."""
         for j in range(U64(x.shape[0])):
             xj, yj, p, q, e, f = x[j], y[j], s1[j], s2[j], d1[j], d2[j]
-            g1, g2, h11, h12, h22 = _g_derivs(xj, yj, p, q, e, f)
+            g1, g2, h11, h12, h22, _, u, v = _g_newton(xj, yj, p, q, e, f)
             gj = _g_value(xj, yj, p, q, e, f)
-            ax, ay, phi = _phi_grad(xj, yj, h11, h12, h22, e, f)
-            ix = 1.0 / (1.0 - xj)
-            iy = 1.0 / (1.0 - yj)
-            cons = (1.0, 0.0, xlo[j], -1.0, 0.0, -xhi[j], 0.0, 1.0, ylo[j], 0.0, -1.0, -yhi[j],
-                    ax, ay, ax * xj + ay * yj - phi,
-                    -f * ix * ix, 1.0, f * ix - f * ix * ix * xj,
-                    1.0, -e * iy * iy, e * iy - e * iy * iy * yj)
-            bound = gj - 2.0 * (g1 * xj + g2 * yj) + 2.0 * _lp_min7(g1, g2, cons)
-            inv = 1.0 / (h11 * h22 - h12 * h12)
-            u = (h12 * g2 - h22 * g1) * inv
-            v = (h12 * g1 - h11 * g2) * inv
+            bound = _convex_lower_bound(xj, yj, gj, g1, g2, h11, h12, h22, e, f, xlo[j], xhi[j], ylo[j], yhi[j])
             dj = -(g1 * u + g2 * v)
             done = (dj <= DEC_TOL * (p * p + q * q)) & (abs(u) + abs(v) <= STEP_TOL * (xj + yj))
             gv[j], dx[j], dy[j], dec[j] = gj, u, v, dj
