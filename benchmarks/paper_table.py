@@ -178,7 +178,7 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
 class Bench:
     """The model, its dense layer weights, the cached Hessians and the evaluation tokens."""
 
-    def __init__(self, cfg: Config, progress: bool = True):
+    def __init__(self, cfg: Config, progress: bool = True, recalibrate: bool = False):
         from nmprune.data import calibration_batch, eval_tokens
         from nmprune.models import find_blocks, find_linears, load_model, weight_matrix
 
@@ -194,17 +194,20 @@ class Bench:
         self.modules = {f"{blocks_name}.{i}.{sub}": m for i, b in enumerate(blocks)
                         for sub, m in find_linears(b).items() if cfg.blocks is None or i < cfg.blocks}
         self.dense = {name: weight_matrix(m).detach().float().clone() for name, m in self.modules.items()}
-        self.stats, self.seconds_calibration = self._hessians()
+        self.calibration_cached = False
+        self.stats, self.seconds_calibration = self._hessians(recalibrate)
 
-    def _hessians(self):
-        """All layers' :class:`nmprune.hessian.InputStats` from one dense calibration pass, cached."""
+    def _hessians(self, recalibrate: bool):
+        """All layers' :class:`nmprune.hessian.InputStats` from one dense calibration pass, cached
+        (``recalibrate`` ignores the cache and overwrites it)."""
         from nmprune.hessian import InputStats
 
         path = self.cfg.cache / "hessians.pt"
-        if path.exists():
+        if path.exists() and not recalibrate:
             saved = torch.load(path, weights_only=True)
             if torch.equal(saved["calibration"], self.calibration):
                 stats = {n: InputStats(s["xtx"], s["xsum"], int(s["count"])) for n, s in saved["stats"].items()}
+                self.calibration_cached = True
                 return stats, float(saved["seconds"])
         from nmprune.pipeline import collect_hessians
 
@@ -475,6 +478,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--force", action="store_true", help="redo rows whose JSON exists")
     parser.add_argument("--report-only", action="store_true", help="only rebuild RESULTS.md and plots")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--recalibrate", action="store_true",
+                        help="collect the Hessians again instead of reading runs/paper_table_cache/")
     parser.add_argument("--quick", action="store_true",
                         help="smoke test: 8 calibration windows, 1024 eval tokens, 3 gd steps, "
                              "output under runs/paper_table_quick/")
@@ -491,7 +496,8 @@ def main(argv: list[str] | None = None) -> None:
         def log(msg: str) -> None:
             print(f"[{time.strftime('%H:%M:%S')} +{time.perf_counter() - start:7.1f}s] {msg}", flush=True)
 
-        bench = Bench(cfg)
+        started, load_start = time.strftime("%Y-%m-%dT%H:%M:%S%z"), os.getloadavg()[0]
+        bench = Bench(cfg, recalibrate=args.recalibrate)
         log(f"setup done; Hessians {bench.seconds_calibration:.1f}s (calibration)")
         extras = {"lambda-ablation": ("lambda_ablation.json", lambda g: lambda_ablation(bench, log)),
                   "paper-prox": ("paper_prox.json", lambda g: paper_prox(bench, log)),
@@ -508,6 +514,14 @@ def main(argv: list[str] | None = None) -> None:
                 run_group(bench, group, args.force, log)
             report()
         log("done")
+        if not cfg.quick and args.force and sorted(names) == sorted(ALL_NAMES):
+            # the wall clock of one invocation that redid everything, model loading included
+            write_json(cfg.out / "wall.json", {
+                "seconds": time.perf_counter() - start, "started": started,
+                "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "calibration_cached": bench.calibration_cached, "load_start": load_start,
+                "load_end": os.getloadavg()[0], "machine": machine()})
+            report()
     print(report())
 
 

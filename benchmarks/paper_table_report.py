@@ -394,7 +394,17 @@ def budget(rows: dict, runs: Path) -> list[str]:
         if data:
             extra += data["seconds"]["total"] + data["seconds"]["eval"]
     total = calib + work + extra
-    return ["## Time budget", "",
+    wall = load(runs, "wall.json")
+    head = ["No single invocation has yet redone every group (`--force`, no `--only`).", ""]
+    if wall:
+        how = "Hessians read from the cache" if wall["calibration_cached"] else "Hessians collected again"
+        head = [f"**One invocation redid the whole table** (`{COMMAND} --force"
+                f"{'' if wall['calibration_cached'] else ' --recalibrate'}`, every group, {how}, "
+                f"{wall['machine']['threads']} threads): **{wall['seconds'] / 60:.1f} min wall clock**, "
+                f"model loading and tokenization included ({wall['started']} to {wall['finished']}; "
+                f"1-minute load {wall['load_start']:.1f} at the start, {wall['load_end']:.1f} at the end). "
+                "Rows rerun later with `--only` are not part of it.", ""]
+    return ["## Time budget", ""] + head + [
             f"Measured so far: calibration {calib / 60:.1f} min (once) + methods, refiners and evaluations "
             f"of {len(table)} rows {work / 60:.1f} min + ablations and propagated runs {extra / 60:.1f} min = "
             f"**{total / 60:.1f} min** (each row's method pass is shared by its `+gd`/`+exact` rows and "
