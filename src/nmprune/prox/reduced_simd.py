@@ -10,9 +10,11 @@ hands only the cells it could not settle to the next one:
    cells whose answer is the 2-sparse point ``[z_1, z_2, 0, 0]`` by the necessary condition
    ``K < 1`` or its KKT certificate (lam = 0 returns ``z``);
 2. the 3-sparse stationary point of ``g`` (eq. ``stationarity_3sparse``): the monotone Newton
-   iteration on ``Phi(u) = 0`` from its inflection point, a fixed number of masked steps,
-   then the better of it and the 2-sparse point, and the KKT certificate ``_settles``
-   (the candidate minimises ``f`` over the PSD region, so no dense point beats it);
+   iteration on ``Phi(u) = 0`` from its inflection point, in rounds of a few masked steps,
+   each round on the cells the previous one left iterating (a third of the cells leave the
+   region after one step, most converge in 4-5 steps), then the better of it and the
+   2-sparse point, and the KKT certificate ``_settles`` (the candidate minimises ``f`` over
+   the PSD region, so no dense point beats it);
 3. the dense case, for the remaining cells that pass its necessary conditions (the case box,
    ``lam (z_1 - z_2) < 1``, the ``(x, y)`` box): a fixed number of masked Newton steps on
    ``grad G = 0``; a converged point with a positive definite Hessian is the unique PSD
@@ -40,7 +42,8 @@ from . import reduced_kernel
 
 AVAILABLE = reduced_kernel.AVAILABLE
 CHUNK = 1024  # cells per chunk: its work arrays stay in the L2 cache
-ITER_3SPARSE = 7  # masked Newton steps on Phi; nearly all cells converge in 3-6
+ROUND_3SPARSE = 3  # masked Newton steps on Phi per round
+ROUNDS_3SPARSE = 3  # rounds; nearly all cells converge in 3-6 steps
 ITER_DENSE = 8  # masked Newton steps on grad G = 0
 ITER_CONVEX = 3  # masked damped-Newton steps with the convexity bound, where plain Newton failed
 CONVEX_PULLS = 12  # halvings of the start towards the origin, into R
@@ -142,10 +145,12 @@ if AVAILABLE:
         return (un if active else u), (pn if active else phi), (dn if active else dphi), new
 
     @njit(**_JIT)
-    def _three_solve(z1, z2, z3, lv, u, c, state):
-        """The 3-sparse root ``u = lam w_3`` (:func:`nmprune.prox.reduced.three_sparse_root`):
-        monotone Newton from the inflection point ``u*``, a fixed number of masked steps kept
-        in registers. ``state``: 0 not converged, 1 converged, 2 proven absent."""
+    def _three_start(z1, z2, z3, lv, nw):
+        """The start of the 3-sparse root search (:func:`nmprune.prox.reduced.three_sparse_root`)
+        for every cell into the rows of ``nw``: ``a = lam (z1 + z2)``, ``b = lam (z1 - z2)``,
+        ``c = lam z3``, the region ``(lo, hi)`` that holds the valid root, the inflection point
+        ``u*`` with ``Phi`` and ``Phi'`` there, and the state (0 iterating, 2 proven absent)."""
+        a, b, c, lo, hi, u, phi, dphi, state = nw[0], nw[1], nw[2], nw[3], nw[4], nw[5], nw[6], nw[7], nw[8]
         for j in range(U64(u.shape[0])):
             x1, x2, lam = z1[j], z2[j], lv[j]
             s, d = x1 + x2, x1 - x2
@@ -153,17 +158,45 @@ if AVAILABLE:
             r = np.sqrt(d / s)
             uj = (1.0 - r) / (1.0 + r)
             k = lam * (x1 + np.sqrt(d * s)) * 0.5
-            a, b = lam * s, lam * d
-            pj = uj + k * (a - b) * 0.25 - cj
-            dj = 1.0 - k * k
+            aj, bj = lam * s, lam * d
+            pj = uj + k * (aj - bj) * 0.25 - cj
             umax = min(x2 / x1, cj)
             left = pj > 0.0
-            lo = 0.0 if left else -np.inf
-            hi = np.inf if left else umax
-            st = 2.0 if (k >= 1.0) | (~left & (uj >= umax)) else 0.0
-            for _ in range(ITER_3SPARSE):
-                uj, pj, dj, st = _three_newton(uj, pj, dj, a, b, cj, lo, hi, st)
-            u[j], c[j], state[j] = uj, cj, st
+            a[j], b[j], c[j], u[j], phi[j], dphi[j] = aj, bj, cj, uj, pj, 1.0 - k * k
+            lo[j] = 0.0 if left else -np.inf
+            hi[j] = np.inf if left else umax
+            state[j] = 2.0 if (k >= 1.0) | (~left & (uj >= umax)) else 0.0
+
+    @njit(**_JIT)
+    def _three_round(nw):
+        """``ROUND_3SPARSE`` masked Newton steps on ``Phi(u) = 0`` for the cells of ``nw`` (rows
+        as in :func:`_three_start`), the state of each kept in registers in between."""
+        a, b, c, lo, hi, u, phi, dphi, state = nw[0], nw[1], nw[2], nw[3], nw[4], nw[5], nw[6], nw[7], nw[8]
+        for j in range(U64(u.shape[0])):
+            aj, bj, cj, loj, hij = a[j], b[j], c[j], lo[j], hi[j]
+            uj, pj, dj, st = u[j], phi[j], dphi[j], state[j]
+            for _ in range(ROUND_3SPARSE):
+                uj, pj, dj, st = _three_newton(uj, pj, dj, aj, bj, cj, loj, hij, st)
+            u[j], phi[j], dphi[j], state[j] = uj, pj, dj, st
+
+    @njit(**_JIT)
+    def _three_solve(z1, z2, z3, lv, nw, sub, idx):
+        """The 3-sparse root ``u = lam w_3`` of every cell (rows of ``nw`` as in
+        :func:`_three_start`; ``sub`` is work space like it, ``idx`` an index array): rounds of
+        :func:`_three_round`, each on the cells still iterating, compacted into ``sub``.
+        ``state`` ends 0 not converged, 1 converged, 2 proven absent."""
+        _three_start(z1, z2, z3, lv, nw)
+        _three_round(nw)
+        for _ in range(ROUNDS_3SPARSE - 1):
+            k = _select(nw[8], 0.0, idx)
+            if k == 0:
+                break
+            sel = idx[:k]
+            for r in range(9):
+                _gather(sel, nw[r], sub[r, :k])
+            _three_round(sub[:, :k])
+            for r in range(5, 9):  # u, Phi, Phi', state
+                _scatter(sel, sub[r, :k], nw[r])
 
     @njit(**_JIT)
     def _three_finish(z1, z2, z3, z4, lv, u, c, state, w0, w1, w2, flag):
@@ -329,7 +362,7 @@ if AVAILABLE:
         m = stop - start
         ws = np.empty((_SCRATCH, m))
         ranks = np.empty(m, np.int32)
-        idx = np.empty(m, np.uint64)
+        idx = np.empty(2 * m, np.uint64)  # a stage's cells; the 3-sparse rounds' cells
         a0, a1, a2, a3, lv = ws[0], ws[1], ws[2], ws[3], ws[4]
         w0, w1, w2, w3, flag = ws[5], ws[6], ws[7], ws[8], ws[9]
         _load(z, lam, start, a0, a1, a2, a3, lv, ranks, w0, w1, w2, w3, flag)
@@ -347,9 +380,9 @@ if AVAILABLE:
                 for src, dst in ((w0, v0), (w1, v1), (w2, v2)):
                     _gather(sel, src, dst)
             if stage == 0:
-                u, c, state = ws[20, :k], ws[21, :k], ws[22, :k]
-                _three_solve(z1, z2, z3, lk, u, c, state)
-                _three_finish(z1, z2, z3, z4, lk, u, c, state, v0, v1, v2, fk)
+                nw = ws[20:29, :k]  # a, b, c, lo, hi, u, Phi, Phi', state
+                _three_solve(z1, z2, z3, lk, nw, ws[29:38], idx[m:])
+                _three_finish(z1, z2, z3, z4, lk, nw[5], nw[2], nw[8], v0, v1, v2, fk)
                 for src, dst in ((v0, w0), (v1, w1), (v2, w2), (fk, flag)):
                     _scatter(sel, src, dst)
             elif stage == 1:
