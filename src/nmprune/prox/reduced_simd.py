@@ -42,8 +42,8 @@ from . import reduced_kernel
 
 AVAILABLE = reduced_kernel.AVAILABLE
 CHUNK = 1024  # cells per chunk: its work arrays stay in the L2 cache
-ROUND_3SPARSE = 3  # masked Newton steps on Phi per round
-ROUNDS_3SPARSE = 3  # rounds; nearly all cells converge in 3-6 steps
+ROUND_3SPARSE = 4  # masked Newton steps on Phi per round
+ROUNDS_3SPARSE = 2  # rounds; nearly all cells converge in 3-6 steps
 ITER_DENSE = 8  # masked Newton steps on grad G = 0
 ITER_CONVEX = 3  # masked damped-Newton steps with the convexity bound, where plain Newton failed
 CONVEX_PULLS = 12  # halvings of the start towards the origin, into R
@@ -145,12 +145,11 @@ if AVAILABLE:
         return (un if active else u), (pn if active else phi), (dn if active else dphi), new
 
     @njit(**_JIT)
-    def _three_start(z1, z2, z3, lv, nw):
+    def _three_start(z1, z2, z3, lv, a, b, c, lo, hi, u, phi, dphi, state):
         """The start of the 3-sparse root search (:func:`nmprune.prox.reduced.three_sparse_root`)
-        for every cell into the rows of ``nw``: ``a = lam (z1 + z2)``, ``b = lam (z1 - z2)``,
-        ``c = lam z3``, the region ``(lo, hi)`` that holds the valid root, the inflection point
-        ``u*`` with ``Phi`` and ``Phi'`` there, and the state (0 iterating, 2 proven absent)."""
-        a, b, c, lo, hi, u, phi, dphi, state = nw[0], nw[1], nw[2], nw[3], nw[4], nw[5], nw[6], nw[7], nw[8]
+        of every cell: ``a = lam (z1 + z2)``, ``b = lam (z1 - z2)``, ``c = lam z3``, the region
+        ``(lo, hi)`` that holds the valid root, the inflection point ``u*`` with ``Phi`` and
+        ``Phi'`` there, and the state (0 iterating, 2 proven absent)."""
         for j in range(U64(u.shape[0])):
             x1, x2, lam = z1[j], z2[j], lv[j]
             s, d = x1 + x2, x1 - x2
@@ -168,10 +167,9 @@ if AVAILABLE:
             state[j] = 2.0 if (k >= 1.0) | (~left & (uj >= umax)) else 0.0
 
     @njit(**_JIT)
-    def _three_round(nw):
-        """``ROUND_3SPARSE`` masked Newton steps on ``Phi(u) = 0`` for the cells of ``nw`` (rows
-        as in :func:`_three_start`), the state of each kept in registers in between."""
-        a, b, c, lo, hi, u, phi, dphi, state = nw[0], nw[1], nw[2], nw[3], nw[4], nw[5], nw[6], nw[7], nw[8]
+    def _three_round(a, b, c, lo, hi, u, phi, dphi, state):
+        """``ROUND_3SPARSE`` masked Newton steps on ``Phi(u) = 0`` (arrays as in
+        :func:`_three_start`), the state of each cell kept in registers in between."""
         for j in range(U64(u.shape[0])):
             aj, bj, cj, loj, hij = a[j], b[j], c[j], lo[j], hi[j]
             uj, pj, dj, st = u[j], phi[j], dphi[j], state[j]
@@ -180,23 +178,28 @@ if AVAILABLE:
             u[j], phi[j], dphi[j], state[j] = uj, pj, dj, st
 
     @njit(**_JIT)
-    def _three_solve(z1, z2, z3, lv, nw, sub, idx):
-        """The 3-sparse root ``u = lam w_3`` of every cell (rows of ``nw`` as in
-        :func:`_three_start`; ``sub`` is work space like it, ``idx`` an index array): rounds of
-        :func:`_three_round`, each on the cells still iterating, compacted into ``sub``.
-        ``state`` ends 0 not converged, 1 converged, 2 proven absent."""
-        _three_start(z1, z2, z3, lv, nw)
-        _three_round(nw)
+    def _three_solve(z1, z2, z3, lv, ws, row, n, idx):
+        """The 3-sparse root ``u = lam w_3`` of the ``n`` cells ``z1[:n] ..``: the arrays of
+        :func:`_three_start` are rows ``row .. row + 8`` of ``ws``, rows ``row + 9 ..`` hold the
+        cells still iterating after each round of :func:`_three_round` (their positions in
+        ``idx``). ``state`` (row ``row + 8``) ends 0 not converged, 1 converged, 2 proven
+        absent; ``u`` is row ``row + 5``, ``c`` row ``row + 2``."""
+        r0, r1 = row, row + 9
+        _three_start(z1, z2, z3, lv, ws[r0, :n], ws[r0 + 1, :n], ws[r0 + 2, :n], ws[r0 + 3, :n],
+                     ws[r0 + 4, :n], ws[r0 + 5, :n], ws[r0 + 6, :n], ws[r0 + 7, :n], ws[r0 + 8, :n])
+        _three_round(ws[r0, :n], ws[r0 + 1, :n], ws[r0 + 2, :n], ws[r0 + 3, :n], ws[r0 + 4, :n],
+                     ws[r0 + 5, :n], ws[r0 + 6, :n], ws[r0 + 7, :n], ws[r0 + 8, :n])
         for _ in range(ROUNDS_3SPARSE - 1):
-            k = _select(nw[8], 0.0, idx)
+            k = _select(ws[r0 + 8, :n], 0.0, idx)
             if k == 0:
                 break
             sel = idx[:k]
             for r in range(9):
-                _gather(sel, nw[r], sub[r, :k])
-            _three_round(sub[:, :k])
+                _gather(sel, ws[r0 + r, :n], ws[r1 + r, :k])
+            _three_round(ws[r1, :k], ws[r1 + 1, :k], ws[r1 + 2, :k], ws[r1 + 3, :k], ws[r1 + 4, :k],
+                         ws[r1 + 5, :k], ws[r1 + 6, :k], ws[r1 + 7, :k], ws[r1 + 8, :k])
             for r in range(5, 9):  # u, Phi, Phi', state
-                _scatter(sel, sub[r, :k], nw[r])
+                _scatter(sel, ws[r1 + r, :k], ws[r0 + r, :n])
 
     @njit(**_JIT)
     def _three_finish(z1, z2, z3, z4, lv, u, c, state, w0, w1, w2, flag):
@@ -380,9 +383,8 @@ if AVAILABLE:
                 for src, dst in ((w0, v0), (w1, v1), (w2, v2)):
                     _gather(sel, src, dst)
             if stage == 0:
-                nw = ws[20:29, :k]  # a, b, c, lo, hi, u, Phi, Phi', state
-                _three_solve(z1, z2, z3, lk, nw, ws[29:38], idx[m:])
-                _three_finish(z1, z2, z3, z4, lk, nw[5], nw[2], nw[8], v0, v1, v2, fk)
+                _three_solve(z1, z2, z3, lk, ws, 20, k, idx[m:])  # rows 20-37
+                _three_finish(z1, z2, z3, z4, lk, ws[25, :k], ws[22, :k], ws[28, :k], v0, v1, v2, fk)
                 for src, dst in ((v0, w0), (v1, w1), (v2, w2), (fk, flag)):
                     _scatter(sel, src, dst)
             elif stage == 1:
