@@ -194,12 +194,12 @@ class Bench:
         self.modules = {f"{blocks_name}.{i}.{sub}": m for i, b in enumerate(blocks)
                         for sub, m in find_linears(b).items() if cfg.blocks is None or i < cfg.blocks}
         self.dense = {name: weight_matrix(m).detach().float().clone() for name, m in self.modules.items()}
-        self.calibration_cached = False
-        self.stats, self.seconds_calibration = self._hessians(recalibrate)
+        self.stats, self.seconds_calibration, self.calibration_cached = self._hessians(recalibrate)
 
     def _hessians(self, recalibrate: bool):
-        """All layers' :class:`nmprune.hessian.InputStats` from one dense calibration pass, cached
-        (``recalibrate`` ignores the cache and overwrites it)."""
+        """All layers' :class:`nmprune.hessian.InputStats` from one dense calibration pass, its
+        seconds and whether they came from the cache (``recalibrate`` ignores the cache and
+        overwrites it)."""
         from nmprune.hessian import InputStats
 
         path = self.cfg.cache / "hessians.pt"
@@ -207,8 +207,7 @@ class Bench:
             saved = torch.load(path, weights_only=True)
             if torch.equal(saved["calibration"], self.calibration):
                 stats = {n: InputStats(s["xtx"], s["xsum"], int(s["count"])) for n, s in saved["stats"].items()}
-                self.calibration_cached = True
-                return stats, float(saved["seconds"])
+                return stats, float(saved["seconds"]), True
         from nmprune.pipeline import collect_hessians
 
         start = time.perf_counter()
@@ -219,7 +218,7 @@ class Bench:
         torch.save({"calibration": self.calibration, "seconds": seconds,
                     "stats": {n: {"xtx": s.xtx, "xsum": s.xsum, "count": s.count} for n, s in stats.items()}},
                    path)
-        return stats, seconds
+        return stats, seconds, False
 
     def hessian(self, name: str) -> Tensor:
         return self.stats[name].hessian()
@@ -521,7 +520,6 @@ def main(argv: list[str] | None = None) -> None:
                 "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "calibration_cached": bench.calibration_cached, "load_start": load_start,
                 "load_end": os.getloadavg()[0], "machine": machine()})
-            report()
     print(report())
 
 

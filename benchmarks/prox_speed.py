@@ -19,6 +19,7 @@ Run: flock /tmp/nmprune-bench.lock python benchmarks/prox_speed.py
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import platform
@@ -36,6 +37,7 @@ from prox_bruteforce import objective, reference_min  # noqa: E402
 
 from nmprune.algorithms.prox import prox_gradient  # noqa: E402
 from nmprune.pattern import NMPattern  # noqa: E402
+from nmprune.registry import get_method  # noqa: E402
 from nmprune.prox import prox_2of4, prox_nm  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -182,11 +184,14 @@ def prox_in_run(threads: int) -> dict:
     """Every prox call of one default ``prox`` pruning run (1536x576, correlated H, the
     registered method's defaults) timed, against ``W @ H`` timed in the same process."""
     w, h, _ = correlated_layer(1536, 576, seed=5)
+    params = inspect.signature(get_method("prox").fn).parameters.values()
+    options = {q.name: q.default for q in params if q.kind is inspect.Parameter.KEYWORD_ONLY}
+    solver = options.pop("solver")
     calls: list[float] = []
 
     def timed_prox(z: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
         t = time.perf_counter()
-        out = prox_2of4(z, lam)
+        out = prox_2of4(z, lam, solver=solver)
         calls.append(time.perf_counter() - t)
         return out
 
@@ -196,8 +201,7 @@ def prox_in_run(threads: int) -> dict:
         prox_2of4(w.reshape(-1, 4), 0.1)  # warm-up: loads the compiled kernels
         calls.clear()
         t = time.perf_counter()
-        prox_gradient(w, h, NMPattern(2, 4), timed_prox, lambda0=0.001, beta=1.05, lambda_adapt=True,
-                      max_iter=5000, finish=0.005, accelerate=True, method="prox")
+        prox_gradient(w, h, NMPattern(2, 4), timed_prox, method="prox", **options)
         total = time.perf_counter() - t
         t_mm = timed(lambda: w @ h, repeat=5)
         out[f"threads={nt}"] = {"iterations": len(calls), "run_s": total, "prox_total_s": sum(calls),

@@ -178,6 +178,13 @@ if AVAILABLE:
             u[j], phi[j], dphi[j], state[j] = uj, pj, dj, st
 
     @njit(**_JIT)
+    def _three_round_rows(ws, row, n):
+        """:func:`_three_round` on the first ``n`` entries of rows ``row .. row + 8`` of ``ws``,
+        passed as contiguous 1-D rows (2-D views would stop LLVM vectorising the round)."""
+        _three_round(ws[row, :n], ws[row + 1, :n], ws[row + 2, :n], ws[row + 3, :n], ws[row + 4, :n],
+                     ws[row + 5, :n], ws[row + 6, :n], ws[row + 7, :n], ws[row + 8, :n])
+
+    @njit(**_JIT)
     def _three_solve(z1, z2, z3, lv, ws, row, n, idx):
         """The 3-sparse root ``u = lam w_3`` of the ``n`` cells ``z1[:n] ..``: the arrays of
         :func:`_three_start` are rows ``row .. row + 8`` of ``ws``, rows ``row + 9 ..`` hold the
@@ -187,8 +194,7 @@ if AVAILABLE:
         r0, r1 = row, row + 9
         _three_start(z1, z2, z3, lv, ws[r0, :n], ws[r0 + 1, :n], ws[r0 + 2, :n], ws[r0 + 3, :n],
                      ws[r0 + 4, :n], ws[r0 + 5, :n], ws[r0 + 6, :n], ws[r0 + 7, :n], ws[r0 + 8, :n])
-        _three_round(ws[r0, :n], ws[r0 + 1, :n], ws[r0 + 2, :n], ws[r0 + 3, :n], ws[r0 + 4, :n],
-                     ws[r0 + 5, :n], ws[r0 + 6, :n], ws[r0 + 7, :n], ws[r0 + 8, :n])
+        _three_round_rows(ws, r0, n)
         for _ in range(ROUNDS_3SPARSE - 1):
             k = _select(ws[r0 + 8, :n], 0.0, idx)
             if k == 0:
@@ -196,8 +202,7 @@ if AVAILABLE:
             sel = idx[:k]
             for r in range(9):
                 _gather(sel, ws[r0 + r, :n], ws[r1 + r, :k])
-            _three_round(ws[r1, :k], ws[r1 + 1, :k], ws[r1 + 2, :k], ws[r1 + 3, :k], ws[r1 + 4, :k],
-                         ws[r1 + 5, :k], ws[r1 + 6, :k], ws[r1 + 7, :k], ws[r1 + 8, :k])
+            _three_round_rows(ws, r1, k)
             for r in range(5, 9):  # u, Phi, Phi', state
                 _scatter(sel, ws[r1 + r, :k], ws[r0 + r, :n])
 
