@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from nmprune.pattern import NMPattern, from_cells, is_nm_sparse, parse_pattern, to_cells, topn_mask
+from nmprune.pattern import NMPattern, count_dense_cells, from_cells, is_nm_sparse, parse_pattern, to_cells, topn_mask
 from nmprune.registry import Registered, split_options
 
 
@@ -69,3 +69,18 @@ def test_topn_mask_matches_a_stable_sort_on_ties_signs_and_infinities(dtype, pat
     order = torch.sort(cells, dim=-1, descending=True, stable=True).indices[..., : p.n]
     expected = from_cells(torch.zeros_like(cells, dtype=torch.bool).scatter_(-1, order, True))
     assert torch.equal(topn_mask(s, p), expected)
+
+
+@pytest.mark.parametrize("n,m", [(1, 2), (2, 4), (1, 4), (3, 4), (4, 8), (7, 8), (2, 3), (3, 6)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_count_dense_cells_matches_a_per_cell_count(n, m, dtype):
+    """The packed-flags count (M in 1, 2, 4, 8) and the fallback (other M) against counting the
+    non-zeros of every cell, on random sparsity, -0.0, NaN-free signs and a transposed view."""
+    g = torch.Generator().manual_seed(n * 10 + m)
+    w = torch.randn(37, 6 * m, generator=g) * (torch.rand(37, 6 * m, generator=g) > 0.4)
+    w[0, :m] = -0.0
+    w = w.to(dtype)
+    expected = sum(int((row != 0).sum()) > n for row in w.reshape(-1, m))
+    assert count_dense_cells(w, NMPattern(n, m)) == expected
+    assert count_dense_cells(w.t().contiguous().t(), NMPattern(n, m)) == expected
+    assert is_nm_sparse(w, NMPattern(n, m)) == (expected == 0)

@@ -32,16 +32,12 @@ import torch
 from torch import Tensor
 
 from .._linalg import column_scale, gd_step_size, rescale
-from ..pattern import NMPattern, from_cells, to_cells, topn_mask
+from ..pattern import NMPattern, count_dense_cells, from_cells, to_cells, topn_mask
 from ..prox import prox_2of4, prox_l0, prox_l1, prox_l2, prox_nm
 from ..prox.two_four import SOLVERS
 from ..registry import register_method
 
 CellProx = Callable[[Tensor, Tensor], Tensor]  # (cells (..., M), lambda per cell) -> cells
-
-
-def _nonsparse_cells(w: Tensor, pattern: NMPattern) -> Tensor:
-    return torch.count_nonzero(to_cells(w, pattern.m), dim=-1) > pattern.n
 
 
 def prox_gradient(w_star: Tensor, h: Tensor, pattern: NMPattern, cell_prox: CellProx, *,
@@ -69,8 +65,7 @@ def prox_gradient(w_star: Tensor, h: Tensor, pattern: NMPattern, cell_prox: Cell
     w, w_prev, momentum = w_star.clone(), w_star, 1.0
     it = 0
     while True:
-        left = _nonsparse_cells(w, pattern)
-        n_left = int(left.sum())
+        n_left = count_dense_cells(w, pattern)
         if n_left == 0:
             break
         if n_left <= finish * n_cells or it >= max_iter:
