@@ -4,7 +4,7 @@ least-squares oracle, on regular, singular and degenerate problems."""
 import pytest
 import torch
 
-from nmprune.algorithms.refine_exact import pick_solver
+from nmprune.algorithms.refine_exact import pick_preconditioner, pick_solver
 from nmprune.loss import local_loss
 from nmprune.pattern import NMPattern
 from nmprune.prune import full_mask
@@ -47,27 +47,30 @@ def loss64(w: torch.Tensor, w_star: torch.Tensor, h: torch.Tensor) -> float:
     return local_loss(w.double(), w_star.double(), h.double())
 
 
+@pytest.mark.parametrize("preconditioner", ["jacobi", "inverse"])
 @pytest.mark.parametrize("solver", ["auto", "direct", "pcg"])
 @pytest.mark.parametrize("name,w,h", cases(), ids=lambda c: c if isinstance(c, str) else "")
-def test_solvers_reach_the_oracle_loss(solver, name, w, h):
+def test_solvers_reach_the_oracle_loss(solver, preconditioner, name, w, h):
     mask = wanda_mask(w, h)
     start = w * mask
     best = loss64(masked_optimum(w, h, mask), w, h)
-    out = refine_exact(start, w, h, mask, solver=solver, tol=1e-12, max_iter=500)
+    out = refine_exact(start, w, h, mask, solver=solver, preconditioner=preconditioner, tol=1e-12, max_iter=500)
     assert out.dtype == w.dtype and not bool(out[~mask].any())
     assert loss64(out, w, h) == pytest.approx(best, rel=1e-6, abs=1e-12 * loss64(start, w, h))
     assert loss64(out, w, h) <= loss64(start, w, h)
     assert not bool(out[3].any()) or name != "degenerate"
 
 
+@pytest.mark.parametrize("preconditioner", ["auto", "inverse"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_float32_pcg_defaults_are_within_1e_6_of_the_optimum(seed):
+def test_float32_pcg_defaults_are_within_1e_6_of_the_optimum(seed, preconditioner):
     """The issue's accuracy: the default PCG, in float32, on a correlated, ill-conditioned
-    Hessian of a real layer's size, ends within 1e-6 (relative) of the float64 optimum."""
+    Hessian of a real layer's size, ends within 1e-6 (relative) of the float64 optimum (with
+    24 rows "auto" is the Jacobi preconditioner)."""
     w, h = problem(24, 576, 2048, 10 + seed, torch.float64)
     mask = wanda_mask(w, h)
     best = loss64(masked_optimum(w, h, mask), w, h)
-    out = refine_exact(w.float() * mask, w.float(), h.float(), mask)
+    out = refine_exact(w.float() * mask, w.float(), h.float(), mask, preconditioner=preconditioner)
     assert loss64(out, w, h) <= best * (1 + 1e-6)
 
 
@@ -105,7 +108,8 @@ def test_loss_never_exceeds_the_start_and_zero_hessian():
         out = refine_exact(best_start, w, h, mask, solver=solver)
         assert loss64(out, w, h) <= loss64(best_start, w, h) * (1 + 1e-12)
     zero = torch.zeros_like(h)  # every input dead: every W has loss 0
-    assert torch.equal(refine_exact(w * mask, w, zero, mask, solver="pcg"), w * mask)
+    for preconditioner in ("jacobi", "inverse"):
+        assert torch.equal(refine_exact(w * mask, w, zero, mask, solver="pcg", preconditioner=preconditioner), w * mask)
     assert not bool(refine_exact(w * mask, w, zero, mask, solver="direct").any())
 
 
@@ -121,3 +125,24 @@ def test_auto_picks_by_flop_estimate_and_bad_solver_raises():
     assert loss64(refine_exact(w * 0, w, h, mask, solver="direct", max_iter=0), w, h) == pytest.approx(best, rel=1e-8)
     with pytest.raises(ValueError, match="solver must be one of auto, direct, pcg, got 'lu'"):
         refine_exact(w, w, h, mask, solver="lu")
+
+
+def test_auto_preconditioner_inverts_h_only_when_it_pays_and_bad_name_raises():
+    assert pick_preconditioner(576, 1536) == "inverse"  # a whole layer: 2 d_in^3 < 10 products
+    assert pick_preconditioner(1536, 576) == "inverse"
+    assert pick_preconditioner(16, 4096) == "jacobi"  # a few rows of a wide layer
+    w, h = cases()[0][1:]
+    with pytest.raises(ValueError, match="preconditioner must be one of auto, jacobi, inverse, got 'ilu'"):
+        refine_exact(w, w, h, wanda_mask(w, h), preconditioner="ilu")
+
+
+def test_inverse_preconditioner_on_an_indefinite_hessian_falls_back_and_never_worsens():
+    """``H`` with eigenvalues -2 (unit-diagonal coordinates) cannot be inverted with any ridge up
+    to 1: the preconditioner falls back to Jacobi, and the answer is no worse than the start."""
+    h = torch.kron(torch.eye(12, dtype=torch.float64), torch.tensor([[1.0, 3.0], [3.0, 1.0]], dtype=torch.float64))
+    w = torch.randn(6, 24, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    mask = wanda_mask(w, h.abs())
+    start = w * mask
+    out = refine_exact(start, w, h, mask, preconditioner="inverse")
+    assert bool(torch.isfinite(out).all()) and not bool(out[~mask].any())
+    assert local_loss(out, w, h) <= local_loss(start, w, h)

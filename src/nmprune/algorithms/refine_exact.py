@@ -11,10 +11,15 @@ gradient ``2 M . (W H - W* H)`` vanishes). Two solvers, chosen by a flop estimat
   (Jacobi) scaled coordinates ``H_ij (H_ii H_jj)^{-1/2}`` (paper Section 4) with a ridge of
   ``eps`` on the unit diagonal, raised on the rows whose block is numerically singular.
   Cost about ``d_out k^3 / 3`` flops; a few PCG iterations then polish it to ``tol``.
-* ``pcg``: all rows together by preconditioned conjugate gradients (Jacobi preconditioner
-  ``diag H``), each row with its own step sizes; one iteration costs one
-  ``(d_out x d_in) @ (d_in x d_in)`` product (``2 d_out d_in^2`` flops), like one step of
-  eq. ``masked_gd``.
+* ``pcg``: all rows together by preconditioned conjugate gradients, each row with its own
+  step sizes; one iteration costs one ``(d_out x d_in) @ (d_in x d_in)`` product
+  (``2 d_out d_in^2`` flops), like one step of eq. ``masked_gd``, and one more with the
+  ``inverse`` preconditioner. Preconditioners: ``jacobi`` (``diag H``, the Wanda scaling) or
+  ``inverse``, the kept block of the inverse Hessian, ``M^-1 = P (H + delta)^-1 P`` for each
+  row's mask ``P`` -- the inverse of the Schur complement of the pruned block, which is
+  ``H_SS`` less what the pruned inputs explain. On real SmolLM2 layers it cut the iterations
+  to a given gap 3.5-4x (36 -> 9 at 1e-6 on a q_proj), for one ``d_in^3`` inversion per
+  call.
 
 The system is always consistent (its right side lies in the range of ``H_SS``), so singular
 ``H`` and dead inputs need no damping for CG: it converges to a minimiser, and directions with
@@ -26,6 +31,8 @@ the null directions.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import Tensor
 
@@ -33,7 +40,10 @@ from .._linalg import column_scale
 from ..registry import register_refiner
 
 SOLVERS = ("auto", "direct", "pcg")
+PRECONDITIONERS = ("auto", "jacobi", "inverse")
 _RIDGE_GROWTH = 10.0
+_INVERSE_RIDGE = 1e-4  # delta of the inverse preconditioner, relative to the unit diagonal
+_ITERATIONS_SAVED = 10  # products the inverse preconditioner saves, net (measured: 11-18)
 
 
 def _loss(w: Tensor, w_star: Tensor, wh: Tensor, target: Tensor) -> float:
@@ -49,6 +59,47 @@ def direct_flops(d_out: int, k: int) -> float:
 def pcg_flops(d_out: int, d_in: int, iterations: int) -> float:
     """Flop estimate of ``iterations`` PCG iterations: one ``W H``-sized product each."""
     return 2.0 * d_out * d_in ** 2 * iterations
+
+
+def inverse_flops(d_in: int) -> float:
+    """Flop estimate of the inverse preconditioner: a float64 Cholesky factorisation and
+    inverse of ``H`` (``~d_in^3``, counted twice for float64)."""
+    return 2.0 * d_in ** 3
+
+
+def pick_preconditioner(d_out: int, d_in: int) -> str:
+    """``"inverse"`` when its inversion costs less than the products it saves (it doubles
+    the cost of an iteration and needs about a quarter of the iterations: on real layers
+    11-18 products fewer to a gap of 1e-6, counted as ``_ITERATIONS_SAVED``), else
+    ``"jacobi"`` (a few rows of a wide layer)."""
+    return "inverse" if inverse_flops(d_in) < pcg_flops(d_out, d_in, _ITERATIONS_SAVED) else "jacobi"
+
+
+def _preconditioner(h: Tensor, keep: Tensor, kind: str) -> Callable[[Tensor, Tensor], Tensor]:
+    """``apply(resid, out)``: ``out = M^-1 resid`` for ``resid`` zero outside ``keep``.
+
+    ``jacobi``: ``resid / diag H`` (0 on dead inputs). ``inverse``: ``(resid @ Hinv) . keep``
+    with ``Hinv = (H + delta diag H)^-1``, computed in float64 in the Jacobi-scaled coordinates
+    (dead inputs: unit diagonal there), ``delta = _INVERSE_RIDGE``, raised tenfold while the
+    factorisation fails (singular or indefinite ``H``); any symmetric positive definite ``M``
+    leaves CG's answer unchanged, ``delta`` only costs iterations."""
+    diag = torch.diagonal(h)
+    if kind == "jacobi":
+        inv_diag = torch.where(diag > 0, 1.0 / diag.clamp_min(torch.finfo(h.dtype).tiny), 0.0) * keep
+        return lambda resid, out: torch.mul(resid, inv_diag, out=out)
+    s = column_scale(h).double()
+    hs = h.double() / s[:, None] / s[None, :]
+    hs.diagonal().masked_fill_(diag <= 0, 1.0)
+    ridge = _INVERSE_RIDGE
+    while True:
+        factor, info = torch.linalg.cholesky_ex(hs + ridge * torch.eye(hs.shape[0], dtype=hs.dtype, device=hs.device))
+        if int(info) == 0 or ridge >= 1.0:
+            break
+        ridge *= _RIDGE_GROWTH
+    if int(info) != 0:  # not even H + I factorises: H is not PSD or not finite
+        return _preconditioner(h, keep, "jacobi")
+    hinv = (torch.cholesky_inverse(factor) / s[:, None] / s[None, :]).to(h.dtype)
+    return lambda resid, out: torch.matmul(resid, hinv, out=out).mul_(keep)
 
 
 def pick_solver(d_out: int, d_in: int, k: int, max_iter: int) -> str:
@@ -127,12 +178,11 @@ def _direct(w: Tensor, h: Tensor, mask: Tensor, target: Tensor, k: int) -> Tenso
 
 
 def _pcg(w: Tensor, w_star: Tensor, h: Tensor, keep: Tensor, target: Tensor, *, tol: float,
-         max_iter: int, restart: int, best_w: Tensor, best_loss: float) -> Tensor:
-    """Batched Jacobi-preconditioned CG from ``w``; returns ``best_w`` (loss ``best_loss``)
-    unless it finds a lower loss. The iteration updates its ``(d_out, d_in)`` buffers in
-    place (one product and about six passes over them per iteration)."""
-    diag = torch.diagonal(h)
-    inv_diag = torch.where(diag > 0, 1.0 / diag.clamp_min(torch.finfo(h.dtype).tiny), 0.0) * keep
+         max_iter: int, restart: int, precondition: Callable[[Tensor, Tensor], Tensor],
+         best_w: Tensor, best_loss: float) -> Tensor:
+    """Batched preconditioned CG from ``w``; returns ``best_w`` (loss ``best_loss``) unless it
+    finds a lower loss. The iteration updates its ``(d_out, d_in)`` buffers in place (one
+    product, one more for the inverse preconditioner, and about six passes over them)."""
     dot = torch.linalg.vecdot
     it = 0
     while it < max_iter:
@@ -143,7 +193,7 @@ def _pcg(w: Tensor, w_star: Tensor, h: Tensor, keep: Tensor, target: Tensor, *, 
         best_w, best_loss = w, loss
         w = w.clone()  # best_w stays the restart point
         resid = torch.sub(target, wh, out=wh).mul_(keep)
-        z = resid * inv_diag
+        z = precondition(resid, torch.empty_like(resid))
         rz = dot(resid, z)
         p = z.clone()
         for _ in range(min(restart, max_iter - it)):
@@ -159,7 +209,7 @@ def _pcg(w: Tensor, w_star: Tensor, h: Tensor, keep: Tensor, target: Tensor, *, 
                 it = max_iter  # converged
                 break
             resid.addcmul_(alpha[:, None], q, value=-1.0)
-            torch.mul(resid, inv_diag, out=z)
+            precondition(resid, z)
             rz_new = dot(resid, z)
             beta = torch.where(rz > 0, rz_new / torch.where(rz > 0, rz, 1.0), 0.0)
             rz = rz_new
@@ -170,7 +220,8 @@ def _pcg(w: Tensor, w_star: Tensor, h: Tensor, keep: Tensor, target: Tensor, *, 
 @register_refiner("exact", description="minimiser of the local loss with the mask held "
                                        "(batched Cholesky or PCG)")
 def refine_exact(w: Tensor, w_star: Tensor, h: Tensor, mask: Tensor, *, solver: str = "pcg",
-                 tol: float = 1e-8, max_iter: int = 600, restart: int = 25) -> Tensor:
+                 preconditioner: str = "auto", tol: float = 1e-8, max_iter: int = 600,
+                 restart: int = 25) -> Tensor:
     """Minimise ``Tr((W-W*) H (W-W*)^T)`` over ``W`` zero outside ``mask``, warm-started at ``w``.
 
     The default is ``"pcg"``: on real Hessians it converges in a few dozen iterations and beats
@@ -181,6 +232,8 @@ def refine_exact(w: Tensor, w_star: Tensor, h: Tensor, mask: Tensor, *, solver: 
     the most entries a row keeps) is below that of ``max_iter`` PCG iterations
     (``2 d_out d_in^2`` each); ``"direct"`` and ``"pcg"`` force one. The direct solution is
     polished by PCG (it stops after an iteration or two when the solve was accurate).
+    ``preconditioner`` (``"jacobi"``, ``"inverse"``, or ``"auto"``: :func:`pick_preconditioner`)
+    is PCG's (module docstring).
 
     PCG stops when an iteration lowers the loss by less than ``tol`` times the current loss
     (CG knows each row's decrease: ``alpha_r (p_r . r_r)``), or after ``max_iter`` iterations.
@@ -201,6 +254,9 @@ def refine_exact(w: Tensor, w_star: Tensor, h: Tensor, mask: Tensor, *, solver: 
         raise ValueError(f"max_iter must be a non-negative integer, got {max_iter!r}")
     if not isinstance(restart, int) or restart < 1:
         raise ValueError(f"restart must be a positive integer, got {restart!r}")
+    if preconditioner not in PRECONDITIONERS:
+        raise ValueError(f"preconditioner must be one of {', '.join(PRECONDITIONERS)}, "
+                         f"got {preconditioner!r}")
     keep = mask.to(w.dtype)
     w = w * keep
     if w.numel() == 0:
@@ -211,7 +267,9 @@ def refine_exact(w: Tensor, w_star: Tensor, h: Tensor, mask: Tensor, *, solver: 
     if k == 0 or (not direct and max_iter == 0):
         return w  # nothing kept (the only feasible point) or nothing to do
     target = w_star @ h
-    options = {"tol": tol, "max_iter": max_iter, "restart": restart}
+    kind = pick_preconditioner(d_out, d_in) if preconditioner == "auto" else preconditioner
+    options = {"tol": tol, "max_iter": max_iter, "restart": restart,
+               "precondition": _preconditioner(h, keep, kind)}
     if not direct:
         return _pcg(w, w_star, h, keep, target, best_w=w, best_loss=float("inf"), **options)
     start_loss = _loss(w, w_star, w @ h, target)
