@@ -39,7 +39,11 @@ def _cells(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     lam = 10 ** torch.empty(len(z), dtype=torch.float64).uniform_(-2, 1.3, generator=g) / zmax
     n_fig = fig.shape[0]
     lam[:n_fig] = torch.linspace(0.0, 3.0, n_fig, dtype=torch.float64) / zmax[:n_fig]
-    return z, lam
+    # every third other cell again with a small lam (lam max|z| down to 1e-8): a dense answer
+    # close to z, as in the first iterations of the proximal-gradient loop
+    small = z[n_fig::3]
+    small_lam = 10 ** torch.empty(len(small), dtype=torch.float64).uniform_(-8, -2, generator=g) / zmax[n_fig::3]
+    return torch.cat([z, small]), torch.cat([lam, small_lam])
 
 
 @pytest.fixture(scope="module")

@@ -16,13 +16,14 @@ from prox_bruteforce import objective, reference_min
 pytestmark = pytest.mark.skipif(not reduced_simd.AVAILABLE, reason="numba is not installed")
 
 
-def _matrix_cells(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gaussian weight cells with lam spread over two decades around the median 2:4 threshold
-    ``z3/(z1 z2)`` (where all three cases and the hard dense boundary occur)."""
+def _matrix_cells(n: int, seed: int, decades: tuple[float, float] = (-1, 1)) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gaussian weight cells with lam spread over ``decades`` around the median 2:4 threshold
+    ``z3/(z1 z2)`` (by default two decades, where all three cases and the hard dense boundary
+    occur)."""
     g = torch.Generator().manual_seed(seed)
     z = torch.randn(n, 4, dtype=torch.float64, generator=g) * 0.02
     a = z.abs().sort(-1, descending=True).values
-    lam = (a[:, 2] / (a[:, 0] * a[:, 1])).median() * 10 ** torch.empty(n, dtype=torch.float64).uniform_(-1, 1, generator=g)
+    lam = (a[:, 2] / (a[:, 0] * a[:, 1])).median() * 10 ** torch.empty(n, dtype=torch.float64).uniform_(*decades, generator=g)
     return z, lam
 
 
@@ -50,6 +51,19 @@ def test_kernel_matches_exact_newton_on_matrix_cells():
     # every case occurs: 2-sparse, 3-sparse and dense answers
     nnz = (w[decided] != 0).sum(-1)
     assert {2, 3, 4} <= set(nnz.unique().tolist())
+
+
+def test_kernel_keeps_the_dense_answer_for_small_lam():
+    """The first proximal-gradient iterations: lam far below the 2:4 threshold, where the
+    answer is dense and close to ``z``. The dense case's boxes collapse onto the answer there;
+    a strict emptiness test once returned a 3-sparse point for most of these cells."""
+    z, lam = _matrix_cells(20_000, 5, decades=(-8, -1))
+    w, undecided = _kernel(z, lam)
+    assert not bool(undecided.any())
+    f_kernel = objective(w, z, lam, 2)
+    f_newton = objective(_newton(z, lam), z, lam, 2)
+    assert float(((f_kernel - f_newton) / f_newton.abs().clamp_min(1e-300)).max()) <= 1e-10
+    assert float(((w != 0).sum(-1) == 4).double().mean()) > 0.9
 
 
 def test_prox_2of4_cpu_path_resolves_undecided_cells_exactly(monkeypatch):

@@ -34,6 +34,7 @@ BOX_ROUNDS = 4
 MAX_FALLBACK = 30
 MAX_HALVINGS = 20
 XY_ROUNDS = 3
+BOX_SLACK = 1e-9  # the boxes are widened by this much of the cell's scale (see _case_box)
 NEWTON4_ITER = 30
 DEC_TOL = 1e-24
 
@@ -160,7 +161,13 @@ if AVAILABLE:
     def _case_box(z1, z2, z3, z4, lam):
         """Bounds ``lo <= w <= hi`` on every interior minimiser of the dense case
         (:func:`nmprune.prox.newton._case_bounds`, k = 4). Returns ``(ok, lo1..lo4, hi1..hi4)``;
-        ``ok`` is False when the bounds prove there is none."""
+        ``ok`` is False when the bounds prove there is none.
+
+        For small ``lam`` the rounds converge onto the minimiser itself, so the box collapses
+        to a point, and rounding can leave ``lo`` an ulp above ``hi``: the bounds are widened by
+        ``BOX_SLACK * z1`` before the test (a looser necessary condition only costs work).
+        Without this a strict test declared the dense case empty for most cells with
+        ``lam z1 < 1e-3`` and returned a 3-sparse point."""
         l1, l2, l3, l4 = z1 / 3.0, z2 / 3.0, 0.0, 0.0
         h1, h2, h3, h4 = z1, z2, z3, z4
         for _ in range(BOX_ROUNDS):
@@ -172,6 +179,9 @@ if AVAILABLE:
             l2 = max(l2, z2 - lam * (h1 * h3 + h1 * h4 + h3 * h4))
             l3 = max(l3, z3 - lam * (h1 * h2 + h1 * h4 + h2 * h4))
             l4 = max(l4, z4 - lam * (h1 * h2 + h1 * h3 + h2 * h3))
+        t = BOX_SLACK * z1
+        l1, l2, l3, l4 = max(l1 - t, 0.0), max(l2 - t, 0.0), max(l3 - t, 0.0), max(l4 - t, 0.0)
+        h1, h2, h3, h4 = h1 + t, h2 + t, h3 + t, h4 + t
         ok = (h4 > 0.0) & (l1 <= h1) & (l2 <= h2) & (l3 <= h3) & (l4 <= h4)
         return ok, l1, l2, l3, l4, h1, h2, h3, h4
 
@@ -182,7 +192,9 @@ if AVAILABLE:
         ``(S1 - y^2/2)/(1+y) <= x < S1/(1+y)``, and symmetrically for ``y``; from ``w_2, w_4 > 0``:
         ``x > d1/(1-y)``, ``y > d2/(1-x)``; from the diagonal of ``grad^2 G > 0``:
         ``(1-x)^3 > d2^2/(1+y)``, ``(1-y)^3 > d1^2/(1+x)``. Returns ``(ok, xlo, xhi, ylo, yhi)``.
-        Branch-free: the bounds only tighten, so a box found empty stays empty."""
+        Branch-free: the bounds only tighten, so a box found empty stays empty. Like
+        :func:`_case_box` the result is widened by ``BOX_SLACK`` of the scale ``s1 + s2``
+        before the emptiness test (the box collapses onto the point for small ``lam``)."""
         xhi = min(xhi, 1.0)
         yhi = min(yhi, 1.0)
         for _ in range(XY_ROUNDS):
@@ -190,6 +202,8 @@ if AVAILABLE:
             yhi = min(yhi, s2 / (1.0 + xlo), 1.0 - _cbrt_below(d1 * d1 / (1.0 + xhi)))
             xlo = max(xlo, d1 / (1.0 - ylo), (s1 - 0.5 * yhi * yhi) / (1.0 + yhi))
             ylo = max(ylo, d2 / (1.0 - xlo), (s2 - 0.5 * xhi * xhi) / (1.0 + xhi))
+        t = BOX_SLACK * (s1 + s2)
+        xlo, xhi, ylo, yhi = xlo - t, xhi + t, ylo - t, yhi + t
         return (xlo < xhi) & (ylo < yhi), xlo, xhi, ylo, yhi
 
     @njit(cache=True, error_model="numpy", inline="always")
