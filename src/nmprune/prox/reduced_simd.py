@@ -8,17 +8,21 @@ hands only the cells it could not settle to the next one:
 
 1. load ``|z|``, sort each cell by comparisons (Lemma ``lemma:sorted_prox``) and settle the
    cells whose answer is the 2-sparse point ``[z_1, z_2, 0, 0]`` by the necessary condition
-   ``K < 1`` or its KKT certificate (lam = 0 returns ``z``);
+   ``K < 1`` or its KKT certificate (lam = 0 returns ``z``); mark the cells whose answer is
+   proven dense, ``lam r(z) < z_4^2 / 2`` (``f(z)`` bounds the minimum from above, and any
+   point with a zero entry costs at least ``z_4^2 / 2``): they skip stage 2 and the boxes of
+   stage 3 (most cells of the first proximal-gradient iterations, where lam is small);
 2. the 3-sparse stationary point of ``g`` (eq. ``stationarity_3sparse``): the monotone Newton
    iteration on ``Phi(u) = 0`` from its inflection point, in rounds of a few masked steps,
    each round on the cells the previous one left iterating (a third of the cells leave the
    region after one step, most converge in 4-5 steps), then the better of it and the
    2-sparse point, and the KKT certificate ``_settles`` (the candidate minimises ``f`` over
    the PSD region, so no dense point beats it);
-3. the dense case, for the remaining cells that pass its necessary conditions (the case box,
-   ``lam (z_1 - z_2) < 1``, the ``(x, y)`` box): a fixed number of masked Newton steps on
-   ``grad G = 0``; a converged point with a positive definite Hessian is the unique PSD
-   stationary point of ``f`` (Corollary ``corollary:no_spurious``);
+3. the dense case, for the cells proven dense and the remaining cells that pass its necessary
+   conditions (the case box, ``lam (z_1 - z_2) < 1``, the ``(x, y)`` box): masked Newton steps
+   on ``grad G = 0``, a round on all cells and one on those still iterating; a converged point
+   with a positive definite Hessian is the unique PSD stationary point of ``f`` (Corollary
+   ``corollary:no_spurious``); a cell proven dense without such a point goes to stage 5;
 4. where plain Newton failed (a few per cent of the cells, mostly without a dense minimiser):
    a few masked damped-Newton steps on the convex reduced problem with the convexity lower
    bound of :func:`nmprune.prox.reduced_kernel._dense_convex` (its 2-D linear programme
@@ -48,6 +52,8 @@ ITER_DENSE = 8  # masked Newton steps on grad G = 0
 ITER_CONVEX = 3  # masked damped-Newton steps with the convexity bound, where plain Newton failed
 CONVEX_PULLS = 12  # halvings of the start towards the origin, into R
 CONVEX_HALVINGS = 4  # backtracking steps of the damped Newton line search
+ROUND_DENSE = 5  # masked Newton steps on grad G = 0 on every dense cell, before compacting
+DENSE_MARGIN = 1e-9  # relative margin of the dense-answer test of _load
 _SCRATCH = 39  # float64 work rows per chunk
 
 if AVAILABLE:
@@ -83,7 +89,8 @@ if AVAILABLE:
         ``[a0, a1, 0, 0]`` (``z`` for lam = 0) into ``w0..w3``; ``flag`` 1 where the 3-sparse and
         dense cases are still open: ``K < 1`` (necessary for both, see
         :func:`nmprune.prox.reduced.solve_sorted_reduced`), ``lam z_3 > 0`` and the 2-sparse
-        KKT certificate fails."""
+        KKT certificate fails; 4 where the answer is proven dense (``lam r(z) < z_4^2 / 2``: only
+        the dense case is open, the 3-sparse stage is skipped)."""
         for t in range(U64(a0.shape[0])):
             i = U64(4) * (U64(start) + t)
             b0 = abs(np.float64(z[i]))
@@ -110,7 +117,12 @@ if AVAILABLE:
             w3[t] = z4 if zero else 0.0
             k2 = lam_t * (z1 + np.sqrt((z1 - z2) * (z1 + z2)))
             cert = (lam_t * z1 * z2 >= z3) & _pd4(lam_t, z1, z2, 0.0, 0.0)
-            flag[t] = 0.0 if zero | (k2 >= 2.0) | (lam_t * z3 <= 0.0) | cert else 1.0
+            # f(z) = lam r(z) bounds the minimum from above; every point with a zero entry
+            # costs at least z4^2 / 2: below that the answer is dense (no sparse case to solve)
+            reg = z1 * z2 * (z3 + z4) + z3 * z4 * (z1 + z2)
+            dense = lam_t * reg < 0.5 * z4 * z4 * (1.0 - DENSE_MARGIN)
+            settled = zero | (k2 >= 2.0) | (lam_t * z3 <= 0.0) | cert
+            flag[t] = 0.0 if settled else (4.0 if dense else 1.0)
 
     @njit(**_JIT)
     def _select(flag, value, idx):
@@ -232,9 +244,19 @@ if AVAILABLE:
             flag[j] = 2.0 if st == 0.0 else (1.0 if open_ else 0.0)
 
     @njit(**_JIT)
+    def _dense_init(z1, z2, z3, z4, lv, x, y, s1, s2, d1, d2, state):
+        """``(S_1, S_2)/2`` and the reduced constants; ``state`` 0 (iterating)."""
+        for j in range(U64(x.shape[0])):
+            lam = lv[j]
+            p, q = lam * (z1[j] + z2[j]), lam * (z3[j] + z4[j])
+            s1[j], s2[j], d1[j], d2[j] = p, q, lam * (z1[j] - z2[j]), lam * (z3[j] - z4[j])
+            x[j], y[j], state[j] = 0.5 * p, 0.5 * q, 0.0
+
+    @njit(**_JIT)
     def _dense_start(z1, z2, z3, z4, lv, x, y, s1, s2, d1, d2, state):
-        """``(S_1, S_2)/2`` and the reduced constants; ``state`` 3 where the ``(x, y)`` box
-        proves there is no dense point with ``w_2, w_4 > 0``, else 0 (iterating)."""
+        """:func:`_dense_init`, and ``state`` 3 where the ``(x, y)`` box proves there is no
+        dense point with ``w_2, w_4 > 0`` (the boxes cost more than the Newton steps: cells
+        proven dense skip them)."""
         for j in range(U64(x.shape[0])):
             x1, x2, x3, x4, lam = z1[j], z2[j], z3[j], z4[j], lv[j]
             p, q = lam * (x1 + x2), lam * (x3 + x4)
@@ -259,6 +281,37 @@ if AVAILABLE:
             move = active & ~out & ~done
             x[j] = xj + dx if move else xj
             y[j] = yj + dy if move else yj
+
+    @njit(**_JIT)
+    def _dense_rows(ws, row, n, steps):
+        """``steps`` of :func:`_dense_step` on the first ``n`` entries of rows ``row .. row + 6``
+        of ``ws`` (x, y, S_1, S_2, d_1, d_2, state), passed as contiguous 1-D rows."""
+        for _ in range(steps):
+            _dense_step(ws[row, :n], ws[row + 1, :n], ws[row + 2, :n], ws[row + 3, :n],
+                        ws[row + 4, :n], ws[row + 5, :n], ws[row + 6, :n])
+
+    @njit(**_JIT)
+    def _dense_solve(ws, row, n, idx):
+        """``ITER_DENSE`` masked Newton steps on the ``n`` cells in rows ``row .. row + 6`` of
+        ``ws``: ``ROUND_DENSE`` on all of them, the rest only on the cells still iterating,
+        gathered into rows ``row + 7 ..`` (their positions in ``idx``)."""
+        _dense_rows(ws, row, n, ROUND_DENSE)
+        k = _select(ws[row + 6, :n], 0.0, idx)
+        if k == 0:
+            return
+        sel = idx[:k]
+        for r in range(7):
+            _gather(sel, ws[row + r, :n], ws[row + 7 + r, :k])
+        _dense_rows(ws, row + 7, k, ITER_DENSE - ROUND_DENSE)
+        for r in (0, 1, 6):  # x, y, state
+            _scatter(sel, ws[row + 7 + r, :k], ws[row + r, :n])
+
+    @njit(**_JIT)
+    def _no_dense_answer(w3, flag):
+        """For cells proven dense: flag 2 (the per-cell solver) where the dense stage found no
+        dense answer (``w_4 = 0``), else 0."""
+        for j in range(U64(w3.shape[0])):
+            flag[j] = 2.0 if w3[j] == 0.0 else 0.0
 
     @njit(**_JIT)
     def _dense_finish(z1, z2, z3, z4, lv, x, y, state, w0, w1, w2, w3, flag):
@@ -370,14 +423,19 @@ if AVAILABLE:
         m = stop - start
         ws = np.empty((_SCRATCH, m))
         ranks = np.empty(m, np.int32)
-        idx = np.empty(2 * m, np.uint64)  # a stage's cells; the 3-sparse rounds' cells
+        idx = np.empty(2 * m, np.uint64)  # a stage's cells; the cells of its later rounds
         a0, a1, a2, a3, lv = ws[0], ws[1], ws[2], ws[3], ws[4]
         w0, w1, w2, w3, flag = ws[5], ws[6], ws[7], ws[8], ws[9]
         _load(z, lam, start, a0, a1, a2, a3, lv, ranks, w0, w1, w2, w3, flag)
         # rows 10.. hold the compacted cells of one stage at a time
-        for stage in range(3):
-            k = _select(flag, 1.0, idx)
-            if k == 0:  # flags only turn 1 in the stage before
+        # stages: 0 the 3-sparse case (flag 1), 1 the dense case of the cells proven dense
+        # (flag 4), 2 the dense case of the cells stage 0 left open (flag 1), 3 the convex
+        # stage (flag 1 again)
+        for stage in range(4):
+            k = _select(flag, 4.0 if stage == 1 else 1.0, idx)
+            if k == 0:  # flag 1 comes only from the stage before; flag 4 only from _load
+                if stage < 2:
+                    continue
                 break
             sel = idx[:k]
             z1, z2, z3, z4, lk = ws[10, :k], ws[11, :k], ws[12, :k], ws[13, :k], ws[14, :k]
@@ -392,13 +450,17 @@ if AVAILABLE:
                 _three_finish(z1, z2, z3, z4, lk, ws[25, :k], ws[22, :k], ws[28, :k], v0, v1, v2, fk)
                 for src, dst in ((v0, w0), (v1, w1), (v2, w2), (fk, flag)):
                     _scatter(sel, src, dst)
-            elif stage == 1:
+            elif stage < 3:
                 x, y, s1, s2 = ws[20, :k], ws[21, :k], ws[22, :k], ws[23, :k]
                 d1, d2, state = ws[24, :k], ws[25, :k], ws[26, :k]
-                _dense_start(z1, z2, z3, z4, lk, x, y, s1, s2, d1, d2, state)
-                for _ in range(ITER_DENSE):
-                    _dense_step(x, y, s1, s2, d1, d2, state)
+                if stage == 1:
+                    _dense_init(z1, z2, z3, z4, lk, x, y, s1, s2, d1, d2, state)
+                else:
+                    _dense_start(z1, z2, z3, z4, lk, x, y, s1, s2, d1, d2, state)
+                _dense_solve(ws, 20, k, idx[m:])  # rows 20-33
                 _dense_finish(z1, z2, z3, z4, lk, x, y, state, v0, v1, v2, v3, fk)
+                if stage == 1:  # no dense answer found: the per-cell solver (sparse cases unsolved)
+                    _no_dense_answer(v3, fk)
                 for src, dst in ((v0, w0), (v1, w1), (v2, w2), (v3, w3), (fk, flag)):
                     _scatter(sel, src, dst)
             else:
