@@ -1,12 +1,15 @@
-"""Speed of refine="exact" (direct batched Cholesky, PCG, and the automatic choice) against
-1000 steps of masked gradient descent (refine="gd", paper eq. ``masked_gd``).
+"""Speed of refine="exact" (direct batched Cholesky, PCG with the Jacobi and the inverse-Hessian
+preconditioners, and the automatic choice) against 1000 steps of masked gradient descent
+(refine="gd", paper eq. ``masked_gd``).
 
 Problems: correlated layer Hessians from ``_problems.correlated_layer`` (``H = X X^T / n``,
 rank-32 shared factors, outlier channel scales), float32, with a Wanda 2:4 mask. Shapes
 576x576, 1536x576, 576x1536 (d_out x d_in) in full; 4096x4096 on its first ``ROWS_4096``
 rows, with every time scaled to the 4096 rows (the rows are independent problems, and every
-solver's cost is linear in d_out) and gd run for ``GD_STEPS_4096`` steps with its time
-scaled linearly to 1000 steps (its loss is the one after the steps it ran). Losses are
+solver's cost is linear in d_out, except the inverse preconditioner's one inversion of H, which
+is timed on its own and counted once) and gd run for ``GD_STEPS_4096`` steps with its time
+scaled linearly to 1000 steps (its loss is the one after the steps it ran). "auto" is what the
+refiner picks for the whole layer. Losses are
 evaluated in float64; "gap" is relative to a float64 direct solve (omitted for 4096, where
 that solve would take minutes). One intra-op thread; the load average is recorded.
 
@@ -16,6 +19,7 @@ Run: flock /tmp/nmprune-bench.lock python3 benchmarks/refine_speed.py
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import platform
@@ -32,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from _problems import correlated_layer
 
-from nmprune.algorithms.refine_exact import pick_solver
+from nmprune.algorithms.refine_exact import _preconditioner, pick_preconditioner, pick_solver
 from nmprune.prune import prune_layer
 from nmprune.registry import get_refiner
 
@@ -46,6 +50,7 @@ SHAPES: list[tuple[int, int, int, int]] = [  # d_out, d_in, rows run, gd steps r
     (576, 1536, 576, GD_STEPS),
     (4096, 4096, ROWS_4096, GD_STEPS_4096),
 ]
+VARIANTS = ("auto", "direct", "pcg-jacobi", "pcg-inverse")
 
 
 def loss64(w: Tensor, w_star: Tensor, h: Tensor) -> float:
@@ -75,22 +80,33 @@ def run_shape(d_out: int, d_in: int, rows: int, gd_steps: int) -> dict[str, Any]
     scale = d_out / rows
     exact, gd = get_refiner("exact").fn, get_refiner("gd").fn
     k = int(mask.sum(1).max())
-    auto_pick = pick_solver(rows, d_in, k, max_iter=150)
+    max_iter = inspect.signature(exact).parameters["max_iter"].default
+    auto_solver = pick_solver(d_out, d_in, k, max_iter=max_iter)
+    auto_pre = pick_preconditioner(d_out, d_in)
+    options = {"auto": {"solver": "auto", "preconditioner": auto_pre},
+               "direct": {"solver": "direct", "preconditioner": auto_pre},
+               "pcg-jacobi": {"solver": "pcg", "preconditioner": "jacobi"},
+               "pcg-inverse": {"solver": "pcg", "preconditioner": "inverse"}}
+    _, inverse_sec = timed(lambda: _preconditioner(h, mask.to(h.dtype), "inverse"), 1)
     row: dict[str, Any] = {"shape": f"{d_out}x{d_in}", "rows_run": rows, "time_scale": scale,
-                           "auto_picks": auto_pick, "loss_wanda": loss64(start, w_star, h)}
+                           "auto_picks": f"{auto_solver}, {auto_pre}", "inverse_seconds": inverse_sec,
+                           "loss_wanda": loss64(start, w_star, h)}
     repeat = 2 if rows == d_out else 1
     out, sec = timed(lambda: gd(start, w_star, h, mask, steps=gd_steps), 1)
     row["gd"] = {"steps_run": gd_steps, "loss": loss64(out, w_star, h),
                  "seconds_1000": sec * scale * GD_STEPS / gd_steps}
-    for solver in ("auto", "direct", "pcg"):
-        out, sec = timed(lambda s=solver: exact(start, w_star, h, mask, solver=s), repeat)
-        row[f"exact_{solver}"] = {"loss": loss64(out, w_star, h), "seconds": sec * scale,
-                                  "ratio_to_gd": sec * scale / row["gd"]["seconds_1000"]}
+    for name in VARIANTS:
+        opts = options[name]
+        out, sec = timed(lambda o=opts: exact(start, w_star, h, mask, **o), repeat)
+        once = inverse_sec if opts["preconditioner"] == "inverse" else 0.0  # not per row
+        sec = (sec - once) * scale + once
+        row[f"exact_{name}"] = {**opts, "loss": loss64(out, w_star, h), "seconds": sec,
+                                "ratio_to_gd": sec / row["gd"]["seconds_1000"]}
     if rows == d_out:
         ref = exact(start.double(), w_star.double(), h.double(), mask, solver="direct", tol=1e-12)
         ref_loss = loss64(ref, w_star, h)
         row["loss_float64_direct"] = ref_loss
-        for key in ("gd", "exact_auto", "exact_direct", "exact_pcg"):
+        for key in ("gd", *(f"exact_{name}" for name in VARIANTS)):
             row[key]["gap"] = (row[key]["loss"] - ref_loss) / ref_loss
     print(json.dumps(row), flush=True)
     return row
@@ -107,17 +123,19 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
          "auto picks direct it runs the same code as direct, so their difference is timing noise "
          "on this shared machine."),
         (f"4096x4096: run on its first {ROWS_4096} rows, times scaled x{4096 // ROWS_4096} to all "
-         f"rows (rows are independent); gd ran {GD_STEPS_4096} steps, time scaled to 1000 steps, "
-         "loss after those steps."),
+         f"rows (rows are independent; the inverse preconditioner's one inversion of H is counted "
+         f"once); gd ran {GD_STEPS_4096} steps, time scaled to 1000 steps, loss after those steps. "
+         "auto: the solver and preconditioner the refiner picks for the whole layer; direct "
+         "polishes with that preconditioner."),
         "",
-        "| shape | auto picks | wanda loss | gd 1000 s | gd loss | solver | s | / gd | loss | gap |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| shape | auto picks | inversion s | wanda loss | gd 1000 s | gd loss | solver | s | / gd | loss | gap |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        for solver in ("auto", "direct", "pcg"):
+        for solver in VARIANTS:
             e = r[f"exact_{solver}"]
             gap = f"{e['gap']:.1e}" if "gap" in e else "-"
-            lines.append(f"| {r['shape']} | {r['auto_picks']} | {r['loss_wanda']:.4g} | "
+            lines.append(f"| {r['shape']} | {r['auto_picks']} | {r['inverse_seconds']:.2f} | {r['loss_wanda']:.4g} | "
                          f"{r['gd']['seconds_1000']:.2f} | {r['gd']['loss']:.6g} | {solver} | "
                          f"{e['seconds']:.2f} | {e['ratio_to_gd']:.3f} | {e['loss']:.6g} | {gap} |")
     return "\n".join(lines) + "\n"

@@ -146,3 +146,13 @@ def test_inverse_preconditioner_on_an_indefinite_hessian_falls_back_and_never_wo
     out = refine_exact(start, w, h, mask, preconditioner="inverse")
     assert bool(torch.isfinite(out).all()) and not bool(out[~mask].any())
     assert local_loss(out, w, h) <= local_loss(start, w, h)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("preconditioner", ["jacobi", "inverse"])
+def test_refine_leaves_its_inputs_unchanged(dtype, preconditioner):
+    w, h = problem(10, 48, 200, 3, dtype)
+    mask = wanda_mask(w, h)
+    start, h0, w0 = w * mask, h.clone(), w.clone()
+    refine_exact(start.clone(), w, h, mask, preconditioner=preconditioner)
+    assert torch.equal(h, h0) and torch.equal(w, w0)

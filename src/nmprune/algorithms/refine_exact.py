@@ -88,17 +88,20 @@ def _preconditioner(h: Tensor, keep: Tensor, kind: str) -> Callable[[Tensor, Ten
         inv_diag = torch.where(diag > 0, 1.0 / diag.clamp_min(torch.finfo(h.dtype).tiny), 0.0) * keep
         return lambda resid, out: torch.mul(resid, inv_diag, out=out)
     s = column_scale(h).double()
-    hs = h.double() / s[:, None] / s[None, :]
-    hs.diagonal().masked_fill_(diag <= 0, 1.0)
+    hs = h.to(torch.float64, copy=True).div_(s[:, None]).div_(s[None, :])  # two float64 copies at most
+    hs.diagonal().masked_fill_(diag <= 0, 1.0).add_(_INVERSE_RIDGE)
     ridge = _INVERSE_RIDGE
-    while True:
-        factor, info = torch.linalg.cholesky_ex(hs + ridge * torch.eye(hs.shape[0], dtype=hs.dtype, device=hs.device))
-        if int(info) == 0 or ridge >= 1.0:
-            break
+    factor, info = torch.linalg.cholesky_ex(hs)
+    while int(info) != 0 and ridge < 1.0:
+        hs.diagonal().add_(ridge * (_RIDGE_GROWTH - 1.0))
         ridge *= _RIDGE_GROWTH
+        factor, info = torch.linalg.cholesky_ex(hs)
+    del hs
     if int(info) != 0:  # not even H + I factorises: H is not PSD or not finite
         return _preconditioner(h, keep, "jacobi")
-    hinv = (torch.cholesky_inverse(factor) / s[:, None] / s[None, :]).to(h.dtype)
+    hinv = torch.cholesky_inverse(factor)
+    del factor
+    hinv = hinv.div_(s[:, None]).div_(s[None, :]).to(h.dtype)
     return lambda resid, out: torch.matmul(resid, hinv, out=out).mul_(keep)
 
 
