@@ -256,7 +256,9 @@ if AVAILABLE:
     def _dense_start(z1, z2, z3, z4, lv, x, y, s1, s2, d1, d2, state):
         """:func:`_dense_init`, and ``state`` 3 where the ``(x, y)`` box proves there is no
         dense point with ``w_2, w_4 > 0`` (the boxes cost more than the Newton steps: cells
-        proven dense skip them)."""
+        proven dense skip them). The constants are computed here again, in the same loop as
+        the boxes, rather than by calling :func:`_dense_init` first: two loops measured 3-6%
+        slower at the median lam."""
         for j in range(U64(x.shape[0])):
             x1, x2, x3, x4, lam = z1[j], z2[j], z3[j], z4[j], lv[j]
             p, q = lam * (x1 + x2), lam * (x3 + x4)
