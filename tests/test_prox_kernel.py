@@ -129,6 +129,20 @@ def test_kernel_threads_give_identical_results():
     assert np.isfinite(one.numpy()).all()
 
 
+def test_chunk_size_bounds_and_results_independent_of_it():
+    assert reduced_simd.chunk_size(1536 * 576 // 4, 2) == reduced_simd.MAX_CHUNK
+    assert reduced_simd.chunk_size(100, 2) == reduced_simd.MIN_CHUNK
+    assert reduced_simd.chunk_size(40_000, 2) == 5000  # about four chunks per thread
+    z, lam = _matrix_cells(20_000, 4)
+    outs = []
+    for chunk in (reduced_simd.MIN_CHUNK, 3000, reduced_simd.MAX_CHUNK):
+        out, undecided = torch.empty_like(z), torch.zeros(z.shape[0], dtype=torch.bool)
+        reduced_simd.prox_cells(z.numpy().reshape(-1), lam.numpy(), out.numpy().reshape(-1), undecided.numpy(), chunk)
+        outs.append((out, undecided))
+    for out, undecided in outs[1:]:
+        assert torch.equal(out, outs[0][0]) and torch.equal(undecided, outs[0][1])
+
+
 def test_vectorised_stages_give_the_per_cell_solver_answers():
     """The staged, vectorised pass (reduced_simd) against the scalar per-cell solver
     (reduced_kernel._solve_sorted) on cells where every stage and both fallbacks occur."""
