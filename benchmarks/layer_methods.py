@@ -37,7 +37,7 @@ from nmprune.prune import prune_layer  # noqa: E402
 from nmprune.registry import get_refiner  # noqa: E402
 
 PAPER = {"lambda0": 0.01, "beta": 1.01, "lambda_adapt": False, "solver": "gd",
-         "accelerate": False, "finish": 0.0}
+         "accelerate": False, "finish": 0.0, "gradient_precision": "full"}
 # (name, d_out, d_in, rows of part A): whole matrices, except a row subset at 4096 where
 # 1000 gd steps on the full matrix do not fit this CPU
 SHAPES = [("q_proj/o_proj", 576, 576, 576), ("gate/up_proj", 1536, 576, 1536),

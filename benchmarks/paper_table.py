@@ -100,7 +100,7 @@ QUICK = Config(calib={"calib": "wiki", "nsamples": 8, "seqlen": 512, "seed": 0},
                out=ROOT / "runs" / "paper_table_quick", cache=ROOT / "runs" / "paper_table_quick_cache",
                quick=True)
 PAPER_PROX = {"lambda0": 0.01, "beta": 1.01, "lambda_adapt": False, "solver": "gd",
-              "accelerate": False, "finish": 0.0}
+              "accelerate": False, "finish": 0.0, "gradient_precision": "full"}
 PAPER_GD_STEPS = 1000
 
 

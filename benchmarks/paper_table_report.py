@@ -199,12 +199,13 @@ DEVIATIONS = [
     "would take about an hour per row. The `+exact` rows give the converged limit, and the gd-steps "
     "ablation shows how far the reduced count is from it.",
     "* `prox` is our default (scale-adaptive lambda_0 = 1e-3, beta = 1.05, FISTA, last 0.5% of "
-    "cells projected), not the paper's lambda_0 = 0.01, beta = 1.01 plain proximal gradient, which "
+    "cells projected, the gradient product in bfloat16 on this AVX512-BF16 CPU), not the paper's lambda_0 = 0.01, beta = 1.01 plain proximal gradient, which "
     "is too slow for the whole model here; the two are compared on row subsets of three real "
     "layers below (the paper-faithful settings also use the paper's gd prox solver, ~400x slower "
     "than our exact compiled one, see prox_speed.md).",
     "* `prox-l0/l1/l2` (Appendix `app:other_regularizers`) use the same fast schedule as our prox "
-    "(lambda_0 = 1e-3 adaptive, beta = 1.05, FISTA, finish 0.5%), for the same reason.",
+    "(lambda_0 = 1e-3 adaptive, beta = 1.05, FISTA, finish 0.5%; their gradient in full float32), "
+    "for the same reason.",
     "* Each method runs once per layer; its `+gd` and `+exact` rows refine that same result "
     "(identical to separate runs, minus the repeated method pass). The seconds of a row are its "
     "own method's and refiner's.",

@@ -23,7 +23,7 @@ from _problems import synthetic_hessian  # noqa: E402
 from nmprune.prune import prune_layer  # noqa: E402
 
 PAPER = {"lambda0": 0.01, "beta": 1.01, "lambda_adapt": False, "solver": "gd",
-         "accelerate": False, "finish": 0.0}
+         "accelerate": False, "finish": 0.0, "gradient_precision": "full"}
 RUNS = {  # label -> (method, method options, refiner, refiner options)
     "magnitude+exact": ("magnitude", {}, "exact", {}),
     "wanda+exact": ("wanda", {}, "exact", {}),

@@ -129,3 +129,30 @@ def test_exact_refiner_rejects_bad_options():
     with pytest.raises(ValueError, match="beta must be > 1"):
         prune_layer(w, h, method="prox", beta=1.0)
     assert get_refiner("exact").fn(w * 0, w, h, torch.zeros_like(w, dtype=torch.bool)).abs().sum() == 0
+
+
+def test_bfloat16_gradient_gives_the_full_precision_loss():
+    """gradient_precision="bfloat16" rounds only the gradient product: after exact refinement the
+    loss matches the full-precision loop's (the SmolLM2 layers moved by at most 0.003%)."""
+    w, h = correlated(64, 128, 7, dtype=torch.float32)
+    full = prune_layer(w, h, method="prox", refine="exact", gradient_precision="full")
+    low = prune_layer(w, h, method="prox", refine="exact", gradient_precision="bfloat16")
+    assert is_nm_sparse(low.weight, NMPattern(2, 4)) and low.weight.dtype == torch.float32
+    assert low.loss_refined == pytest.approx(full.loss_refined, rel=1e-2)
+    # the low-precision product really is used: the unrefined results differ
+    assert not torch.equal(low.weight, full.weight)
+
+
+def test_gradient_precision_auto_follows_the_hardware(monkeypatch):
+    from nmprune.algorithms import prox as prox_module
+
+    w32, w64 = torch.zeros(2, 4), torch.zeros(2, 4, dtype=torch.float64)
+    for bf16, amx, expected in ((False, False, None), (True, False, torch.bfloat16), (False, True, torch.bfloat16)):
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=bf16: v)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v)
+        assert prox_module._gradient_dtype("auto", w32) is expected
+        assert prox_module._gradient_dtype("auto", w64) is None  # float64 work keeps its precision
+        assert prox_module._gradient_dtype("full", w32) is None
+        assert prox_module._gradient_dtype("bfloat16", w64) is torch.bfloat16
+    with pytest.raises(ValueError, match="gradient_precision"):
+        prune_layer(w32, torch.eye(4), method="prox", gradient_precision="half")

@@ -14,13 +14,21 @@ exponential schedule ``lambda_k = lambda_0 beta^k`` -- divided by ``mean|W*|`` (
 weights) when ``lambda_adapt`` is set (eq. ``lambda_adapt``). It stops when ``W`` is N:M.
 
 Paper-faithful settings: ``lambda0=0.01, beta=1.01, lambda_adapt=False, solver="gd",
-accelerate=False, finish=0.0`` (the 70B-model setting is ``lambda0=1e-3, beta=1.005,
+accelerate=False, finish=0.0, gradient_precision="full"`` (the 70B-model setting is ``lambda0=1e-3, beta=1.005,
 lambda_adapt=True``). Our defaults (see docs/methods.md for the measurements) trade the
 slow schedule for a scale-adaptive faster one and finish early: once at most a fraction
 ``finish`` of the cells is still not N:M, those cells are projected onto N:M (their N
 largest magnitudes kept) -- a mask-held refiner then re-optimises all kept weights.
 ``max_iter`` guards the loop: reaching it projects the remaining cells the same way and
 emits a RuntimeWarning saying how many cells were projected.
+
+``gradient_precision="bfloat16"`` computes the product ``(Y - W*) H`` of the gradient step in
+bfloat16 (the difference formed in the working precision first, so only the gradient itself
+carries bfloat16's 2^-8 relative rounding; the step, the prox and everything else stay in
+float32). ``"auto"`` (the ``prox`` default) does so for float32 work where the hardware has
+native bfloat16 products (CUDA devices that support bfloat16, CPUs with AVX512-BF16 or AMX),
+and keeps full precision otherwise; ``"full"`` always keeps it. On SmolLM2 layers the loss
+after exact refinement moved by at most 0.003% and the loop took ~20-30% less time.
 """
 
 from __future__ import annotations
@@ -42,7 +50,8 @@ CellProx = Callable[[Tensor, Tensor], Tensor]  # (cells (..., M), lambda per cel
 
 def prox_gradient(w_star: Tensor, h: Tensor, pattern: NMPattern, cell_prox: CellProx, *,
                   lambda0: float, beta: float, lambda_adapt: bool, max_iter: int,
-                  finish: float, accelerate: bool, method: str) -> Tensor:
+                  finish: float, accelerate: bool, method: str,
+                  gradient_precision: str = "full") -> Tensor:
     """Algorithm ``alg:prox_e2e`` for any cell-wise prox; returns an N:M matrix in the original
     (unscaled) coordinates. See the module docstring for the options."""
     if not lambda0 > 0:
@@ -53,6 +62,7 @@ def prox_gradient(w_star: Tensor, h: Tensor, pattern: NMPattern, cell_prox: Cell
         raise ValueError(f"max_iter must be a non-negative integer, got {max_iter!r}")
     if not 0 <= finish < 1:
         raise ValueError(f"finish must be in [0, 1), got {finish!r}")
+    low = _gradient_dtype(gradient_precision, w_star)
     s = column_scale(h)
     w_star, h = rescale(w_star, h, s)
     eta = gd_step_size(h)
@@ -60,7 +70,10 @@ def prox_gradient(w_star: Tensor, h: Tensor, pattern: NMPattern, cell_prox: Cell
     if lambda_adapt:
         mean_abs = float(w_star.abs().mean()) if w_star.numel() else 0.0
         lam = lam / mean_abs if mean_abs > 0 else lam
-    step_target = (2.0 * eta) * (w_star @ h)  # the constant part of the gradient step
+    if low is None:
+        step_target = (2.0 * eta) * (w_star @ h)  # the constant part of the gradient step
+    else:
+        h_low = h.to(low)
     n_cells = w_star.numel() // pattern.m
     w, w_prev, momentum = w_star.clone(), w_star, 1.0
     it = 0
@@ -81,13 +94,34 @@ def prox_gradient(w_star: Tensor, h: Tensor, pattern: NMPattern, cell_prox: Cell
             momentum = next_m
         else:
             y = w
-        # z = y - 2 eta (y H - W* H), as one GEMM into a fresh tensor and one add
-        z = torch.addmm(y, y, h, alpha=-2.0 * eta).add_(step_target)
+        if low is None:  # z = y - 2 eta (y H - W* H), as one GEMM into a fresh tensor and one add
+            z = torch.addmm(y, y, h, alpha=-2.0 * eta).add_(step_target)
+        else:  # the same step with (y - W*) H in low precision
+            z = torch.add(y, torch.mm(torch.sub(y, w_star).to(low), h_low).to(y.dtype), alpha=-2.0 * eta)
         w_prev = w
         w = from_cells(cell_prox(to_cells(z, pattern.m), torch.tensor(lam, dtype=z.dtype)))
         lam *= beta
         it += 1
     return w / s
+
+
+GRADIENT_PRECISIONS = ("auto", "full", "bfloat16")
+
+
+def _gradient_dtype(precision: str, w: Tensor) -> torch.dtype | None:
+    """The dtype of the gradient product for ``gradient_precision`` (None: the working dtype)."""
+    if precision not in GRADIENT_PRECISIONS:
+        raise ValueError(f"gradient_precision must be one of {GRADIENT_PRECISIONS}, got {precision!r}")
+    if precision == "bfloat16":
+        return torch.bfloat16
+    if precision == "full" or w.dtype != torch.float32:
+        return None
+    if w.device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else None
+    if w.device.type == "cpu":
+        fast = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+        return torch.bfloat16 if fast else None
+    return None
 
 
 def _exact_prox(pattern: NMPattern, solver: str) -> CellProx:
@@ -101,21 +135,22 @@ def _exact_prox(pattern: NMPattern, solver: str) -> CellProx:
 @register_method("prox", description="proximal gradient with the exact N:M prox (paper Alg. prox_e2e)")
 def prox(w: Tensor, h: Tensor, pattern: NMPattern, *, lambda0: float = 0.001, beta: float = 1.05,
          lambda_adapt: bool = True, solver: str = "reduced", max_iter: int = 5000,
-         finish: float = 0.005, accelerate: bool = True) -> Tensor:
+         finish: float = 0.005, accelerate: bool = True, gradient_precision: str = "auto") -> Tensor:
     """Prox pruner with the regulariser ``r_{N:M}`` (eq. ``regularizer_nm``). ``solver`` picks
     the 2:4 prox solver (``prox_2of4``); other patterns always use ``prox_nm``."""
     return prox_gradient(w, h, pattern, _exact_prox(pattern, solver), lambda0=lambda0, beta=beta,
                          lambda_adapt=lambda_adapt, max_iter=max_iter, finish=finish,
-                         accelerate=accelerate, method="prox")
+                         accelerate=accelerate, method="prox", gradient_precision=gradient_precision)
 
 
 def _register_simple(name: str, cell_prox: Callable[..., Tensor], eq: str) -> None:
     def method(w: Tensor, h: Tensor, pattern: NMPattern, *, lambda0: float = 0.01,
                beta: float = 1.01, lambda_adapt: bool = False, max_iter: int = 5000,
-               finish: float = 0.0, accelerate: bool = False) -> Tensor:
+               finish: float = 0.0, accelerate: bool = False, gradient_precision: str = "full") -> Tensor:
         return prox_gradient(w, h, pattern, lambda z, lam: cell_prox(z, lam, pattern.n),
                              lambda0=lambda0, beta=beta, lambda_adapt=lambda_adapt,
-                             max_iter=max_iter, finish=finish, accelerate=accelerate, method=name)
+                             max_iter=max_iter, finish=finish, accelerate=accelerate, method=name,
+                             gradient_precision=gradient_precision)
 
     method.__doc__ = f"Prox pruner with the regulariser of eq. ``{eq}`` (Appendix app:other_regularizers)."
     register_method(name, description=f"proximal gradient with the {eq} regulariser")(method)
