@@ -146,7 +146,8 @@ def test_bfloat16_gradient_gives_the_full_precision_loss():
 def test_gradient_precision_auto_follows_the_hardware(monkeypatch):
     from nmprune.algorithms import prox as prox_module
 
-    w32, w64 = torch.zeros(2, 4), torch.zeros(2, 4, dtype=torch.float64)
+    rows = prox_module.BF16_MIN_ROWS
+    w32, w64 = torch.zeros(rows, 4), torch.zeros(rows, 4, dtype=torch.float64)
     for bf16, amx, expected in ((False, False, None), (True, False, torch.bfloat16), (False, True, torch.bfloat16)):
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=bf16: v)
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v)
@@ -154,5 +155,6 @@ def test_gradient_precision_auto_follows_the_hardware(monkeypatch):
         assert prox_module._gradient_dtype("auto", w64) is None  # float64 work keeps its precision
         assert prox_module._gradient_dtype("full", w32) is None
         assert prox_module._gradient_dtype("bfloat16", w64) is torch.bfloat16
+        assert prox_module._gradient_dtype("auto", w32[: rows - 1]) is None  # too few rows to pay
     with pytest.raises(ValueError, match="gradient_precision"):
         prune_layer(w32, torch.eye(4), method="prox", gradient_precision="half")
