@@ -14,8 +14,8 @@ exponential schedule ``lambda_k = lambda_0 beta^k`` -- divided by ``mean|W*|`` (
 weights) when ``lambda_adapt`` is set (eq. ``lambda_adapt``). It stops when ``W`` is N:M.
 
 Paper-faithful settings: ``lambda0=0.01, beta=1.01, lambda_adapt=False, solver="gd",
-accelerate=False, finish=0.0, gradient_precision="full"`` (the 70B-model setting is ``lambda0=1e-3, beta=1.005,
-lambda_adapt=True``). Our defaults (see docs/methods.md for the measurements) trade the
+accelerate=False, finish=0.0, gradient_precision="full"`` (the 70B-model setting is
+``lambda0=1e-3, beta=1.005, lambda_adapt=True``). Our defaults (see docs/methods.md for the measurements) trade the
 slow schedule for a scale-adaptive faster one and finish early: once at most a fraction
 ``finish`` of the cells is still not N:M, those cells are projected onto N:M (their N
 largest magnitudes kept) -- a mask-held refiner then re-optimises all kept weights.
@@ -28,8 +28,9 @@ carries bfloat16's 2^-8 relative rounding; the step, the prox and everything els
 float32). ``"auto"`` (the ``prox`` default) does so for float32 work with at least
 ``BF16_MIN_ROWS`` rows (fewer make the product a matrix-vector-like one that bfloat16 does not
 speed up) where the hardware has native bfloat16 products (CUDA devices that support bfloat16,
-CPUs with AVX512-BF16 or AMX), and keeps full precision otherwise; ``"full"`` always keeps it. On SmolLM2 layers the loss
-after exact refinement moved by at most 0.003% and the loop took ~20-30% less time.
+CPUs with AVX512-BF16 or AMX), and keeps full precision otherwise; ``"full"`` always keeps
+it. On SmolLM2 layers the loss after exact refinement moved by at most 0.003% and the loop
+took 18-30% less time (docs/methods.md).
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 
 The per-cell solver (:func:`nmprune.prox.reduced_kernel._solve_sorted`) branches on every
 cell and spends its time in mispredicted branches and in the latency of dependent divisions.
-Here the cells are cut into chunks (:func:`chunk_size`); within a chunk every stage is a branch-free loop over
-structure-of-arrays that LLVM vectorises (AVX2/AVX-512 lanes of float64), and each stage
-hands only the cells it could not settle to the next one:
+Here the cells are cut into chunks (:func:`chunk_size`); within a chunk every stage is a
+branch-free loop over structure-of-arrays that LLVM vectorises (AVX2/AVX-512 lanes of float64),
+and each stage hands only the cells it could not settle to the next one:
 
 1. load ``|z|``, sort each cell by comparisons (Lemma ``lemma:sorted_prox``) and settle the
    cells whose answer is the 2-sparse point ``[z_1, z_2, 0, 0]`` by the necessary condition
