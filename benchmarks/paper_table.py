@@ -356,19 +356,23 @@ def run_group(bench: Bench, group: Group, force: bool, log: Callable[[str], None
 
 def lambda_ablation(bench: Bench, log: Callable[[str], None]) -> dict[str, Any]:
     """Lambda schedule (lambda_0, beta, adaptive vs fixed, eq. ``lambda_adapt``) on one real
-    layer: local loss after the method and after exact refinement, iterations, seconds."""
+    layer: local loss after the method and after exact refinement, iterations, seconds. Our
+    family runs the accelerated loop with ``prox``'s default ``shrink_momentum``."""
+    import inspect
+
     from nmprune.loss import local_loss
     from nmprune.algorithms.prox import prox_gradient
     from nmprune.prox import prox_2of4
     from nmprune.pattern import parse_pattern
     from nmprune.prune import full_mask
-    from nmprune.registry import get_refiner
+    from nmprune.registry import get_method, get_refiner
 
     layer, rows = bench.cfg.ablation_layer, bench.cfg.ablation_rows
     w, h = bench.dense[layer][:rows], bench.hessian(layer)
     quick = bench.cfg.quick
     pattern = parse_pattern(PATTERN)
     exact = get_refiner("exact").fn
+    shrink = inspect.signature(get_method("prox").fn).parameters["shrink_momentum"].default
     lambdas = (1e-3, 1e-2)
     betas = (1.05,) if quick else (1.01, 1.05, 1.1)
     points = []
@@ -386,7 +390,8 @@ def lambda_ablation(bench: Bench, log: Callable[[str], None]) -> dict[str, Any]:
                     warnings.simplefilter("ignore", RuntimeWarning)
                     wp = prox_gradient(w, h, pattern, cell_prox, lambda0=lam0, beta=beta,
                                        lambda_adapt=adapt, max_iter=5000, finish=0.0,
-                                       accelerate=accelerate, method="prox")
+                                       accelerate=accelerate, shrink_momentum=shrink,
+                                       method="prox")
                 seconds = time.perf_counter() - t
                 t = time.perf_counter()
                 wr = exact(wp, w, h, full_mask(wp, w, h, pattern))

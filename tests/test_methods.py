@@ -158,3 +158,37 @@ def test_gradient_precision_auto_follows_the_hardware(monkeypatch):
         assert prox_module._gradient_dtype("auto", w32[: rows - 1]) is None  # too few rows to pay
     with pytest.raises(ValueError, match="gradient_precision"):
         prune_layer(w32, torch.eye(4), method="prox", gradient_precision="half")
+
+
+def fista_reference(w_star, h, lambda0, beta, lambda_adapt=True):
+    """Classical FISTA proximal gradient (Beck & Teboulle) on eq. ``squared_loss`` + lambda_k
+    r_2:4, Wanda-scaled, run until every cell is 2:4; written out plainly for the test."""
+    from nmprune._linalg import gd_step_size
+    from nmprune.prox import prox_2of4
+
+    s = torch.diagonal(h).sqrt()
+    ws, hs = w_star * s, h / s[:, None] / s[None, :]
+    eta = gd_step_size(hs)
+    lam = lambda0 / float(ws.abs().mean()) if lambda_adapt else lambda0
+    w, w_prev, t = ws.clone(), ws.clone(), 1.0
+    while bool((torch.count_nonzero(w.reshape(-1, 4), dim=1) > 2).any()):
+        t_next = 0.5 * (1.0 + (1.0 + 4.0 * t * t) ** 0.5)
+        y = w + (t - 1.0) / t_next * (w - w_prev)
+        t = t_next
+        z = y - 2.0 * eta * ((y - ws) @ hs)
+        w_prev, w = w, prox_2of4(z.reshape(-1, 4), lam).reshape(w.shape)
+        lam *= beta
+    return w / s
+
+
+def test_shrink_momentum_one_is_classical_fista_and_other_values_differ():
+    """``shrink_momentum`` weights the prox's shrinkage in the extrapolation: 1 is FISTA itself."""
+    w, h = correlated(6, 32, 3)
+    opts = dict(lambda0=1e-3, beta=1.05, finish=0.0, gradient_precision="full")
+    fista = prune_layer(w, h, method="prox", shrink_momentum=1.0, **opts).weight
+    torch.testing.assert_close(fista, fista_reference(w, h, 1e-3, 1.05), rtol=1e-9, atol=1e-12)
+    damped = prune_layer(w, h, method="prox", shrink_momentum=0.2, **opts).weight
+    assert is_nm_sparse(damped, NMPattern(2, 4)) and not torch.equal(damped, fista)
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="shrink_momentum"):
+            prune_layer(w, h, method="prox", shrink_momentum=bad)
