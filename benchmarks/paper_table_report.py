@@ -199,7 +199,8 @@ DEVIATIONS = [
     "would take about an hour per row. The `+exact` rows give the converged limit, and the gd-steps "
     "ablation shows how far the reduced count is from it.",
     "* `prox` is our default (scale-adaptive lambda_0 = 1e-3, beta = 1.05, FISTA extrapolation "
-    "with the prox's shrinkage at weight 0.2 (`shrink_momentum`), last 0.5% of cells projected, the gradient product in bfloat16 on this AVX512-BF16 CPU), not the paper's "
+    "with the prox's shrinkage damped by `shrink_momentum=\"auto\"`, last 0.5% of cells "
+    "projected, the gradient product in bfloat16 on this AVX512-BF16 CPU), not the paper's "
     "lambda_0 = 0.01, beta = 1.01 plain proximal gradient, which "
     "is too slow for the whole model here; the two are compared on row subsets of three real "
     "layers below (the paper-faithful settings also use the paper's gd prox solver, ~400x slower "

@@ -189,6 +189,32 @@ def test_shrink_momentum_one_is_classical_fista_and_other_values_differ():
     torch.testing.assert_close(fista, fista_reference(w, h, 1e-3, 1.05), rtol=1e-9, atol=1e-12)
     damped = prune_layer(w, h, method="prox", shrink_momentum=0.2, **opts).weight
     assert is_nm_sparse(damped, NMPattern(2, 4)) and not torch.equal(damped, fista)
-    for bad in (-0.1, 1.5):
+    for bad in (-0.1, 1.5, "fast"):
         with pytest.raises(ValueError, match="shrink_momentum"):
             prune_layer(w, h, method="prox", shrink_momentum=bad)
+
+
+def test_auto_shrink_momentum_follows_the_spectrum():
+    """"auto": rho = min(1, 4 mean eigenvalue / gamma_max) of the scaled H. A well-conditioned H
+    keeps classical FISTA (the same result as rho = 1); a spiked one damps the shrinkage."""
+    from nmprune._linalg import column_scale, gd_step_size, rescale
+    from nmprune.algorithms.prox import auto_shrink_momentum
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(8, 64, generator=g, dtype=torch.float64)
+    u = torch.randn(64, 1, generator=g, dtype=torch.float64)
+    spiked = torch.eye(64, dtype=torch.float64) + u @ u.T
+    rhos = []
+    for h in (torch.eye(64, dtype=torch.float64), torch.eye(64, dtype=torch.float64) + 0.1, spiked):
+        hs = rescale(w, h, column_scale(h))[1]
+        expected = min(1.0, 4.0 * float(hs.diagonal().mean()) / float(torch.linalg.eigvalsh(hs)[-1]))
+        rhos.append(auto_shrink_momentum(hs, gd_step_size(hs)))
+        assert rhos[-1] == pytest.approx(expected, rel=1e-3)
+    assert rhos[0] == 1.0 and 0.0 < rhos[2] < rhos[1] < 1.0
+    rho = rhos[2]
+    opts = dict(finish=0.0, gradient_precision="full")
+    identity = torch.eye(64, dtype=torch.float64) * 2.0
+    assert torch.equal(prune_layer(w, identity, method="prox", **opts).weight,
+                       prune_layer(w, identity, method="prox", shrink_momentum=1.0, **opts).weight)
+    assert torch.equal(prune_layer(w, spiked, method="prox", **opts).weight,
+                       prune_layer(w, spiked, method="prox", shrink_momentum=rho, **opts).weight)

@@ -31,11 +31,15 @@ gradient step's part ``z_{k-1} - w_{k-1}`` and the prox's shrinkage ``w_k - z_{k
 
 (``rho = 1`` is classical FISTA, ``y_k = w_k + c_k (w_k - w_{k-1})``). At full weight the
 shrinkage builds up momentum of its own while lambda grows, up to ``1/(1 - c_k)`` times one
-prox step, and the iterate runs ahead of the regularisation path. ``rho = 0.2``, the ``prox``
-default, gave a lower loss after exact refinement than classical FISTA on 19 of 21 SmolLM2
-layers (up to 3.5% lower, the other two 0.05-0.08% higher) and on all four synthetic
-correlated layers (2.6-3.0% lower); ``rho = 0`` (momentum on the gradient part only) was 3-4%
-worse on a real block (docs/methods.md).
+prox step, and the gradient pulls an overshoot back only at the rate ``eta * 2 gamma`` of the
+direction's curvature ``gamma``. ``"auto"`` (the ``prox`` default) sets ``rho = min(1, 4
+gamma_mean / gamma_max)`` (``gamma_mean = tr(H)/d``, 1 in the scaled coordinates): classical
+FISTA where the step is large against the average curvature, less extrapolated shrinkage where
+a few large eigenvalues force a short step. Measured (docs/methods.md, + exact refinement): on
+21 SmolLM2 layers (``rho`` 0.03-0.23) the loss was lower than with classical FISTA on 19
+(total of three blocks -0.2% / -2.1% / -0.6%; +0.03% at worst), on four synthetic correlated
+layers (``rho`` 0.005-0.04) 3.4-4.0% lower, and the paper's synthetic sweep (``gamma_max``
+2.3-3.9) keeps ``rho = 1``, which is best there (``rho = 0.2`` was 1.6-3.6% worse).
 
 ``gradient_precision="bfloat16"`` computes the product ``(Y - W*) H`` of the gradient step in
 bfloat16 (the difference formed in the working precision first, so only the gradient itself
@@ -67,7 +71,7 @@ CellProx = Callable[[Tensor, Tensor], Tensor]  # (cells (..., M), lambda per cel
 
 def prox_gradient(w_star: Tensor, h: Tensor, pattern: NMPattern, cell_prox: CellProx, *,
                   lambda0: float, beta: float, lambda_adapt: bool, max_iter: int,
-                  finish: float, accelerate: bool, shrink_momentum: float, method: str,
+                  finish: float, accelerate: bool, shrink_momentum: float | str, method: str,
                   gradient_precision: str = "full") -> Tensor:
     """Algorithm ``alg:prox_e2e`` for any cell-wise prox; returns an N:M matrix in the original
     (unscaled) coordinates. See the module docstring for the options."""
@@ -79,12 +83,15 @@ def prox_gradient(w_star: Tensor, h: Tensor, pattern: NMPattern, cell_prox: Cell
         raise ValueError(f"max_iter must be a non-negative integer, got {max_iter!r}")
     if not 0 <= finish < 1:
         raise ValueError(f"finish must be in [0, 1), got {finish!r}")
-    if not 0 <= shrink_momentum <= 1:
-        raise ValueError(f"shrink_momentum must be in [0, 1], got {shrink_momentum!r}")
+    if shrink_momentum != "auto" and not (isinstance(shrink_momentum, (int, float))
+                                          and 0 <= shrink_momentum <= 1):
+        raise ValueError(f"shrink_momentum must be 'auto' or in [0, 1], got {shrink_momentum!r}")
     low = _gradient_dtype(gradient_precision, w_star)
     s = column_scale(h)
     w_star, h = rescale(w_star, h, s)
     eta = gd_step_size(h)
+    if shrink_momentum == "auto":
+        shrink_momentum = auto_shrink_momentum(h, eta)
     lam = float(lambda0)
     if lambda_adapt:
         mean_abs = float(w_star.abs().mean()) if w_star.numel() else 0.0
@@ -131,6 +138,18 @@ def prox_gradient(w_star: Tensor, h: Tensor, pattern: NMPattern, cell_prox: Cell
     return w / s
 
 
+SHRINK_MOMENTUM_GAIN = 4.0  # rho = min(1, gain * mean eigenvalue / gamma_max); fits 4-8 alike
+
+
+def auto_shrink_momentum(h: Tensor, eta: float) -> float:
+    """``shrink_momentum="auto"``: ``min(1, 4 * mean eigenvalue(H) / gamma_max(H))`` for the
+    scaled ``H`` (mean eigenvalue ``tr(H) / d``, 1 without dead inputs; ``gamma_max = 1 /
+    (2 eta)``). The smaller the step is against the average curvature, the less an average
+    direction's gradient pulls back where the extrapolated shrinkage overshoots."""
+    mean_eig = float(torch.diagonal(h).sum()) / h.shape[0] if h.shape[0] else 0.0
+    return min(1.0, SHRINK_MOMENTUM_GAIN * mean_eig * 2.0 * eta)
+
+
 GRADIENT_PRECISIONS = ("auto", "full", "bfloat16")
 BF16_MIN_ROWS = 64  # this CPU: 16 rows x 576 no faster in bfloat16, 64 rows 1.7x faster
 
@@ -162,7 +181,7 @@ def _exact_prox(pattern: NMPattern, solver: str) -> CellProx:
 @register_method("prox", description="proximal gradient with the exact N:M prox (paper Alg. prox_e2e)")
 def prox(w: Tensor, h: Tensor, pattern: NMPattern, *, lambda0: float = 0.001, beta: float = 1.05,
          lambda_adapt: bool = True, solver: str = "reduced", max_iter: int = 5000,
-         finish: float = 0.005, accelerate: bool = True, shrink_momentum: float = 0.2,
+         finish: float = 0.005, accelerate: bool = True, shrink_momentum: float | str = "auto",
          gradient_precision: str = "auto") -> Tensor:
     """Prox pruner with the regulariser ``r_{N:M}`` (eq. ``regularizer_nm``). ``solver`` picks
     the 2:4 prox solver (``prox_2of4``); other patterns always use ``prox_nm``."""
