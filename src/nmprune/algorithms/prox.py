@@ -101,8 +101,7 @@ def prox_gradient(w_star: Tensor, h: Tensor, pattern: NMPattern, cell_prox: Cell
     else:
         h_low = h.to(low)
     n_cells = w_star.numel() // pattern.m
-    w, momentum = w_star.clone(), 1.0
-    velocity = shrink = torch.zeros_like(w) if accelerate else None  # z - w and prox(z) - z
+    w, w_prev, z_prev, momentum = w_star.clone(), w_star, w_star, 1.0
     it = 0
     while True:
         n_left = count_dense_cells(w, pattern)
@@ -115,12 +114,13 @@ def prox_gradient(w_star: Tensor, h: Tensor, pattern: NMPattern, cell_prox: Cell
                               RuntimeWarning, stacklevel=4)
             w = w * topn_mask(w.abs(), pattern)
             break
-        if accelerate:  # FISTA coefficient; the prox's part of the last step damped by shrink_momentum
+        if accelerate:  # y = w + c (z_prev - w_prev) + rho c (w - z_prev), rho = shrink_momentum
             next_m = 0.5 * (1.0 + (1.0 + 4.0 * momentum * momentum) ** 0.5)
             c = (momentum - 1.0) / next_m
             momentum = next_m
-            velocity.mul_(c).add_(shrink, alpha=shrink_momentum * c)
-            y = w + velocity
+            y = torch.lerp(w_prev, w, 1.0 + c)  # classical FISTA: w + c (w - w_prev)
+            if shrink_momentum != 1.0:  # minus (1 - rho) c times the prox's shrinkage w - z_prev
+                y.add_(z_prev, alpha=(1.0 - shrink_momentum) * c).sub_(w, alpha=(1.0 - shrink_momentum) * c)
         else:
             y = w
         if low is None:  # z = y - 2 eta (y H - W* H), as one GEMM into a fresh tensor and one add
@@ -128,11 +128,8 @@ def prox_gradient(w_star: Tensor, h: Tensor, pattern: NMPattern, cell_prox: Cell
         else:  # the same step with (y - W*) H in low precision
             z = torch.add(y, torch.mm(torch.sub(y, w_star).to(low), h_low).to(y.dtype), alpha=-2.0 * eta)
         del y
-        if accelerate:
-            velocity = torch.sub(z, w)
+        w_prev, z_prev = w, z
         w = from_cells(cell_prox(to_cells(z, pattern.m), torch.tensor(lam, dtype=z.dtype)))
-        if accelerate:
-            shrink = torch.sub(w, z)
         lam *= beta
         it += 1
     return w / s
