@@ -122,7 +122,8 @@ def prox_gradient(w_star: Tensor, h: Tensor, pattern: NMPattern, cell_prox: Cell
             momentum = next_m
             y = torch.lerp(w_prev, w, 1.0 + c)  # classical FISTA: w + c (w - w_prev)
             if shrink_momentum != 1.0:  # minus (1 - rho) c times the prox's shrinkage w - z_prev
-                y.add_(z_prev, alpha=(1.0 - shrink_momentum) * c).sub_(w, alpha=(1.0 - shrink_momentum) * c)
+                damp = (1.0 - shrink_momentum) * c
+                y.add_(z_prev, alpha=damp).sub_(w, alpha=damp)
         else:
             y = w
         if low is None:  # z = y - 2 eta (y H - W* H), as one GEMM into a fresh tensor and one add
@@ -130,7 +131,8 @@ def prox_gradient(w_star: Tensor, h: Tensor, pattern: NMPattern, cell_prox: Cell
         else:  # the same step with (y - W*) H in low precision
             z = torch.add(y, torch.mm(torch.sub(y, w_star).to(low), h_low).to(y.dtype), alpha=-2.0 * eta)
         del y
-        w_prev, z_prev = w, z
+        if accelerate:  # kept for the next extrapolation only
+            w_prev, z_prev = w, z
         w = from_cells(cell_prox(to_cells(z, pattern.m), torch.tensor(lam, dtype=z.dtype)))
         lam *= beta
         it += 1
