@@ -130,9 +130,16 @@ def test_kernel_threads_give_identical_results():
 
 
 def test_chunk_size_bounds_and_results_independent_of_it():
-    assert reduced_simd.chunk_size(1536 * 576 // 4, 2) == reduced_simd.MAX_CHUNK
+    assert reduced_simd.chunk_size(1536 * 576 // 4, 1) == reduced_simd.MAX_CHUNK
+    assert reduced_simd.chunk_size(1536 * 576 // 4, 2) == 7900  # 28 chunks, not 27 (the last 2192)
     assert reduced_simd.chunk_size(100, 2) == reduced_simd.MIN_CHUNK
-    assert reduced_simd.chunk_size(40_000, 2) == 5000  # about four chunks per thread
+    for cells in (3000, 40_000, 221_184, 1_000_003):
+        for threads in (1, 2, 3, 16):
+            chunk = reduced_simd.chunk_size(cells, threads)
+            count = -(-cells // chunk)
+            assert reduced_simd.MIN_CHUNK <= chunk <= max(reduced_simd.MAX_CHUNK, reduced_simd.MIN_CHUNK)
+            if cells >= threads * reduced_simd.MIN_CHUNK:  # every thread gets the same number
+                assert count % threads == 0 and count * chunk - cells < count
     z, lam = _matrix_cells(20_000, 4)
     outs = []
     for chunk in (reduced_simd.MIN_CHUNK, 3000, reduced_simd.MAX_CHUNK):
