@@ -18,11 +18,13 @@ and each stage hands only the cells it could not settle to the next one:
    region after one step, most converge in 4-5 steps), then the better of it and the
    2-sparse point, and the KKT certificate ``_settles`` (the candidate minimises ``f`` over
    the PSD region, so no dense point beats it);
-3. the dense case, for the cells proven dense and the remaining cells that pass its necessary
-   conditions (the case box, ``lam (z_1 - z_2) < 1``, the ``(x, y)`` box): masked Newton steps
-   on ``grad G = 0``, a round on all cells and one on those still iterating; a converged point
+3. the dense case, for the cells proven dense and the remaining cells that pass its cheap
+   necessary conditions (the case box, ``lam (z_1 - z_2) < 1``): masked Newton steps on
+   ``grad G = 0``, a round on all cells and one on those still iterating; a converged point
    with a positive definite Hessian is the unique PSD stationary point of ``f`` (Corollary
-   ``corollary:no_spurious``); a cell proven dense without such a point goes to stage 5;
+   ``corollary:no_spurious``); a cell proven dense without such a point goes to stage 5; for
+   the other cells where Newton failed, the case and ``(x, y)`` boxes (they cost more than the
+   Newton steps, so only these cells pay for them) may prove the dense case empty;
 4. where plain Newton failed (a few per cent of the cells, mostly without a dense minimiser):
    a few masked damped-Newton steps on the convex reduced problem with the convexity lower
    bound of :func:`nmprune.prox.reduced_kernel._dense_convex` (its 2-D linear programme
@@ -258,21 +260,34 @@ if AVAILABLE:
             x[j], y[j], state[j] = 0.5 * p, 0.5 * q, 0.0
 
     @njit(**_JIT)
-    def _dense_start(z1, z2, z3, z4, lv, x, y, s1, s2, d1, d2, state):
-        """:func:`_dense_init`, and ``state`` 3 where the ``(x, y)`` box proves there is no
-        dense point with ``w_2, w_4 > 0`` (the boxes cost more than the Newton steps: cells
-        proven dense skip them). The constants are computed here again, in the same loop as
-        the boxes, rather than by calling :func:`_dense_init` first: two loops measured 3-6%
-        slower at the median lam."""
-        for j in range(U64(x.shape[0])):
+    def _box_empty(z1, z2, z3, z4, lv, state):
+        """``state`` 3 where the case and ``(x, y)`` boxes prove that there is no dense PSD
+        stationary point with ``w_2, w_4 > 0`` (the reduced constants are computed again here:
+        cheaper than gathering them)."""
+        for j in range(U64(z1.shape[0])):
             x1, x2, x3, x4, lam = z1[j], z2[j], z3[j], z4[j], lv[j]
-            p, q = lam * (x1 + x2), lam * (x3 + x4)
-            e, f = lam * (x1 - x2), lam * (x3 - x4)
-            s1[j], s2[j], d1[j], d2[j] = p, q, e, f
-            x[j], y[j] = 0.5 * p, 0.5 * q
             _, l1, l2, l3, l4, h1, h2, h3, h4 = _case_box(x1, x2, x3, x4, lam)
-            box, _, _, _, _ = _xy_box(p, q, e, f, lam * (l1 + l2), lam * (h1 + h2), lam * (l3 + l4), lam * (h3 + h4))
-            state[j] = 0.0 if box else 3.0
+            box, _, _, _, _ = _xy_box(lam * (x1 + x2), lam * (x3 + x4), lam * (x1 - x2), lam * (x3 - x4),
+                                      lam * (l1 + l2), lam * (h1 + h2), lam * (l3 + l4), lam * (h3 + h4))
+            state[j] = state[j] if box else 3.0
+
+    @njit(**_JIT)
+    def _dense_unconverged_boxes(z1, z2, z3, z4, lv, state, ws, row, idx):
+        """:func:`_box_empty` on the cells where dense Newton did not converge (``state`` 0 or
+        2), gathered into rows ``row .. row + 5`` of ``ws`` (their positions in ``idx``). Newton
+        runs first because the boxes cost more than its steps and are only needed where it
+        fails: most cells have a dense answer while lam is small."""
+        k = U64(0)
+        for t in range(U64(z1.shape[0])):
+            idx[k] = t
+            k += U64(state[t] != 1.0)
+        if k == 0:
+            return
+        sel = idx[:k]
+        for r, src in enumerate((z1, z2, z3, z4, lv, state)):
+            _gather(sel, src, ws[row + r, :k])
+        _box_empty(ws[row, :k], ws[row + 1, :k], ws[row + 2, :k], ws[row + 3, :k], ws[row + 4, :k], ws[row + 5, :k])
+        _scatter(sel, ws[row + 5, :k], state)
 
     @njit(**_JIT)
     def _dense_step(x, y, s1, s2, d1, d2, state):
@@ -490,11 +505,10 @@ if AVAILABLE:
             elif stage < 3:
                 x, y, s1, s2 = ws[20, :k], ws[21, :k], ws[22, :k], ws[23, :k]
                 d1, d2, state = ws[24, :k], ws[25, :k], ws[26, :k]
-                if stage == 1:
-                    _dense_init(z1, z2, z3, z4, lk, x, y, s1, s2, d1, d2, state)
-                else:
-                    _dense_start(z1, z2, z3, z4, lk, x, y, s1, s2, d1, d2, state)
+                _dense_init(z1, z2, z3, z4, lk, x, y, s1, s2, d1, d2, state)
                 _dense_solve(ws, 20, k, idx[m:])  # rows 20-33
+                if stage == 2:  # the cells proven dense skip the boxes (see _no_dense_answer)
+                    _dense_unconverged_boxes(z1, z2, z3, z4, lk, state, ws, 34, idx[m:])  # rows 34-39
                 _dense_finish(z1, z2, z3, z4, lk, x, y, state, v0, v1, v2, v3, fk)
                 if stage == 1:  # no dense answer found: the per-cell solver (sparse cases unsolved)
                     _no_dense_answer(v3, fk)
