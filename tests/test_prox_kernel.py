@@ -227,3 +227,24 @@ def test_unrolled_linear_programme_matches_the_plain_loop():
     assert 0.2 * n < finite.sum() < n  # feasible and empty polygons both occur
     assert np.array_equal(finite, np.isfinite(out))
     assert np.allclose(ref[finite], out[finite], rtol=1e-12, atol=1e-12)
+
+
+def test_proven_dense_cells_have_dense_answers_and_the_bound_is_sharper_than_z4_squared():
+    """Stage 1 marks a cell dense when ``lam r(z)`` is below a lower bound on every point with a
+    zero entry; the float64 brute force must find a dense minimiser for every such cell, and
+    the bound must prove more cells than the plain ``z_4^2 / 2``."""
+    z, lam = _matrix_cells(3000, 11, decades=(-2.5, 0))
+    a = z.abs().sort(-1, descending=True).values
+    n = len(z)
+    rows = [np.empty(n) for _ in range(10)]
+    reduced_simd._load(z.numpy().reshape(-1), lam.numpy(), 0, *rows[:5], np.empty(n, np.int32), *rows[5:])
+    dense = torch.from_numpy(rows[9] == 4.0)
+    z1, z2, z3, z4 = a.unbind(-1)
+    reg = z1 * z2 * (z3 + z4) + z3 * z4 * (z1 + z2)
+    old = lam * reg < 0.5 * z4 * z4
+    assert bool((old <= dense).all()) and int(dense.sum()) > 1.2 * int(old.sum()) > 0
+    # the exact solver's minimisers of the flagged cells are dense and as good as brute force
+    f_ref = reference_min(a[dense], lam[dense], 2)
+    w = _newton(a[dense], lam[dense])
+    assert bool((w != 0).all())
+    assert float(((objective(w, a[dense], lam[dense], 2) - f_ref) / f_ref).max()) <= 1e-9

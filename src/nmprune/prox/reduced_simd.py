@@ -9,9 +9,10 @@ and each stage hands only the cells it could not settle to the next one:
 1. load ``|z|``, sort each cell by comparisons (Lemma ``lemma:sorted_prox``) and settle the
    cells whose answer is the 2-sparse point ``[z_1, z_2, 0, 0]`` by the necessary condition
    ``K < 1`` or its KKT certificate (lam = 0 returns ``z``); mark the cells whose answer is
-   proven dense, ``lam r(z) < z_4^2 / 2`` (``f(z)`` bounds the minimum from above, and any
-   point with a zero entry costs at least ``z_4^2 / 2``): they skip stage 2 and the boxes of
-   stage 3 (most cells of the first proximal-gradient iterations, where lam is small);
+   proven dense: ``f(z) = lam r(z)`` bounds the minimum from above, and is below a lower bound
+   on every point with a zero entry (:func:`_sparse_lower_bound`, at least ``z_4^2 / 2``):
+   they skip stage 2 and the boxes of stage 3 (most cells of the first proximal-gradient
+   iterations, where lam is small);
 2. the 3-sparse stationary point of ``g`` (eq. ``stationarity_3sparse``): the monotone Newton
    iteration on ``Phi(u) = 0`` from its inflection point, in rounds of a few masked steps,
    each round on the cells the previous one left iterating (a third of the cells leave the
@@ -88,6 +89,23 @@ if AVAILABLE:
     _JIT = {"cache": True, "error_model": "numpy"}  # numpy error model: no zero-division branches
     U64 = np.uint64
 
+    @njit(inline="always", **_JIT)
+    def _sparse_lower_bound(z1, z2, z3, z4, lam):
+        """A lower bound on ``f`` over every point with a zero entry (sorted ``z``).
+
+        A zero at position ``i <= 3`` costs at least ``z_i^2 / 2 >= z_3^2 / 2``. With ``w_4 = 0``
+        the cost is ``z_4^2 / 2`` plus the 3-variable problem ``min 0.5 ||v - z_{1:3}||^2 +
+        lam v_1 v_2 v_3`` (``v >= 0``). Its minimiser either has a zero entry (cost at least
+        ``z_3^2 / 2``) or is stationary, ``v_i = z_i - lam v_j v_k``; then ``l_i <= v_i <= z_i``
+        with ``l_i = max(z_i - lam z_j z_k, 0)``, and its cost
+        ``0.5 sum (lam v_j v_k)^2 + lam v_1 v_2 v_3`` is at least the same expression in ``l``."""
+        l1 = max(z1 - lam * z2 * z3, 0.0)
+        l2 = max(z2 - lam * z1 * z3, 0.0)
+        l3 = max(z3 - lam * z1 * z2, 0.0)
+        p12, p13, p23 = l1 * l2, l1 * l3, l2 * l3
+        interior = lam * p12 * l3 + 0.5 * lam * lam * (p12 * p12 + p13 * p13 + p23 * p23)
+        return min(0.5 * z3 * z3, 0.5 * z4 * z4 + interior)
+
     @njit(**_JIT)
     def _load(z, lam, start, a0, a1, a2, a3, lv, ranks, w0, w1, w2, w3, flag):
         """Stage 1 for cells ``start ..``: their sorted ``|z|`` into ``a0 >= a1 >= a2 >= a3``,
@@ -96,8 +114,9 @@ if AVAILABLE:
         ``[a0, a1, 0, 0]`` (``z`` for lam = 0) into ``w0..w3``; ``flag`` 1 where the 3-sparse and
         dense cases are still open: ``K < 1`` (necessary for both, see
         :func:`nmprune.prox.reduced.solve_sorted_reduced`), ``lam z_3 > 0`` and the 2-sparse
-        KKT certificate fails; 4 where the answer is proven dense (``lam r(z) < z_4^2 / 2``: only
-        the dense case is open, the 3-sparse stage is skipped)."""
+        KKT certificate fails; 4 where the answer is proven dense (``f(z) = lam r(z)`` is below
+        :func:`_sparse_lower_bound`: only the dense case is open, the 3-sparse stage is
+        skipped)."""
         for t in range(U64(a0.shape[0])):
             i = U64(4) * (U64(start) + t)
             b0 = abs(np.float64(z[i]))
@@ -127,7 +146,7 @@ if AVAILABLE:
             # f(z) = lam r(z) bounds the minimum from above; every point with a zero entry
             # costs at least z4^2 / 2: below that the answer is dense (no sparse case to solve)
             reg = z1 * z2 * (z3 + z4) + z3 * z4 * (z1 + z2)
-            dense = lam_t * reg < 0.5 * z4 * z4 * (1.0 - DENSE_MARGIN)
+            dense = lam_t * reg < _sparse_lower_bound(z1, z2, z3, z4, lam_t) * (1.0 - DENSE_MARGIN)
             settled = zero | (k2 >= 2.0) | (lam_t * z3 <= 0.0) | cert
             flag[t] = 0.0 if settled else (4.0 if dense else 1.0)
 
