@@ -143,8 +143,8 @@ if AVAILABLE:
             w3[t] = z4 if zero else 0.0
             k2 = lam_t * (z1 + np.sqrt((z1 - z2) * (z1 + z2)))
             cert = (lam_t * z1 * z2 >= z3) & _pd4(lam_t, z1, z2, 0.0, 0.0)
-            # f(z) = lam r(z) bounds the minimum from above; every point with a zero entry
-            # costs at least z4^2 / 2: below that the answer is dense (no sparse case to solve)
+            # f(z) = lam r(z) bounds the minimum from above; below the lower bound on every
+            # point with a zero entry the answer is dense (no sparse case to solve)
             reg = z1 * z2 * (z3 + z4) + z3 * z4 * (z1 + z2)
             dense = lam_t * reg < _sparse_lower_bound(z1, z2, z3, z4, lam_t) * (1.0 - DENSE_MARGIN)
             settled = zero | (k2 >= 2.0) | (lam_t * z3 <= 0.0) | cert
