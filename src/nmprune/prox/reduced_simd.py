@@ -589,7 +589,7 @@ def chunk_size(cells: int, threads: int) -> int:
     cent of the cells) arrays long enough to vectorise well -- 1536x576 at the median lam:
     8192 cells per chunk measured 14% faster than 1024. numba splits the chunks evenly over
     the threads, so equal shares matter more than many chunks: 27 chunks of 8192 (the last
-    2192) on 2 threads took 6% longer than 28 of 7900."""
+    2192) on 2 threads took 6-9% longer than 28 of 7900 (kernel alone, repeated runs)."""
     threads = max(1, threads)
     per_thread = -(-cells // (threads * MAX_CHUNK))
     return max(MIN_CHUNK, -(-cells // (threads * per_thread)))
