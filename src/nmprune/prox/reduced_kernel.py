@@ -99,24 +99,21 @@ if AVAILABLE:
 
     @njit(cache=True, error_model="numpy", inline="always")
     def _pd4(lam, w1, w2, w3, w4):
-        """Is the 4x4 Hessian (eq. ``hessian_4sparse``) at ``w`` positive definite? Unrolled
-        Cholesky, branch-free (so loops over cells that call it vectorise): a non-positive pivot
-        is replaced by a tiny one to keep the arithmetic finite, and the answer is False."""
-        h12 = lam * (w3 + w4)
-        h13 = lam * (w2 + w4)
-        h14 = lam * (w2 + w3)
-        h23 = lam * (w1 + w4)
-        h24 = lam * (w1 + w3)
-        h34 = lam * (w1 + w2)
-        d2 = 1.0 - h12 * h12
-        l22 = np.sqrt(max(d2, 1e-300))
-        l32 = (h23 - h13 * h12) / l22
-        l42 = (h24 - h14 * h12) / l22
-        d3 = 1.0 - h13 * h13 - l32 * l32
-        l33 = np.sqrt(max(d3, 1e-300))
-        l43 = (h34 - h14 * h13 - l42 * l32) / l33
-        d4 = 1.0 - h14 * h14 - l42 * l42 - l43 * l43
-        return (d2 > 0.0) & (d3 > 0.0) & (d4 > 0.0)
+        """Is the 4x4 Hessian (eq. ``hessian_4sparse``, unit diagonal, off-diagonal
+        ``h_ij = lam (w_k + w_l)``) at ``w`` positive definite? Sylvester's criterion on its
+        leading principal minors, expanded: no square root or division, and no branch (so loops
+        over cells that call it vectorise)."""
+        a = lam * (w3 + w4)  # h12
+        b = lam * (w2 + w4)  # h13
+        c = lam * (w2 + w3)  # h14
+        d = lam * (w1 + w4)  # h23
+        e = lam * (w1 + w3)  # h24
+        f = lam * (w1 + w2)  # h34
+        m2 = 1.0 - a * a
+        m3 = m2 - b * b - d * d + 2.0 * a * b * d
+        m4 = (m3 - c * c * (1.0 - d * d) - e * e * (1.0 - b * b) - f * f * m2
+              + 2.0 * (c * e * (a - b * d) + c * f * (b - a * d) + e * f * (d - a * b)))
+        return (m2 > 0.0) & (m3 > 0.0) & (m4 > 0.0)
 
     @njit(cache=True, error_model="numpy", inline="always")
     def _settles(w1, w2, w3, z3, z4, lam):
