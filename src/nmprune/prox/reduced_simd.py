@@ -79,7 +79,6 @@ if AVAILABLE:
         _in_r,
         _objective4,
         _pd4,
-        _phi,
         _phi_grad,
         _settles,
         _solve_sorted,
@@ -170,24 +169,34 @@ if AVAILABLE:
             dst[idx[j]] = src[j]
 
     @njit(inline="always", **_JIT)
-    def _three_newton(u, phi, dphi, a, b, c, lo, hi, state):
-        """One masked Newton step on ``Phi(u) = 0`` (a cell with ``state`` 0 moves; 1 once it
-        has converged, 2 once it leaves the region that holds a valid PSD root)."""
-        step = phi / dphi
+    def _three_newton(u, step, a, b, c, lo, hi, state):
+        """One masked Newton step ``u - step`` on ``Phi(u) = 0`` (a cell with ``state`` 0 moves;
+        1 once it has converged, 2 once it leaves the region that holds a valid PSD root), and
+        the next step. With ``p = 1 + u``, ``q = 1 - u`` (:func:`reduced_kernel._phi`):
+        ``Phi = N / (4 p^2 q^2)`` and ``Phi' = D / (2 p^3 q^3)`` with
+        ``N = 4 (u - c) p^2 q^2 + A^2 q^2 - B^2 p^2``, ``D = 2 p^3 q^3 - A^2 q^3 - B^2 p^3``,
+        so the step ``Phi / Phi' = N p q / (2 D)`` costs one division (the divisions bound the
+        vectorised rounds). The tests of :func:`reduced_kernel._three_root` in these terms:
+        ``Phi' <= 0`` is ``D p q <= 0``; the residual test is scaled by ``4 p^2 q^2``."""
         un = u - step
-        pn, dn, frac = _phi(un, a, b, c)
-        out = (un <= lo) | (un >= hi) | (dn <= 0.0)
-        done = (abs(step) <= STEP_TOL * un) | (abs(pn) <= 4e-16 * (un + frac + c))
+        p, q = 1.0 + un, 1.0 - un
+        pq = p * q
+        pq2 = pq * pq
+        aq, bp = a * a * (q * q), b * b * (p * p)
+        num = 4.0 * (un - c) * pq2 + aq - bp
+        den = 2.0 * pq2 * pq - aq * q - bp * p
+        out = (un <= lo) | (un >= hi) | (den * pq <= 0.0)
+        done = (abs(step) <= STEP_TOL * un) | (abs(num) <= 4e-16 * (4.0 * pq2 * (un + c) + aq + bp))
         active = state == 0.0
         new = (2.0 if out else (1.0 if done else 0.0)) if active else state
-        return (un if active else u), (pn if active else phi), (dn if active else dphi), new
+        return (un if active else u), (num * pq / (2.0 * den) if active else step), new
 
     @njit(**_JIT)
-    def _three_start(z1, z2, z3, lv, a, b, c, lo, hi, u, phi, dphi, state):
+    def _three_start(z1, z2, z3, lv, a, b, c, lo, hi, u, step, state):
         """The start of the 3-sparse root search (:func:`nmprune.prox.reduced.three_sparse_root`)
         of every cell: ``a = lam (z1 + z2)``, ``b = lam (z1 - z2)``, ``c = lam z3``, the region
-        ``(lo, hi)`` that holds the valid root, the inflection point ``u*`` with ``Phi`` and
-        ``Phi'`` there, and the state (0 iterating, 2 proven absent)."""
+        ``(lo, hi)`` that holds the valid root, the inflection point ``u*``, the Newton step
+        ``Phi / Phi'`` there, and the state (0 iterating, 2 proven absent)."""
         for j in range(U64(u.shape[0])):
             x1, x2, lam = z1[j], z2[j], lv[j]
             s, d = x1 + x2, x1 - x2
@@ -199,49 +208,49 @@ if AVAILABLE:
             pj = uj + k * (aj - bj) * 0.25 - cj
             umax = min(x2 / x1, cj)
             left = pj > 0.0
-            a[j], b[j], c[j], u[j], phi[j], dphi[j] = aj, bj, cj, uj, pj, 1.0 - k * k
+            a[j], b[j], c[j], u[j], step[j] = aj, bj, cj, uj, pj / (1.0 - k * k)
             lo[j] = 0.0 if left else -np.inf
             hi[j] = np.inf if left else umax
             state[j] = 2.0 if (k >= 1.0) | (~left & (uj >= umax)) else 0.0
 
     @njit(**_JIT)
-    def _three_round(a, b, c, lo, hi, u, phi, dphi, state):
+    def _three_round(a, b, c, lo, hi, u, step, state):
         """``ROUND_3SPARSE`` masked Newton steps on ``Phi(u) = 0`` (arrays as in
         :func:`_three_start`), the state of each cell kept in registers in between."""
         for j in range(U64(u.shape[0])):
             aj, bj, cj, loj, hij = a[j], b[j], c[j], lo[j], hi[j]
-            uj, pj, dj, st = u[j], phi[j], dphi[j], state[j]
+            uj, sj, st = u[j], step[j], state[j]
             for _ in range(ROUND_3SPARSE):
-                uj, pj, dj, st = _three_newton(uj, pj, dj, aj, bj, cj, loj, hij, st)
-            u[j], phi[j], dphi[j], state[j] = uj, pj, dj, st
+                uj, sj, st = _three_newton(uj, sj, aj, bj, cj, loj, hij, st)
+            u[j], step[j], state[j] = uj, sj, st
 
     @njit(**_JIT)
     def _three_round_rows(ws, row, n):
-        """:func:`_three_round` on the first ``n`` entries of rows ``row .. row + 8`` of ``ws``,
+        """:func:`_three_round` on the first ``n`` entries of rows ``row .. row + 7`` of ``ws``,
         passed as contiguous 1-D rows (2-D views would stop LLVM vectorising the round)."""
         _three_round(ws[row, :n], ws[row + 1, :n], ws[row + 2, :n], ws[row + 3, :n], ws[row + 4, :n],
-                     ws[row + 5, :n], ws[row + 6, :n], ws[row + 7, :n], ws[row + 8, :n])
+                     ws[row + 5, :n], ws[row + 6, :n], ws[row + 7, :n])
 
     @njit(**_JIT)
     def _three_solve(z1, z2, z3, lv, ws, row, n, idx):
         """The 3-sparse root ``u = lam w_3`` of the ``n`` cells ``z1[:n] ..``: the arrays of
-        :func:`_three_start` are rows ``row .. row + 8`` of ``ws``, rows ``row + 9 ..`` hold the
+        :func:`_three_start` are rows ``row .. row + 7`` of ``ws``, rows ``row + 8 ..`` hold the
         cells still iterating after each round of :func:`_three_round` (their positions in
-        ``idx``). ``state`` (row ``row + 8``) ends 0 not converged, 1 converged, 2 proven
+        ``idx``). ``state`` (row ``row + 7``) ends 0 not converged, 1 converged, 2 proven
         absent; ``u`` is row ``row + 5``, ``c`` row ``row + 2``."""
-        r0, r1 = row, row + 9
+        r0, r1 = row, row + 8
         _three_start(z1, z2, z3, lv, ws[r0, :n], ws[r0 + 1, :n], ws[r0 + 2, :n], ws[r0 + 3, :n],
-                     ws[r0 + 4, :n], ws[r0 + 5, :n], ws[r0 + 6, :n], ws[r0 + 7, :n], ws[r0 + 8, :n])
+                     ws[r0 + 4, :n], ws[r0 + 5, :n], ws[r0 + 6, :n], ws[r0 + 7, :n])
         _three_round_rows(ws, r0, n)
         for _ in range(ROUNDS_3SPARSE - 1):
-            k = _select(ws[r0 + 8, :n], 0.0, idx)
+            k = _select(ws[r0 + 7, :n], 0.0, idx)
             if k == 0:
                 break
             sel = idx[:k]
-            for r in range(9):
+            for r in range(8):
                 _gather(sel, ws[r0 + r, :n], ws[r1 + r, :k])
             _three_round_rows(ws, r1, k)
-            for r in range(5, 9):  # u, Phi, Phi', state
+            for r in range(5, 8):  # u, step, state
                 _scatter(sel, ws[r1 + r, :k], ws[r0 + r, :n])
 
     @njit(**_JIT)
@@ -517,8 +526,8 @@ if AVAILABLE:
                 for src, dst in ((w0, v0), (w1, v1), (w2, v2)):
                     _gather(sel, src, dst)
             if stage == 0:
-                _three_solve(z1, z2, z3, lk, ws, 20, k, idx[m:])  # rows 20-37
-                _three_finish(z1, z2, z3, z4, lk, ws[25, :k], ws[22, :k], ws[28, :k], v0, v1, v2, fk)
+                _three_solve(z1, z2, z3, lk, ws, 20, k, idx[m:])  # rows 20-35
+                _three_finish(z1, z2, z3, z4, lk, ws[25, :k], ws[22, :k], ws[27, :k], v0, v1, v2, fk)
                 for src, dst in ((v0, w0), (v1, w1), (v2, w2), (fk, flag)):
                     _scatter(sel, src, dst)
             elif stage < 3:
