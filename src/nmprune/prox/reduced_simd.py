@@ -140,13 +140,14 @@ if AVAILABLE:
             w1[t] = z2
             w2[t] = z3 if zero else 0.0
             w3[t] = z4 if zero else 0.0
-            k2 = lam_t * (z1 + np.sqrt((z1 - z2) * (z1 + z2)))
+            rest = 2.0 - lam_t * z1  # K >= 1, i.e. lam (z1 + sqrt(z1^2 - z2^2)) >= 2, without the root
+            big_k = (rest <= 0.0) | (lam_t * lam_t * ((z1 - z2) * (z1 + z2)) >= rest * rest)
             cert = (lam_t * z1 * z2 >= z3) & _pd4(lam_t, z1, z2, 0.0, 0.0)
             # f(z) = lam r(z) bounds the minimum from above; below the lower bound on every
             # point with a zero entry the answer is dense (no sparse case to solve)
             reg = z1 * z2 * (z3 + z4) + z3 * z4 * (z1 + z2)
             dense = lam_t * reg < _sparse_lower_bound(z1, z2, z3, z4, lam_t) * (1.0 - DENSE_MARGIN)
-            settled = zero | (k2 >= 2.0) | (lam_t * z3 <= 0.0) | cert
+            settled = zero | big_k | (lam_t * z3 <= 0.0) | cert
             flag[t] = 0.0 if settled else (4.0 if dense else 1.0)
 
     @njit(**_JIT)
@@ -201,9 +202,9 @@ if AVAILABLE:
             x1, x2, lam = z1[j], z2[j], lv[j]
             s, d = x1 + x2, x1 - x2
             cj = lam * z3[j]
-            r = np.sqrt(d / s)
-            uj = (1.0 - r) / (1.0 + r)
-            k = lam * (x1 + np.sqrt(d * s)) * 0.5
+            root = np.sqrt(d * s)  # u* = (1 - r) / (1 + r) with r = sqrt(d / s) = root / s
+            uj = (s - root) / (s + root)
+            k = lam * (x1 + root) * 0.5
             aj, bj = lam * s, lam * d
             pj = uj + k * (aj - bj) * 0.25 - cj
             umax = min(x2 / x1, cj)
@@ -259,10 +260,10 @@ if AVAILABLE:
         0 settled, 1 the dense case must be checked, 2 undecided (Newton not converged)."""
         for j in range(U64(u.shape[0])):
             x1, x2, x3, x4, lam, uj, st = z1[j], z2[j], z3[j], z4[j], lv[j], u[j], state[j]
-            found = (st == 1.0) & (uj > 0.0) & (uj < min(x2 / x1, c[j]))
-            den = 1.0 - uj * uj
-            v1 = (x1 - uj * x2) / den
-            v2 = (x2 - uj * x1) / den
+            found = (st == 1.0) & (uj > 0.0) & (uj * x1 < x2) & (uj < c[j])
+            inv = 1.0 / (1.0 - uj * uj)
+            v1 = (x1 - uj * x2) * inv
+            v2 = (x2 - uj * x1) * inv
             v3 = uj / lam
             f3 = 0.5 * ((v1 - x1) ** 2 + (v2 - x2) ** 2 + (v3 - x3) ** 2 + x4 * x4) + lam * v1 * v2 * v3
             take = found & (f3 < 0.5 * (x3 * x3 + x4 * x4))
