@@ -128,10 +128,12 @@ if AVAILABLE:
             r1 = 1 - c01 + c12 + c13
             r2 = 2 - c02 - c12 + c23
             r3 = 3 - c03 - c13 - c23
-            z1 = b0 * (r0 == 0) + b1 * (r1 == 0) + b2 * (r2 == 0) + b3 * (r3 == 0)
-            z2 = b0 * (r0 == 1) + b1 * (r1 == 1) + b2 * (r2 == 1) + b3 * (r3 == 1)
-            z3 = b0 * (r0 == 2) + b1 * (r1 == 2) + b2 * (r2 == 2) + b3 * (r3 == 2)
-            z4 = b0 * (r0 == 3) + b1 * (r1 == 3) + b2 * (r2 == 3) + b3 * (r3 == 3)
+            # the sorted values by a sorting network (five compare-exchanges)
+            p0, q0 = max(b0, b1), min(b0, b1)
+            p1, q1 = max(b2, b3), min(b2, b3)
+            z1, m0 = max(p0, p1), min(p0, p1)
+            m1, z4 = max(q0, q1), min(q0, q1)
+            z2, z3 = max(m0, m1), min(m0, m1)
             lam_t = np.float64(lam[U64(start) + t])
             a0[t], a1[t], a2[t], a3[t], lv[t] = z1, z2, z3, z4, lam_t
             ranks[t] = r0 | (r1 << 2) | (r2 << 4) | (r3 << 6)
@@ -483,7 +485,9 @@ if AVAILABLE:
 
     @njit(inline="always", **_JIT)
     def _pick(r, w0, w1, w2, w3):
-        return w0 * (r == 0) + w1 * (r == 1) + w2 * (r == 2) + w3 * (r == 3)
+        lo = w1 if (r & 1) == 1 else w0
+        hi = w3 if (r & 1) == 1 else w2
+        return hi if r >= 2 else lo
 
     @njit(**_JIT)
     def _store(z, start, w0, w1, w2, w3, ranks, out):
