@@ -99,6 +99,19 @@ def test_kernel_leaves_torch_thread_count_alone():
         torch.set_num_threads(before)
 
 
+def test_kernel_forces_loop_interleaving_only_while_it_compiles(monkeypatch):
+    import llvmlite.binding as llvm
+
+    calls = []
+    monkeypatch.setattr(llvm, "set_option", lambda name, option: calls.append(option))
+    monkeypatch.setattr(reduced_simd, "_COMPILED", set())  # as if this process had not run it yet
+    z, lam = _matrix_cells(1000, 5)
+    first = prox_2of4(z, lam)
+    assert calls == ["-force-vector-interleave=2", "-force-vector-interleave=0"]  # set, then restored
+    assert torch.equal(prox_2of4(z, lam), first)
+    assert len(calls) == 2  # later calls of the same dtypes leave LLVM's options alone
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_kernel_keeps_dtype_signs_and_positions(dtype):
     z, lam = _matrix_cells(3000, 2)
