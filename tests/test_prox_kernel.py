@@ -157,10 +157,12 @@ def test_chunk_size_bounds_and_results_independent_of_it():
     outs = []
     for chunk in (reduced_simd.MIN_CHUNK, 3000, reduced_simd.MAX_CHUNK):
         out, undecided = torch.empty_like(z), torch.zeros(z.shape[0], dtype=torch.bool)
-        reduced_simd.prox_cells(z.numpy().reshape(-1), lam.numpy(), out.numpy().reshape(-1), undecided.numpy(), chunk)
+        reduced_simd.run(z.numpy(), lam.numpy(), out.numpy(), undecided.numpy(), chunk)
         outs.append((out, undecided))
     for out, undecided in outs[1:]:
         assert torch.equal(out, outs[0][0]) and torch.equal(undecided, outs[0][1])
+    with pytest.raises(ValueError, match="chunk"):  # the work arrays hold MAX_CHUNK cells
+        reduced_simd.run(z.numpy(), lam.numpy(), out.numpy(), undecided.numpy(), reduced_simd.MAX_CHUNK + 1)
 
 
 def test_vectorised_stages_give_the_per_cell_solver_answers():

@@ -504,14 +504,12 @@ if AVAILABLE:
             out[i + U64(3)] = math.copysign(_pick((r >> 6) & 3, v0, v1, v2, v3), z[i + U64(3)])
 
     @njit(**_JIT)
-    def _chunk(z, lam, out, undecided, start, stop):
-        """Stages 1-5 of the module docstring for cells ``start .. stop``."""
+    def _chunk(z, lam, out, undecided, start, stop, ws, ranks, idx):
+        """Stages 1-5 of the module docstring for cells ``start .. stop``, in the work rows
+        ``ws`` (``_SCRATCH`` rows of at least ``stop - start`` entries), ``ranks`` and ``idx``
+        (a stage's cells, then the cells of its later rounds: twice as long)."""
         m = stop - start
-        # rows a whole number of cache lines plus one apart: with rows of 8192 float64 (64 KiB
-        # apart) the loops over ten and more rows kept evicting each other from L1
-        ws = np.empty((_SCRATCH, (m + 7) // 8 * 8 + 8))
-        ranks = np.empty(m, np.int32)
-        idx = np.empty(2 * m, np.uint64)  # a stage's cells; the cells of its later rounds
+        ranks = ranks[:m]
         a0, a1, a2, a3, lv = ws[0, :m], ws[1, :m], ws[2, :m], ws[3, :m], ws[4, :m]
         w0, w1, w2, w3, flag = ws[5, :m], ws[6, :m], ws[7, :m], ws[8, :m], ws[9, :m]
         _load(z, lam, start, a0, a1, a2, a3, lv, ranks, w0, w1, w2, w3, flag)
@@ -589,14 +587,16 @@ if AVAILABLE:
         _store(z, start, w0, w1, w2, w3, ranks, out)
 
     @njit(parallel=True, **_JIT)
-    def prox_cells(z, lam, out, undecided, chunk):
+    def prox_cells(z, lam, out, undecided, chunk, ws, ranks, idx):
         """The 2:4 prox of every cell ``z[4 i : 4 i + 4]`` (flat, float32 or float64) with
         ``lam[i]`` into ``out`` (flat, like ``z``), ``chunk`` cells at a time; ``undecided[i]``
         is set where the exact torch path must re-solve the cell (rare, see
-        :mod:`nmprune.prox.reduced_kernel`)."""
+        :mod:`nmprune.prox.reduced_kernel`). Thread ``t`` works in ``ws[t]``, ``ranks[t]``,
+        ``idx[t]`` (:func:`_workspace`)."""
         n = z.shape[0] // 4
         for c in prange((n + chunk - 1) // chunk):
-            _chunk(z, lam, out, undecided, c * chunk, min(n, (c + 1) * chunk))
+            t = numba.get_thread_id()
+            _chunk(z, lam, out, undecided, c * chunk, min(n, (c + 1) * chunk), ws[t], ranks[t], idx[t])
 
 
 def chunk_size(cells: int, threads: int) -> int:
@@ -638,17 +638,39 @@ def _interleaved_vector_loops(compiling: bool) -> Iterator[None]:
         llvm.set_option("nmprune", "-force-vector-interleave=0")
 
 
-def run(z: np.ndarray, lam: np.ndarray, out: np.ndarray, undecided: np.ndarray) -> None:
+_WORKSPACE: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+
+
+def _workspace(threads: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Work arrays for ``threads`` numba threads, each for one chunk of up to ``MAX_CHUNK``
+    cells (2.7 MB), kept between calls (replaced only by a larger set; the compiled kernel holds
+    the GIL, so calls never share them). Allocated per chunk, they made glibc map and unmap
+    fresh memory on every call once torch's own allocations came between, and the page faults
+    cost ~3 ms per call on 1536x576 (a third of the kernel). Rows are ``MAX_CHUNK + 8`` apart,
+    a whole number of cache lines plus one: rows 64 KiB apart kept evicting each other from L1
+    in the loops over ten and more rows."""
+    if not _WORKSPACE or _WORKSPACE[0][0].shape[0] < threads:
+        _WORKSPACE[:] = [(np.empty((threads, _SCRATCH, MAX_CHUNK + 8)), np.empty((threads, MAX_CHUNK), np.int32),
+                          np.empty((threads, 2 * MAX_CHUNK), np.uint64))]
+    return _WORKSPACE[0]
+
+
+def run(z: np.ndarray, lam: np.ndarray, out: np.ndarray, undecided: np.ndarray, chunk: int | None = None) -> None:
     """:func:`prox_cells` for cells ``z`` (``(n, 4)``, C-contiguous) on as many numba threads as
-    torch uses (torch's thread count is left as it was)."""
+    torch uses (torch's thread count is left as it was); ``chunk`` cells at a time (default
+    :func:`chunk_size`, at most ``MAX_CHUNK``)."""
     import torch
 
     threads = torch.get_num_threads()
-    numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
+    workers = max(1, min(threads, numba.config.NUMBA_NUM_THREADS))
+    numba.set_num_threads(workers)
+    chunk = chunk_size(z.shape[0], threads) if chunk is None else chunk
+    if not 0 < chunk <= MAX_CHUNK:
+        raise ValueError(f"chunk must be between 1 and {MAX_CHUNK} cells, got {chunk}")
     key = (z.dtype.str, lam.dtype.str)
     try:
         with _interleaved_vector_loops(key not in _COMPILED):
-            prox_cells(z.reshape(-1), lam, out.reshape(-1), undecided, chunk_size(z.shape[0], threads))
+            prox_cells(z.reshape(-1), lam, out.reshape(-1), undecided, chunk, *_workspace(workers))
         _COMPILED.add(key)
     finally:
         # numba's OpenMP layer can change the OpenMP thread count that torch reads
