@@ -602,8 +602,9 @@ if AVAILABLE:
 def chunk_size(cells: int, threads: int) -> int:
     """Cells per chunk: the fewest chunks of at most ``MAX_CHUNK`` cells whose number is a
     multiple of the thread count, all of (nearly) the same size, and no chunk below
-    ``MIN_CHUNK``. Large chunks (their work arrays, :func:`_workspace`, take 2.7 MB a thread) give the rare later stages (a few per
-    cent of the cells) arrays long enough to vectorise well -- 1536x576 at the median lam:
+    ``MIN_CHUNK``. Large chunks (their work arrays, :func:`_workspace`, take 2.7 MB a thread)
+    give the rare later stages (a few per cent of the cells) arrays long enough to vectorise
+    well -- 1536x576 at the median lam:
     8192 cells per chunk measured 14% faster than 1024. numba splits the chunks evenly over
     the threads, so equal shares matter more than many chunks: 27 chunks of 8192 (the last
     2192) on 2 threads took 6-9% longer than 28 of 7900 (kernel alone, repeated runs)."""
