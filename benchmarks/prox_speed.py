@@ -22,7 +22,6 @@ from __future__ import annotations
 import inspect
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from _machine import cpu_description  # noqa: E402
 from _problems import correlated_layer  # noqa: E402
 from prox_bruteforce import objective, reference_min  # noqa: E402
 
@@ -89,7 +89,7 @@ def worst_gap(w: torch.Tensor, z: torch.Tensor, lam: torch.Tensor, ref: torch.Te
 
 def main() -> None:
     threads = torch.get_num_threads()
-    res: dict = {"torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
+    res: dict = {"torch": torch.__version__, "cpu": cpu_description(),
                  "default_threads": threads, "load_average_at_start": os.getloadavg()}
 
     # ---- throughput, 2^20 cells float32 -------------------------------------------------------
@@ -216,6 +216,7 @@ def to_markdown(res: dict) -> str:
     load1 = ", ".join(f"{x:.1f}" for x in res["load_average_at_end"])
     lines = [f"# Proximal operator speed and accuracy (torch {res['torch']}, "
              f"{res['default_threads']} default threads)", "",
+             f"CPU: {res['cpu']['model']} (LLVM target {res['cpu']['llvm_target']}); timings compare only on the same CPU.", "",
              f"Shared 2-core machine: load average (1, 5, 15 min) {load0} at the start, {load1} at the end.", "",
              "## 2:4 prox throughput, float32, 2^20 cells (GD on a 2^16 subsample)", "",
              "| threads | reduced (default) cells/s | newton cells/s | GD default cells/s | GD same-accuracy (fp64) cells/s | reduced vs newton | reduced vs GD default | reduced vs GD same accuracy |",

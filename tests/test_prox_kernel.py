@@ -208,25 +208,26 @@ def _lp_min_reference(cons: np.ndarray, g: np.ndarray) -> float:
 
 
 def test_unrolled_linear_programme_matches_the_plain_loop():
-    """The kernels' LP (reduced_kernel._lp_min7: 21 vertex candidates, unrolled) against a plain
-    Python loop over the same vertices, on random 7-constraint polygons: box plus three cuts."""
+    """The kernels' LP (reduced_kernel._lp_min_box: the 19 possible vertices of a box cut by
+    three half-planes, unrolled) against a plain Python loop over every crossing of the 7 lines
+    checked against all 7 constraints, on random polygons, with cuts parallel to the box and
+    to each other among them."""
     from numba import njit
 
-    from nmprune.prox.reduced_kernel import _lp_min7
+    from nmprune.prox.reduced_kernel import _lp_min_box
 
     @njit(error_model="numpy")  # as the kernels: parallel lines divide by zero
     def unrolled(cons, g):
         out = np.empty(cons.shape[0])
         for i in range(cons.shape[0]):
             c = cons[i]
-            t = (c[0, 0], c[0, 1], c[0, 2], c[1, 0], c[1, 1], c[1, 2], c[2, 0], c[2, 1], c[2, 2],
-                 c[3, 0], c[3, 1], c[3, 2], c[4, 0], c[4, 1], c[4, 2], c[5, 0], c[5, 1], c[5, 2],
-                 c[6, 0], c[6, 1], c[6, 2])
-            out[i] = _lp_min7(g[i, 0], g[i, 1], t)
+            out[i] = _lp_min_box(g[i, 0], g[i, 1], c[0, 2], -c[1, 2], c[2, 2], -c[3, 2],
+                                 (c[4, 0], c[4, 1], c[4, 2]), (c[5, 0], c[5, 1], c[5, 2]),
+                                 (c[6, 0], c[6, 1], c[6, 2]))
         return out
 
     rng = np.random.default_rng(0)
-    n = 3000
+    n = 4000
     cons = np.zeros((n, 7, 3))
     lo, hi = rng.uniform(-1, 0, (n, 2)), rng.uniform(0.2, 1, (n, 2))
     cons[:, 0] = np.stack([np.ones(n), np.zeros(n), lo[:, 0]], 1)
@@ -235,11 +236,17 @@ def test_unrolled_linear_programme_matches_the_plain_loop():
     cons[:, 3] = np.stack([np.zeros(n), -np.ones(n), -hi[:, 1]], 1)
     cons[:, 4:, :2] = rng.normal(size=(n, 3, 2))
     cons[:, 4:, 2] = rng.normal(scale=0.5, size=(n, 3))
+    degenerate = np.arange(n) % 8
+    cons[degenerate == 1, 4, 0] = 0.0  # a horizontal cut
+    cons[degenerate == 2, 5, 1] = 0.0  # a vertical cut
+    cons[degenerate == 3, 6, :2] = 2.0 * cons[degenerate == 3, 4, :2]  # two parallel cuts
     g = rng.normal(size=(n, 2))
     ref = np.array([_lp_min_reference(cons[i], g[i]) for i in range(n)])
     out = unrolled(cons, g)
     finite = np.isfinite(ref)
     assert 0.2 * n < finite.sum() < n  # feasible and empty polygons both occur
+    for kind in (1, 2, 3):
+        assert finite[degenerate == kind].any() and not finite[degenerate == kind].all()
     assert np.array_equal(finite, np.isfinite(out))
     assert np.allclose(ref[finite], out[finite], rtol=1e-12, atol=1e-12)
 

@@ -248,48 +248,65 @@ if AVAILABLE:
         return a * x + b * y >= c - 1e-9 * (abs(a * x) + abs(b * y) + abs(c))
 
     @njit(cache=True, error_model="numpy", inline="always")
-    def _vertex(a1, b1, c1, a2, b2, c2, g1, g2, c):
-        """``g1 x + g2 y`` at the crossing of lines ``a1 x + b1 y = c1`` and ``a2 x + b2 y = c2``
-        if it satisfies the seven constraints ``c`` (21 numbers, ``a, b, c`` each), else inf."""
-        det = a1 * b2 - a2 * b1
+    def _within(v, lo, hi):
+        """``lo <= v <= hi`` with :func:`_meets`'s tolerance; False for an infinite or NaN ``v``."""
+        return ((v >= lo - 1e-9 * (abs(v) + abs(lo))) & (v <= hi + 1e-9 * (abs(v) + abs(hi)))
+                & (abs(v) < np.inf))
+
+    @njit(cache=True, error_model="numpy", inline="always")
+    def _edge_vertex(fixed, rb, a, c, lo, hi, cut1, cut2, g_fixed, g_free, swap):
+        """``g.(x, y)`` where the line ``a fixed + b free = c`` (``rb = 1/b``) meets the box
+        edge at ``fixed``, if ``free`` is in ``[lo, hi]`` and the point meets the two other
+        cuts (``(a, b, c)`` triples, in ``(x, y)`` order; ``swap``: ``fixed`` is ``y``), else inf."""
+        free = (c - a * fixed) * rb
+        x = free if swap else fixed
+        y = fixed if swap else free
+        ok = (_within(free, lo, hi) & _meets(cut1[0], cut1[1], cut1[2], x, y)
+              & _meets(cut2[0], cut2[1], cut2[2], x, y))
+        return g_fixed * fixed + g_free * free if ok else np.inf
+
+    @njit(cache=True, error_model="numpy", inline="always")
+    def _cut_vertices(g1, g2, xlo, xhi, ylo, yhi, cut, other1, other2):
+        """The smallest ``g.(x, y)`` over the feasible points where the line of ``cut`` meets the
+        four box edges or the line of ``other1`` (inf where none is feasible)."""
+        a, b, c = cut
+        rb, ra = 1.0 / b, 1.0 / a
+        low = min(_edge_vertex(xlo, rb, a, c, ylo, yhi, other1, other2, g1, g2, False),
+                  _edge_vertex(xhi, rb, a, c, ylo, yhi, other1, other2, g1, g2, False))
+        low = min(low, min(_edge_vertex(ylo, ra, b, c, xlo, xhi, other1, other2, g2, g1, True),
+                           _edge_vertex(yhi, ra, b, c, xlo, xhi, other1, other2, g2, g1, True)))
+        a2, b2, c2 = other1
+        det = a * b2 - a2 * b
         inv = 1.0 / det
-        x = (c1 * b2 - c2 * b1) * inv
-        y = (a1 * c2 - a2 * c1) * inv
-        ok = ((det != 0.0) & _meets(c[0], c[1], c[2], x, y) & _meets(c[3], c[4], c[5], x, y)
-              & _meets(c[6], c[7], c[8], x, y) & _meets(c[9], c[10], c[11], x, y)
-              & _meets(c[12], c[13], c[14], x, y) & _meets(c[15], c[16], c[17], x, y)
-              & _meets(c[18], c[19], c[20], x, y))
+        x = (c * b2 - c2 * b) * inv
+        y = (a * c2 - a2 * c) * inv
+        ok = ((det != 0.0) & _within(x, xlo, xhi) & _within(y, ylo, yhi)
+              & _meets(other2[0], other2[1], other2[2], x, y))
+        return min(low, g1 * x + g2 * y if ok else np.inf)
+
+    @njit(cache=True, error_model="numpy", inline="always")
+    def _corner(x, y, g1, g2, cut1, cut2, cut3):
+        ok = (_meets(cut1[0], cut1[1], cut1[2], x, y) & _meets(cut2[0], cut2[1], cut2[2], x, y)
+              & _meets(cut3[0], cut3[1], cut3[2], x, y))
         return g1 * x + g2 * y if ok else np.inf
 
     @njit(cache=True, error_model="numpy", inline="always")
-    def _lp_min7(g1, g2, c):
-        """Minimum of ``g1 x + g2 y`` over the polygon ``{a_k x + b_k y >= c_k, k < 7}`` given
-        as a tuple ``c`` of 21 numbers; ``inf`` when it is empty. The optimum of a bounded 2-D
-        polygon is at a crossing of two constraint lines: all 21 are checked, as straight-line
-        code (so loops over cells that call it vectorise)."""
-        low = np.inf
-        low = min(low, _vertex(c[0], c[1], c[2], c[3], c[4], c[5], g1, g2, c))
-        low = min(low, _vertex(c[0], c[1], c[2], c[6], c[7], c[8], g1, g2, c))
-        low = min(low, _vertex(c[0], c[1], c[2], c[9], c[10], c[11], g1, g2, c))
-        low = min(low, _vertex(c[0], c[1], c[2], c[12], c[13], c[14], g1, g2, c))
-        low = min(low, _vertex(c[0], c[1], c[2], c[15], c[16], c[17], g1, g2, c))
-        low = min(low, _vertex(c[0], c[1], c[2], c[18], c[19], c[20], g1, g2, c))
-        low = min(low, _vertex(c[3], c[4], c[5], c[6], c[7], c[8], g1, g2, c))
-        low = min(low, _vertex(c[3], c[4], c[5], c[9], c[10], c[11], g1, g2, c))
-        low = min(low, _vertex(c[3], c[4], c[5], c[12], c[13], c[14], g1, g2, c))
-        low = min(low, _vertex(c[3], c[4], c[5], c[15], c[16], c[17], g1, g2, c))
-        low = min(low, _vertex(c[3], c[4], c[5], c[18], c[19], c[20], g1, g2, c))
-        low = min(low, _vertex(c[6], c[7], c[8], c[9], c[10], c[11], g1, g2, c))
-        low = min(low, _vertex(c[6], c[7], c[8], c[12], c[13], c[14], g1, g2, c))
-        low = min(low, _vertex(c[6], c[7], c[8], c[15], c[16], c[17], g1, g2, c))
-        low = min(low, _vertex(c[6], c[7], c[8], c[18], c[19], c[20], g1, g2, c))
-        low = min(low, _vertex(c[9], c[10], c[11], c[12], c[13], c[14], g1, g2, c))
-        low = min(low, _vertex(c[9], c[10], c[11], c[15], c[16], c[17], g1, g2, c))
-        low = min(low, _vertex(c[9], c[10], c[11], c[18], c[19], c[20], g1, g2, c))
-        low = min(low, _vertex(c[12], c[13], c[14], c[15], c[16], c[17], g1, g2, c))
-        low = min(low, _vertex(c[12], c[13], c[14], c[18], c[19], c[20], g1, g2, c))
-        low = min(low, _vertex(c[15], c[16], c[17], c[18], c[19], c[20], g1, g2, c))
-        return low
+    def _lp_min_box(g1, g2, xlo, xhi, ylo, yhi, cut1, cut2, cut3):
+        """Minimum of ``g1 x + g2 y`` over the box ``[xlo, xhi] x [ylo, yhi]`` cut by the three
+        half-planes ``a x + b y >= c`` (``cut_k = (a, b, c)``); ``inf`` when that polygon is
+        empty. The optimum of a bounded 2-D polygon is one of its vertices, so the 19 crossings
+        of its lines that can be vertices are checked: the 4 corners (against the cuts), each
+        cut's line with the 4 box edges (the crossing against its edge's range and the other
+        cuts) and the 3 crossings of the cuts' lines (against the box and the third cut). A
+        point is only checked against the constraints it does not lie on: 75 tests where
+        checking all 7 constraints at all 21 pairs of lines took 147 (and 21 divisions, here
+        9). Straight-line code, so loops over cells that call it vectorise."""
+        low = min(min(_corner(xlo, ylo, g1, g2, cut1, cut2, cut3), _corner(xlo, yhi, g1, g2, cut1, cut2, cut3)),
+                  min(_corner(xhi, ylo, g1, g2, cut1, cut2, cut3), _corner(xhi, yhi, g1, g2, cut1, cut2, cut3)))
+        low = min(low, _cut_vertices(g1, g2, xlo, xhi, ylo, yhi, cut1, cut2, cut3))
+        low = min(low, _cut_vertices(g1, g2, xlo, xhi, ylo, yhi, cut2, cut3, cut1))
+        low = min(low, _cut_vertices(g1, g2, xlo, xhi, ylo, yhi, cut3, cut1, cut2))
+        return low if (xlo <= xhi) & (ylo <= yhi) else np.inf
 
     @njit(cache=True, error_model="numpy", inline="always")
     def _phi_grad(x, y, h11, h12, h22, d1, d2):
@@ -313,11 +330,10 @@ if AVAILABLE:
         ix = 1.0 / (1.0 - x)
         iy = 1.0 / (1.0 - y)
         # y >= d2 ix + d2 ix^2 (x' - x), i.e. -d2 ix^2 x' + y' >= d2 ix - d2 ix^2 x; same for x
-        cons = (1.0, 0.0, xlo, -1.0, 0.0, -xhi, 0.0, 1.0, ylo, 0.0, -1.0, -yhi,
-                ax, ay, ax * x + ay * y - phi,
-                -d2 * ix * ix, 1.0, d2 * ix - d2 * ix * ix * x,
-                1.0, -d1 * iy * iy, d1 * iy - d1 * iy * iy * y)
-        return gv - 2.0 * (g1 * x + g2 * y) + 2.0 * _lp_min7(g1, g2, cons)
+        low = _lp_min_box(g1, g2, xlo, xhi, ylo, yhi, (ax, ay, ax * x + ay * y - phi),
+                          (-d2 * ix * ix, 1.0, d2 * ix - d2 * ix * ix * x),
+                          (1.0, -d1 * iy * iy, d1 * iy - d1 * iy * iy * y))
+        return gv - 2.0 * (g1 * x + g2 * y) + 2.0 * low
 
     @njit(cache=True, error_model="numpy", inline="always")
     def _g_newton(x, y, s1, s2, d1, d2):

@@ -1,0 +1,29 @@
+"""The CPU a benchmark ran on, for its results.
+
+The machine behind a session changes: the same code read 10.4 ms for the 1536x576 prox on one
+EPYC and 7.3 ms on another (LLVM target ``znver5``), while torch's matmul read ~10 ms on both.
+Timings are only comparable between runs on the same CPU, so every result records it.
+"""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+
+def cpu_description() -> dict[str, str]:
+    """``model`` (``/proc/cpuinfo``'s model name, else :func:`platform.processor`) and
+    ``llvm_target`` (the CPU LLVM compiles numba kernels for, ``"unknown"`` without llvmlite)."""
+    model = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+                 if line.startswith("model name")]
+        model = names[0] if names else model
+    try:
+        import llvmlite.binding as llvm
+
+        target = llvm.get_host_cpu_name()
+    except ImportError:
+        target = "unknown"
+    return {"model": model, "llvm_target": target}
