@@ -345,9 +345,9 @@ if AVAILABLE:
         return g1, g2, h11, h12, h22, det, (h12 * g2 - h22 * g1) * inv, (h12 * g1 - h11 * g2) * inv
 
     @njit(cache=True, error_model="numpy")
-    def _dense_convex(z1, z2, z3, z4, lam, xlo, xhi, ylo, yhi, best):
-        """Minimise ``G`` over ``R`` (a convex problem in two variables) by damped Newton from a
-        point of ``R``, for cells where plain Newton did not converge. Returns
+    def _dense_convex(z1, z2, z3, z4, lam, xlo, xhi, ylo, yhi, best, x, y):
+        """Minimise ``G`` over ``R`` (a convex problem in two variables) by damped Newton from
+        ``(x, y)`` pulled into ``R``, for cells where plain Newton did not converge. Returns
         ``(status, w1..w4)``: 1 an interior stationary point (the PSD stationary point of
         ``f``), 0 proven that the dense case cannot beat ``best`` (the convexity bound
         ``G(p) + grad G(p).(q - p)`` over the box ``xlo..xhi, ylo..yhi`` that holds every
@@ -357,8 +357,7 @@ if AVAILABLE:
         d1 = lam * (z1 - z2)
         d2 = lam * (z3 - z4)
         scale = 4.0 * lam * lam
-        # R is convex and holds the origin (d1, d2 < 1): pull (S1, S2)/2 towards it until inside
-        x, y = 0.5 * s1, 0.5 * s2
+        # R is convex and holds the origin (d1, d2 < 1): pull the start towards it until inside
         for _ in range(60):
             if _in_r(x, y, s1, s2, d1, d2):
                 break
@@ -532,14 +531,15 @@ if AVAILABLE:
                 w1, w2, w3, best = v1, v2, v3, f3
         if lam * z4 <= 0.0 or lam * z1 * z2 >= 9.0 * z4 or _settles(w1, w2, w3, z3, z4, lam):
             return False, w1, w2, w3, w4
-        return False, *_dense_case(z1, z2, z3, z4, lam, w1, w2, w3, best, True)
+        return False, *_dense_case(z1, z2, z3, z4, lam, w1, w2, w3, best, None)
 
     @njit(cache=True, error_model="numpy")
-    def _dense_case(z1, z2, z3, z4, lam, w1, w2, w3, best, plain_newton):
+    def _dense_case(z1, z2, z3, z4, lam, w1, w2, w3, best, resume):
         """The answer ``w1..w4`` given the best sparse point ``[w1, w2, w3, 0]`` (objective
         ``best``) of a cell whose dense case is open: the necessary conditions, then plain
-        Newton on ``grad G = 0`` (skipped when ``plain_newton`` is False, i.e. the caller
-        already saw it fail), then the convex fallback, then damped Newton on ``f``."""
+        Newton on ``grad G = 0``, then the convex fallback from ``(S_1, S_2)/2``, then damped
+        Newton on ``f``. ``resume`` is None, or the point ``(x, y)`` where the caller's own
+        convex iterations stopped (it saw plain Newton fail): the fallback goes on from there."""
         w4 = 0.0
         ok, l1, l2, l3, l4, h1, h2, h3, h4 = _case_box(z1, z2, z3, z4, lam)
         if not ok:
@@ -552,9 +552,14 @@ if AVAILABLE:
                                          lam * (l3 + l4), lam * (h3 + h4))
         if not ok:
             return w1, w2, w3, w4
-        st, v1, v2, v3, v4 = _dense(z1, z2, z3, z4, lam) if plain_newton else (-1, 0.0, 0.0, 0.0, 0.0)
+        if resume is None:
+            st, v1, v2, v3, v4 = _dense(z1, z2, z3, z4, lam)
+            x0, y0 = 0.5 * s1, 0.5 * s2
+        else:
+            st, v1, v2, v3, v4 = -1, 0.0, 0.0, 0.0, 0.0
+            x0, y0 = resume
         if st < 0:
-            st, v1, v2, v3, v4 = _dense_convex(z1, z2, z3, z4, lam, xlo, xhi, ylo, yhi, best)
+            st, v1, v2, v3, v4 = _dense_convex(z1, z2, z3, z4, lam, xlo, xhi, ylo, yhi, best, x0, y0)
             if st < 0:
                 f4, v = _dense_newton4(np.array((z1, z2, z3, z4)), lam, np.array((l1, l2, l3, l4)),
                                        np.array((h1, h2, h3, h4)), best)

@@ -35,7 +35,8 @@ and each stage hands only the cells it could not settle to the next one:
    beat the best sparse point (1536x576 at the median lam: 177 of 191 cells of a chunk,
    against 150 without the boundary step; the rest cost ~1.5 us each in stage 5);
 5. the cells still undecided (well under one per cent) are solved by the exact per-cell
-   solver, then everything is written back with the signs and positions of ``z``.
+   solver (those from stage 4 go on from the point where its iterations stopped, instead of
+   starting over), then everything is written back with the signs and positions of ``z``.
 
 Same mathematics and the same certificates as the per-cell solver, so the answer is the same
 exact minimiser. Loops index arrays with unsigned integers: numba's wrap-around of negative
@@ -64,7 +65,7 @@ CONVEX_HALVINGS = 4  # backtracking steps of the damped Newton line search
 SLIDE_HALVINGS = 4  # backtracking steps along the boundary of R, where the Newton step failed
 ROUND_DENSE = 5  # masked Newton steps on grad G = 0 on every dense cell, before compacting
 DENSE_MARGIN = 1e-9  # relative margin of the dense-answer test of _load
-_SCRATCH = 41  # float64 work rows per chunk
+_SCRATCH = 43  # float64 work rows per chunk
 
 if AVAILABLE:
     import numba
@@ -512,6 +513,7 @@ if AVAILABLE:
         ranks = ranks[:m]
         a0, a1, a2, a3, lv = ws[0, :m], ws[1, :m], ws[2, :m], ws[3, :m], ws[4, :m]
         w0, w1, w2, w3, flag = ws[5, :m], ws[6, :m], ws[7, :m], ws[8, :m], ws[9, :m]
+        resume_x, resume_y = ws[41, :m], ws[42, :m]  # the convex stage's last point, for stage 5
         _load(z, lam, start, a0, a1, a2, a3, lv, ranks, w0, w1, w2, w3, flag)
         # rows 10.. hold the compacted cells of one stage at a time
         # stages: 0 the 3-sparse case (flag 1), 1 the dense case of the cells proven dense
@@ -575,6 +577,7 @@ if AVAILABLE:
                 _convex_bound(x, y, s1, s2, d1, d2, xlo, xhi, ylo, yhi, target, gv, dx, dy, dec, state)
                 for j in range(k):  # proven: the sparse answer stands; else the per-cell fallbacks
                     flag[sel[j]] = 0.0 if state[j] == 3.0 else 3.0
+                    resume_x[sel[j]], resume_y[sel[j]] = x[j], y[j]
         for t in range(m):
             if flag[t] == 2.0:  # 3-sparse Newton not converged: the whole per-cell solver
                 und, p0, p1, p2, p3 = _solve_sorted(a0[t], a1[t], a2[t], a3[t], lv[t])
@@ -582,8 +585,8 @@ if AVAILABLE:
                 undecided[start + t] = und
             elif flag[t] == 3.0:  # plain dense Newton failed: the per-cell dense fallbacks
                 best = _objective4(w0[t], w1[t], w2[t], 0.0, a0[t], a1[t], a2[t], a3[t], lv[t])
-                w0[t], w1[t], w2[t], w3[t] = _dense_case(a0[t], a1[t], a2[t], a3[t], lv[t],
-                                                         w0[t], w1[t], w2[t], best, False)
+                w0[t], w1[t], w2[t], w3[t] = _dense_case(a0[t], a1[t], a2[t], a3[t], lv[t], w0[t], w1[t],
+                                                         w2[t], best, (resume_x[t], resume_y[t]))
         _store(z, start, w0, w1, w2, w3, ranks, out)
 
     @njit(parallel=True, **_JIT)
@@ -602,7 +605,7 @@ if AVAILABLE:
 def chunk_size(cells: int, threads: int) -> int:
     """Cells per chunk: the fewest chunks of at most ``MAX_CHUNK`` cells whose number is a
     multiple of the thread count, all of (nearly) the same size, and no chunk below
-    ``MIN_CHUNK``. Large chunks (their work arrays, :func:`_workspace`, take 2.7 MB a thread)
+    ``MIN_CHUNK``. Large chunks (their work arrays, :func:`_workspace`, take 2.8 MB a thread)
     give the rare later stages (a few per cent of the cells) arrays long enough to vectorise
     well -- 1536x576 at the median lam:
     8192 cells per chunk measured 14% faster than 1024. numba splits the chunks evenly over
@@ -644,7 +647,7 @@ _WORKSPACE: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
 
 def _workspace(threads: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Work arrays for ``threads`` numba threads, each for one chunk of up to ``MAX_CHUNK``
-    cells (2.7 MB), kept between calls (replaced only by a larger set; the compiled kernel holds
+    cells (2.8 MB), kept between calls (replaced only by a larger set; the compiled kernel holds
     the GIL, so calls never share them). Allocated per chunk, they made glibc map and unmap
     fresh memory on every call once torch's own allocations came between, and the page faults
     cost ~3 ms per call on 1536x576 (a third of the kernel). Rows are ``MAX_CHUNK + 8`` apart,
