@@ -151,6 +151,22 @@ def test_bad_input(z, lam, match):
         prox_2of4(z, lam)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("solver", ["reduced", "newton"])
+def test_non_finite_entries_anywhere_in_a_large_input_are_rejected(dtype, bad, solver):
+    """The compiled kernel finds NaN and Inf itself (no separate pass over ``z``): one bad
+    entry deep inside a multi-chunk input, at a position of each rank, still raises."""
+    z = torch.randn(3 * 8192 + 5, 4, dtype=torch.float64)
+    for row, col in ((20000, 0), (9, 3)):
+        bad_z = z.clone()
+        bad_z[row, col] = bad
+        bad_z[row, (col + 1) % 4] = 5.0  # cells around it of every kind: the bad entry is not the largest
+        with pytest.raises(ValueError, match="z contains NaN or Inf"):
+            prox_2of4(bad_z.to(dtype), torch.full((z.shape[0],), 0.3), solver=solver)
+    assert torch.isfinite(prox_2of4(z.to(dtype), 0.3, solver=solver)).all()
+
+
 def test_bad_solver_options():
     with pytest.raises(ValueError, match="solver"):
         prox_2of4(torch.randn(2, 4), 0.1, solver="bfgs")

@@ -8,14 +8,20 @@ import torch
 from torch import Tensor
 
 
-def check_float(name: str, t: Tensor) -> None:
-    """Reject non-tensors, integer/bool dtypes, and NaN or Inf entries."""
+def check_float(name: str, t: Tensor, *, finite: bool = True) -> None:
+    """Reject non-tensors, integer/bool dtypes, and (unless ``finite`` is False, for a caller
+    that checks them itself with :func:`non_finite_error`) NaN or Inf entries."""
     if not isinstance(t, Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if not t.is_floating_point():
         raise ValueError(f"{name} must have a floating-point dtype, got {t.dtype}")
-    if t.numel() and not _all_finite(t):
-        raise ValueError(f"{name} contains NaN or Inf")
+    if finite and t.numel() and not _all_finite(t):
+        raise non_finite_error(name)
+
+
+def non_finite_error(name: str) -> ValueError:
+    """The error for a tensor ``name`` with NaN or Inf entries."""
+    return ValueError(f"{name} contains NaN or Inf")
 
 
 def _all_finite(t: Tensor) -> bool:

@@ -15,9 +15,10 @@ from torch import Tensor
 from .._checks import check_float
 
 
-def check_cells(z: Tensor, m: int | None = None) -> None:
-    """``z`` must be a finite floating tensor of cells ``(..., M)`` (``M == m`` when given)."""
-    check_float("z", z)
+def check_cells(z: Tensor, m: int | None = None, *, finite: bool = True) -> None:
+    """``z`` must be a floating tensor of cells ``(..., M)`` (``M == m`` when given), finite
+    unless ``finite`` is False (a caller that finds NaN and Inf itself)."""
+    check_float("z", z, finite=finite)
     if z.ndim == 0:
         raise ValueError("z must have a last dimension holding the cells, got a 0-d tensor")
     if m is not None and z.shape[-1] != m:

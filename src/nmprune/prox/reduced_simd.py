@@ -119,7 +119,7 @@ if AVAILABLE:
         :func:`nmprune.prox.reduced.solve_sorted_reduced`), ``lam z_3 > 0`` and the 2-sparse
         KKT certificate fails; 4 where the answer is proven dense (``f(z) = lam r(z)`` is below
         :func:`_sparse_lower_bound`: only the dense case is open, the 3-sparse stage is
-        skipped)."""
+        skipped); 5 where ``z`` holds NaN or Inf (left undecided, for the caller's error)."""
         for t in range(U64(a0.shape[0])):
             i = U64(4) * (U64(start) + t)
             b0 = abs(np.float64(z[i]))
@@ -154,7 +154,8 @@ if AVAILABLE:
             reg = z1 * z2 * (z3 + z4) + z3 * z4 * (z1 + z2)
             dense = lam_t * reg < _sparse_lower_bound(z1, z2, z3, z4, lam_t) * (1.0 - DENSE_MARGIN)
             settled = zero | big_k | (lam_t * z3 <= 0.0) | cert
-            flag[t] = 0.0 if settled else (4.0 if dense else 1.0)
+            finite = (b0 < np.inf) & (b1 < np.inf) & (b2 < np.inf) & (b3 < np.inf)  # False for NaN
+            flag[t] = (0.0 if settled else (4.0 if dense else 1.0)) if finite else 5.0
 
     @njit(**_JIT)
     def _select(flag, value, idx):
@@ -583,6 +584,8 @@ if AVAILABLE:
                 und, p0, p1, p2, p3 = _solve_sorted(a0[t], a1[t], a2[t], a3[t], lv[t])
                 w0[t], w1[t], w2[t], w3[t] = p0, p1, p2, p3
                 undecided[start + t] = und
+            elif flag[t] == 5.0:  # NaN or Inf
+                undecided[start + t] = True
             elif flag[t] == 3.0:  # plain dense Newton failed: the per-cell dense fallbacks
                 best = _objective4(w0[t], w1[t], w2[t], 0.0, a0[t], a1[t], a2[t], a3[t], lv[t])
                 w0[t], w1[t], w2[t], w3[t] = _dense_case(a0[t], a1[t], a2[t], a3[t], lv[t], w0[t], w1[t],
@@ -594,7 +597,7 @@ if AVAILABLE:
         """The 2:4 prox of every cell ``z[4 i : 4 i + 4]`` (flat, float32 or float64) with
         ``lam[i]`` into ``out`` (flat, like ``z``), ``chunk`` cells at a time; ``undecided[i]``
         is set where the exact torch path must re-solve the cell (rare, see
-        :mod:`nmprune.prox.reduced_kernel`). Thread ``t`` works in ``ws[t]``, ``ranks[t]``,
+        :mod:`nmprune.prox.reduced_kernel`) and where the cell holds NaN or Inf. Thread ``t`` works in ``ws[t]``, ``ranks[t]``,
         ``idx[t]`` (:func:`_workspace`)."""
         n = z.shape[0] // 4
         for c in prange((n + chunk - 1) // chunk):
