@@ -237,7 +237,7 @@ def to_markdown(res: dict) -> str:
               "| threads | prox ms (reduced) | matmul ms | prox / matmul | prox ms (newton) |", "|---|---|---|---|---|"]
     for k, v in mat.items():
         if k != "lam":
-            lines.append(f"| {k} | {v['prox_ms']:.1f} | {v['matmul_ms']:.1f} | {v['prox_over_matmul']:.1f} | "
+            lines.append(f"| {k} | {v['prox_ms']:.1f} | {v['matmul_ms']:.1f} | {v['prox_over_matmul']:.2f} | "
                          f"{v['newton_prox_ms']:.1f} |")
     run = res["prox_gradient_run_1536x576"]
     lines += ["", "## prox inside a whole default `prox` pruning run (1536x576, correlated H) vs W @ H", "",
