@@ -286,6 +286,7 @@ if AVAILABLE:
 
     @njit(cache=True, error_model="numpy", inline="always")
     def _corner(x, y, g1, g2, cut1, cut2, cut3):
+        """``g1 x + g2 y`` at the box corner ``(x, y)`` if it meets the three cuts, else inf."""
         ok = (_meets(cut1[0], cut1[1], cut1[2], x, y) & _meets(cut2[0], cut2[1], cut2[2], x, y)
               & _meets(cut3[0], cut3[1], cut3[2], x, y))
         return g1 * x + g2 * y if ok else np.inf

@@ -29,7 +29,7 @@ and each stage hands only the cells it could not settle to the next one:
 4. where plain Newton failed (a few per cent of the cells, mostly without a dense minimiser):
    a few masked damped-Newton steps on the convex reduced problem with the convexity lower
    bound of :func:`nmprune.prox.reduced_kernel._dense_convex` (its 2-D linear programme
-   unrolled over its 21 vertex candidates) and, where the line search finds no Newton step
+   unrolled over its 19 possible vertices) and, where the line search finds no Newton step
    (near the boundary of ``R``, where ``grad^2 G`` turns singular), a step along that boundary
    as in the per-cell solver. This proves for nearly all of them that the dense case cannot
    beat the best sparse point (1536x576 at the median lam: 177 of 191 cells of a chunk,
