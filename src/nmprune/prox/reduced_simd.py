@@ -597,8 +597,8 @@ if AVAILABLE:
         """The 2:4 prox of every cell ``z[4 i : 4 i + 4]`` (flat, float32 or float64) with
         ``lam[i]`` into ``out`` (flat, like ``z``), ``chunk`` cells at a time; ``undecided[i]``
         is set where the exact torch path must re-solve the cell (rare, see
-        :mod:`nmprune.prox.reduced_kernel`) and where the cell holds NaN or Inf. Thread ``t`` works in ``ws[t]``, ``ranks[t]``,
-        ``idx[t]`` (:func:`_workspace`)."""
+        :mod:`nmprune.prox.reduced_kernel`) and where the cell holds NaN or Inf. Thread ``t``
+        works in ``ws[t]``, ``ranks[t]``, ``idx[t]`` (:func:`_workspace`)."""
         n = z.shape[0] // 4
         for c in prange((n + chunk - 1) // chunk):
             t = numba.get_thread_id()
