@@ -2,7 +2,8 @@
 
 The machine behind a session changes: the same code read 10.4 ms for the 1536x576 prox on one
 EPYC and 7.3 ms on another (LLVM target ``znver5``), while torch's matmul read ~10 ms on both.
-Timings are only comparable between runs on the same CPU, so every result records it.
+Timings are only comparable between runs on the same CPU, so the benchmarks record it with
+:func:`cpu_description` (the results of a run before session 11 lack it).
 """
 
 from __future__ import annotations

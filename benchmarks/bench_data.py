@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import platform
 import time
 from pathlib import Path
 
 import torch
+from _machine import cpu_description
 
 
 def timed(fn):
@@ -44,7 +44,7 @@ def main() -> None:
         })
     out = Path(__file__).parent / "results"
     out.mkdir(exist_ok=True)
-    meta = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+    meta = {"machine": cpu_description(), "threads": torch.get_num_threads(),
             "tokenizer": "SmolLM2-135M-Instruct (GGUF, fast)"}
     (out / "data.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     lines = ["| source | calib tokens | eval tokens | load [s] | tokenize chunked [s] | tokenize whole [s] | ids equal | calibration_batch 128x2048 [s] |",

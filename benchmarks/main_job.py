@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from _machine import cpu_description
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 LIMIT_SECONDS = 15 * 60
@@ -55,7 +57,7 @@ def main(extra: list[str]) -> None:
            "hessian_bytes": hess, "memory_bound_bytes": bound, "memory_ok": peak < bound,
            "stage_seconds": report["seconds"], "perplexity": report["perplexity"],
            "summary": report["summary"], "method": report["config"]["method"],
-           "refine": report["config"]["refine"], "cpus": os.cpu_count(),
+           "refine": report["config"]["refine"], "cpus": os.cpu_count(), "cpu": cpu_description(),
            "load_average_start": load, "load_average_end": os.getloadavg()}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "main_job.json").write_text(json.dumps(res, indent=1))
@@ -63,7 +65,7 @@ def main(extra: list[str]) -> None:
     st = report["seconds"]
     lines = ["# Main job: `" + res["command"].replace(str(ROOT) + "/", "") + "`", "",
              f"Packaged SmolLM2-135M-Instruct, default settings ({res['method']} + {res['refine']}), "
-             f"this 2-core CPU; load average {load[0]:.1f} at the start, {res['load_average_end'][0]:.1f} at the end.", "",
+             f"this 2-core CPU ({res['cpu']['model']}, LLVM target {res['cpu']['llvm_target']}); load average {load[0]:.1f} at the start, {res['load_average_end'][0]:.1f} at the end.", "",
              "| target | measured | limit | met |", "|---|---|---|---|",
              f"| wall time | {wall / 60:.1f} min | {LIMIT_SECONDS / 60:.0f} min | {'yes' if res['time_ok'] else 'NO'} |",
              f"| peak RSS | {peak / mb:.0f} MiB | {bound / mb:.0f} MiB = 2 x model {model_bytes / mb:.0f} MiB "

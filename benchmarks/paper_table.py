@@ -53,6 +53,7 @@ import torch
 from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _machine import cpu_description  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -164,7 +165,7 @@ def machine() -> dict[str, Any]:
     import transformers
 
     return {"cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
-            "processor": platform.processor() or platform.machine(), "torch": torch.__version__,
+            "processor": cpu_description(), "torch": torch.__version__,
             "transformers": transformers.__version__, "python": platform.python_version()}
 
 

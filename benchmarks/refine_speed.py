@@ -22,7 +22,6 @@ from __future__ import annotations
 import inspect
 import json
 import os
-import platform
 import sys
 import time
 from collections.abc import Callable
@@ -34,6 +33,7 @@ from torch import Tensor
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from _machine import cpu_description
 from _problems import correlated_layer
 
 from nmprune.algorithms.refine_exact import _preconditioner, pick_preconditioner, pick_solver
@@ -143,7 +143,7 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
 
 def main() -> None:
     torch.set_num_threads(1)
-    meta = {"torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
+    meta = {"torch": torch.__version__, "cpu": cpu_description(),
             "threads": torch.get_num_threads(), "load_before": load()}
     rows = [run_shape(*shape) for shape in SHAPES]
     meta["load_after"] = load()
