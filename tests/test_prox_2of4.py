@@ -156,12 +156,13 @@ def test_bad_input(z, lam, match):
 @pytest.mark.parametrize("solver", ["reduced", "newton"])
 def test_non_finite_entries_anywhere_in_a_large_input_are_rejected(dtype, bad, solver):
     """The compiled kernel finds NaN and Inf itself (no separate pass over ``z``): one bad
-    entry deep inside a multi-chunk input, at a position of each rank, still raises."""
+    entry in a multi-chunk input, in the first or a later chunk, first or last in its cell and
+    beside a larger finite entry, still raises."""
     z = torch.randn(3 * 8192 + 5, 4, dtype=torch.float64)
     for row, col in ((20000, 0), (9, 3)):
         bad_z = z.clone()
         bad_z[row, col] = bad
-        bad_z[row, (col + 1) % 4] = 5.0  # cells around it of every kind: the bad entry is not the largest
+        bad_z[row, (col + 1) % 4] = 5.0  # a NaN is not found by being the largest entry
         with pytest.raises(ValueError, match="z contains NaN or Inf"):
             prox_2of4(bad_z.to(dtype), torch.full((z.shape[0],), 0.3), solver=solver)
     assert torch.isfinite(prox_2of4(z.to(dtype), 0.3, solver=solver)).all()
