@@ -9,11 +9,9 @@ import pytest
 import torch
 
 from nmprune.prox import prox_2of4, reduced_simd
-from nmprune.prox._cells import sort_abs, unsort
+from nmprune.prox.cells import sort_abs, unsort
 from nmprune.prox.newton import solve_sorted_newton
 from prox_bruteforce import objective, reference_min
-
-pytestmark = pytest.mark.skipif(not reduced_simd.AVAILABLE, reason="numba is not installed")
 
 
 def _matrix_cells(n: int, seed: int, decades: tuple[float, float] = (-1, 1)) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,7 +102,7 @@ def test_kernel_forces_loop_interleaving_only_while_it_compiles(monkeypatch):
 
     calls = []
     monkeypatch.setattr(llvm, "set_option", lambda name, option: calls.append(option))
-    monkeypatch.setattr(reduced_simd, "_COMPILED", set())  # as if this process had not run it yet
+    monkeypatch.setattr(reduced_simd, "COMPILED_DTYPES", set())  # as if this process had not run it yet
     z, lam = _matrix_cells(1000, 5)
     first = prox_2of4(z, lam)
     assert calls == ["-force-vector-interleave=2", "-force-vector-interleave=0"]  # set, then restored
@@ -167,15 +165,15 @@ def test_chunk_size_bounds_and_results_independent_of_it():
 
 def test_vectorised_stages_give_the_per_cell_solver_answers():
     """The staged, vectorised pass (reduced_simd) against the scalar per-cell solver
-    (reduced_kernel._solve_sorted) on cells where every stage and both fallbacks occur."""
+    (reduced_kernel.solve_sorted_cell) on cells where every stage and both fallbacks occur."""
     from numba import njit
 
-    from nmprune.prox.reduced_kernel import _solve_sorted
+    from nmprune.prox.reduced_kernel import solve_sorted_cell
 
     @njit
     def per_cell(a, lam, out):
         for i in range(a.shape[0]):
-            _, out[i, 0], out[i, 1], out[i, 2], out[i, 3] = _solve_sorted(a[i, 0], a[i, 1], a[i, 2], a[i, 3], lam[i])
+            _, out[i, 0], out[i, 1], out[i, 2], out[i, 3] = solve_sorted_cell(a[i, 0], a[i, 1], a[i, 2], a[i, 3], lam[i])
 
     z, lam = _matrix_cells(30_000, 5)
     w, undecided = _kernel(z, lam)
@@ -208,20 +206,20 @@ def _lp_min_reference(cons: np.ndarray, g: np.ndarray) -> float:
 
 
 def test_unrolled_linear_programme_matches_the_plain_loop():
-    """The kernels' LP (reduced_kernel._lp_min_box: the 19 possible vertices of a box cut by
+    """The kernels' LP (reduced_kernel.lp_min_box: the 19 possible vertices of a box cut by
     three half-planes, unrolled) against a plain Python loop over every crossing of the 7 lines
     checked against all 7 constraints, on random polygons, with cuts parallel to the box and
     to each other among them."""
     from numba import njit
 
-    from nmprune.prox.reduced_kernel import _lp_min_box
+    from nmprune.prox.reduced_kernel import lp_min_box
 
     @njit(error_model="numpy")  # as the kernels: parallel lines divide by zero
     def unrolled(cons, g):
         out = np.empty(cons.shape[0])
         for i in range(cons.shape[0]):
             c = cons[i]
-            out[i] = _lp_min_box(g[i, 0], g[i, 1], c[0, 2], -c[1, 2], c[2, 2], -c[3, 2],
+            out[i] = lp_min_box(g[i, 0], g[i, 1], c[0, 2], -c[1, 2], c[2, 2], -c[3, 2],
                                  (c[4, 0], c[4, 1], c[4, 2]), (c[5, 0], c[5, 1], c[5, 2]),
                                  (c[6, 0], c[6, 1], c[6, 2]))
         return out
@@ -259,7 +257,7 @@ def test_proven_dense_cells_have_dense_answers_and_the_bound_is_sharper_than_z4_
     a = z.abs().sort(-1, descending=True).values
     n = len(z)
     rows = [np.empty(n) for _ in range(10)]
-    reduced_simd._load(z.numpy().reshape(-1), lam.numpy(), 0, *rows[:5], np.empty(n, np.int32), *rows[5:])
+    reduced_simd.load_cells(z.numpy().reshape(-1), lam.numpy(), 0, *rows[:5], np.empty(n, np.int32), *rows[5:])
     dense = torch.from_numpy(rows[9] == 4.0)
     z1, z2, z3, z4 = a.unbind(-1)
     reg = z1 * z2 * (z3 + z4) + z3 * z4 * (z1 + z2)

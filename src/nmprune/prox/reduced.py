@@ -36,7 +36,7 @@ stationary point of ``f``: a candidate if ``w_2, w_4 > 0``, otherwise proof that
 case has no interior minimiser. Necessary conditions rule out most cells first: a dense PSD
 point shifted by ``w_4`` is a 3-sparse PSD point for ``z_{1:3} + w_4 + lam w_4^2``, whose
 ``K`` is at least that of ``z``, so ``K < 1`` is needed; the bounds of
-:func:`nmprune.prox.newton.solve_case` and the KKT certificate ``_settles`` (the best sparse
+:func:`nmprune.prox.newton.solve_case` and the KKT certificate :func:`sparse_point_rules_out_dense` (the best sparse
 candidate minimises ``f`` over the PSD region) exclude more.
 
 Fallback: the few cells neither solved nor certified (non-converged Newton, e.g. near the
@@ -49,7 +49,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .newton import _cholesky, _objective, solve_case, solve_sorted_newton
+from .newton import solve_case, solve_sorted_newton
+from .problem import grad_hess_2of4, objective_2of4, positive_definite
 
 ITER_3SPARSE = 12
 ITER_DENSE = 10
@@ -126,7 +127,7 @@ def dense_point(z1: Tensor, z2: Tensor, z3: Tensor, z4: Tensor, lam: Tensor) -> 
     return w, pd
 
 
-def _settles(w: Tensor, z: Tensor, lam: Tensor) -> Tensor:
+def sparse_point_rules_out_dense(w: Tensor, z: Tensor, lam: Tensor) -> Tensor:
     """True where the sparse candidate ``w = [w_1, w_2, w_3, 0]`` (a 2-sparse point or a
     stationary point of ``g``) is a KKT point of ``f`` with non-negative multipliers and a
     positive definite Hessian (eq. ``hessian_4sparse``): it then minimises ``f`` over the PSD
@@ -139,13 +140,7 @@ def _settles(w: Tensor, z: Tensor, lam: Tensor) -> Tensor:
     out = (nu3 >= 0) & (nu4 >= 0)
     rows = out.nonzero().squeeze(-1)
     if rows.numel():
-        v1, v2, v3, lr = w1[rows], w2[rows], w3[rows], lam[rows]
-        one = 1.0
-        hess = [[one, lr * v3, lr * v2, lr * (v2 + v3)],
-                [lr * v3, one, lr * v1, lr * (v1 + v3)],
-                [lr * v2, lr * v1, one, lr * (v1 + v2)],
-                [lr * (v2 + v3), lr * (v1 + v3), lr * (v1 + v2), one]]
-        out[rows] = _cholesky(hess)[1]
+        out[rows] = positive_definite(grad_hess_2of4(w[rows], z[rows], lam[rows])[1])
     return out
 
 
@@ -168,7 +163,7 @@ def solve_sorted_reduced(z: Tensor, lam: Tensor) -> Tensor:
         den = 1 - u * u
         w3 = torch.stack(((a[:, 0] - u * a[:, 1]) / den, (a[:, 1] - u * a[:, 0]) / den, u / l3,
                           torch.zeros_like(u)), -1)
-        f3 = _objective(w3, a, l3)
+        f3 = objective_2of4(w3, a, l3)
         better = f3 < best[rows]
         w[rows[better]] = w3[better]
         best[rows[better]] = f3[better]
@@ -177,12 +172,12 @@ def solve_sorted_reduced(z: Tensor, lam: Tensor) -> Tensor:
     cand = k_ok & (lam * z4 > 0) & (lam * z1 * z2 < 9 * z4) & ~fallback
     rows = cand.nonzero().squeeze(-1)
     if rows.numel():
-        rows = rows[~_settles(w[rows], z[rows], lam[rows])]
+        rows = rows[~sparse_point_rules_out_dense(w[rows], z[rows], lam[rows])]
     if rows.numel():
         a, l4 = z[rows], lam[rows]
         w4, pd = dense_point(a[:, 0], a[:, 1], a[:, 2], a[:, 3], l4)
         pos = pd & (w4[:, 1] > 0) & (w4[:, 3] > 0)
-        f4 = torch.where(pos, _objective(w4, a, l4), torch.full_like(l4, torch.inf))
+        f4 = torch.where(pos, objective_2of4(w4, a, l4), torch.full_like(l4, torch.inf))
         better = f4 < best[rows]
         w[rows[better]] = w4[better]
         best[rows[better]] = f4[better]

@@ -7,7 +7,7 @@ from torch import Tensor
 
 from . import reduced_simd
 from .._checks import non_finite_error
-from ._cells import check_cells, lam_tensor, sort_abs, unsort
+from .cells import check_cells, lam_tensor, sort_abs, unsort
 from .gd_solver import solve_sorted_gd
 from .newton import solve_sorted_newton
 from .reduced import solve_sorted_reduced
@@ -34,7 +34,7 @@ def prox_2of4(
     case, stopping a case when its gradient norm grows or drops below ``gd_tol * max|z|``.
     Returns a tensor of the shape, dtype and device of ``z``.
     """
-    compiled = solver == "reduced" and z.device.type == "cpu" and reduced_simd.AVAILABLE
+    compiled = solver == "reduced" and z.device.type == "cpu"
     check_cells(z, 4, finite=not compiled)  # the compiled kernel finds NaN and Inf as it loads
     if solver not in SOLVERS:
         raise ValueError(f"solver must be one of {SOLVERS}, got {solver!r}")
