@@ -1,33 +1,15 @@
-"""Exact damped-Newton solver for the 2:4 prox on sorted non-negative cells (``solver="newton"``;
-also the fallback of the default :mod:`nmprune.prox.reduced` and the engine of ``prox_nm``).
+"""Exact damped-Newton solver for the 2:4 prox on sorted non-negative cells (``solver="newton"``),
+and the damped Newton method that the torch reduced solver falls back on and ``prox_nm`` runs.
 
-Works on ``z_1 >= z_2 >= z_3 >= z_4 >= 0`` (Lemma ``lemma:sorted_prox``) and follows Algorithm
-``alg:prox_enumerate``: the answer is the best of the 2-sparse point ``[z_1, z_2, 0, 0]``, the
-minimiser of the 3-variable problem ``g`` (eq. ``prox_sorted3``) and of the 4-variable problem
-``f`` (eq. ``prox_sorted``), each restricted to the region where its Hessian is PSD
-(problems ``convex_constrained_prob3``/``convex_constrained_prob4``, convex by Lemma
-``lem:hessian``). Every candidate is a feasible point, so the best of them is never worse than
-the true case it approximates, and it is the global minimiser whenever the case holding the
-optimum is solved (Theorem ``thm:optimality``).
-
-Speed comes from deciding most cells without iterating. At an interior local minimum the
-Hessian is PSD, so its 2x2 minors give ``lam w_k <= 1`` (3-sparse) and ``lam (w_k + w_l) <= 1``
-(dense). With the stationarity equations of Lemma ``lem:three_cases`` this yields
-``w_1 >= z_1/2, w_2 >= z_2/2`` for a 3-sparse optimum and ``w_1 >= z_1/3, w_2 >= z_2/3`` for a
-dense one, hence the sufficient tests
-
-* 3-sparse impossible when ``lam l_1 l_2 >= z_3`` with ``l_1 = max(z_1/2, z_1 - lam z_2 z_3)``,
-  ``l_2 = max(z_2/2, z_2 - lam z_1 z_3)`` (since ``w_3 = z_3 - lam w_1 w_2`` must be positive);
-* dense impossible when ``lam (d_1 d_2 + d_1 d_3 + d_2 d_3) >= z_4`` with the analogous lower
-  bounds ``d_1 >= z_1/3``, ``d_2 >= z_2/3``, ``d_3 >= z_3 - lam (z_1 z_2 + z_1 z_4 + z_2 z_4)``
-  (so the cell is exactly ``[z_1, z_2, 0, 0]`` when both hold, e.g. for ``lam z_1 z_2 >= 9 z_3``),
-
-and the necessary conditions of Lemma ``lem:opt_cond_ext``: 2-sparse needs
-``lam >= z_3 / (z_1 z_2)``, 3-sparse needs ``lam >= z_4 / (z_1 z_2 + z_1 z_3 + z_2 z_3)``.
-Only the cells left undecided are iterated, each case by a damped Newton method that keeps its
-iterates strictly positive and inside the PSD region (Cholesky succeeds) with an Armijo line
-search: a feasible descent method for a convex problem, so it converges to the case minimiser
-when that minimiser is interior (quadratically near it). Internally everything runs in float64.
+Algorithm ``alg:prox_enumerate`` on ``z_1 >= z_2 >= z_3 >= z_4 >= 0`` (Lemma
+``lemma:sorted_prox``): the best of the 2-sparse point ``[z_1, z_2, 0, 0]`` and the minimisers
+of the 3-variable problem ``g`` (eq. ``prox_sorted3``) and the 4-variable problem ``f`` (eq.
+``prox_sorted``), each over the region where its Hessian is PSD (convex by Lemma
+``lem:hessian``), so the best candidate is the global minimiser (Theorem ``thm:optimality``).
+Most cells are decided without iterating, by the necessary conditions of Lemma
+``lem:opt_cond_ext``, bound boxes from the stationarity equations and KKT certificates; the
+rest run a feasible damped Newton method, which converges to the case minimiser when it is
+interior. Runs in float64. The reasoning behind each test is in ``docs/prox.md``.
 """
 
 from __future__ import annotations

@@ -1,20 +1,16 @@
-"""Compiled per-cell form of the reduced 2:4 solver (:mod:`nmprune.prox.reduced`) for CPU tensors.
+"""The reduced 2:4 solver (:mod:`nmprune.prox.reduced`) in scalar numba code: one cell at a time.
 
-Each cell is solved by scalar code (numba) with the same mathematics as the torch solver --
-Lemma ``lemma:sorted_prox`` (sorted ``|z|``), Algorithm ``alg:prox_enumerate`` (best of the
-2-sparse point, the PSD stationary point of ``g`` and that of ``f``), the 3-sparse equation
-``Phi(u) = 0`` solved by monotone Newton from its inflection point, the dense case by Newton
-on the two reduced equations ``grad G = 0``, the necessary conditions and KKT certificates --
-plus the slower exact fallbacks of the dense case (damped Newton on the convex reduced problem
-with a convexity lower bound, then damped Newton on ``f``), with early exits.
-:func:`solve_sorted_cell` is the exact answer for one sorted cell; :mod:`nmprune.prox.reduced_simd`
-runs the common paths vectorised over many cells and calls it for the cells they leave open.
-The small helpers (the Newton step on ``G``, the convexity bound with its unrolled 2-D linear
-programme, the box tightening) are branch-free so that those vectorised loops share them;
-all functions use numpy's error model (a division by zero gives inf or nan, which the
-comparisons then reject, instead of raising). Cells that no certificate decides (rare) are
-flagged and re-solved by the exact torch path. All arithmetic is float64; see
-:mod:`nmprune.prox.reduced` for the derivations.
+:func:`solve_sorted_cell` is the exact answer for one sorted cell, with early exits: the
+necessary conditions and KKT certificates, the 3-sparse equation ``Phi(u) = 0`` by monotone
+Newton from its inflection point, the dense case by Newton on ``grad G = 0``, then its exact
+fallbacks (damped Newton on the convex reduced problem with a convexity lower bound, then
+damped Newton on ``f``). :mod:`nmprune.prox.reduced_simd` runs the common paths vectorised and
+calls this code only for the cells its stages leave open, where branchy per-cell code is
+cheaper than more vectorised stages. The small helpers (the Newton step on ``G``, the
+convexity bound with its unrolled 2-D linear programme, the boxes) are branch-free so that
+those vectorised loops share them. All functions use numpy's error model (a division by zero
+gives inf or nan, which the comparisons then reject, instead of raising); all arithmetic is
+float64. The derivations are in ``docs/prox.md``.
 """
 
 from __future__ import annotations
@@ -116,7 +112,7 @@ def pd4(lam, w1, w2, w3, w4):
 
 @njit(cache=True, error_model="numpy", inline="always")
 def sparse_point_rules_out_dense(w1, w2, w3, z3, z4, lam):
-    """KKT certificate of :func:`nmprune.prox.reduced._settles` for ``[w1, w2, w3, 0]``."""
+    """KKT certificate of :func:`nmprune.prox.reduced.sparse_point_rules_out_dense` for ``[w1, w2, w3, 0]``."""
     nu3 = 0.0 if w3 > 0.0 else lam * w1 * w2 - z3
     nu4 = lam * (w1 * w2 + w3 * (w1 + w2)) - z4
     return (nu3 >= 0.0) & (nu4 >= 0.0) & pd4(lam, w1, w2, w3, 0.0)
@@ -165,8 +161,8 @@ def case_box(z1, z2, z3, z4, lam):
     For small ``lam`` the rounds converge onto the minimiser itself, so the box collapses
     to a point, and rounding can leave ``lo`` an ulp above ``hi``: the bounds are widened by
     ``BOX_SLACK * z1`` before the test (a looser necessary condition only costs work).
-    Without this a strict test declared the dense case empty for most cells with
-    ``lam z1 < 1e-3`` and returned a 3-sparse point."""
+    A strict test would declare the dense case empty for most cells with ``lam z1 < 1e-3``
+    and return a 3-sparse point."""
     l1, l2, l3, l4 = z1 / 3.0, z2 / 3.0, 0.0, 0.0
     h1, h2, h3, h4 = z1, z2, z3, z4
     for _ in range(BOX_ROUNDS):
@@ -312,9 +308,8 @@ def lp_min_box(g1, g2, xlo, xhi, ylo, yhi, cut1, cut2, cut3):
     of its lines that can be vertices are checked: the 4 corners (against the cuts), each
     cut's line with the 4 box edges (the crossing against its edge's range and the other
     cuts) and the 3 crossings of the cuts' lines (against the box and the third cut). A
-    point is only checked against the constraints it does not lie on: 75 tests where
-    checking all 7 constraints at all 21 pairs of lines took 147 (and 21 divisions, here
-    9). Straight-line code, so loops over cells that call it vectorise."""
+    point is only checked against the constraints it does not lie on (75 tests and 9
+    divisions, not 147 and 21 for all 7 constraints at all 21 pairs). Straight-line code, so loops over cells that call it vectorise."""
     low = min(min(_corner(xlo, ylo, g1, g2, cut1, cut2, cut3), _corner(xlo, yhi, g1, g2, cut1, cut2, cut3)),
               min(_corner(xhi, ylo, g1, g2, cut1, cut2, cut3), _corner(xhi, yhi, g1, g2, cut1, cut2, cut3)))
     low = min(low, _cut_vertices(g1, g2, xlo, xhi, ylo, yhi, cut1, cut2, cut3))

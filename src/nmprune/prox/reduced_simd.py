@@ -1,47 +1,32 @@
-"""The reduced 2:4 solver (:mod:`nmprune.prox.reduced`) vectorised over cells, for CPU tensors.
+"""The reduced 2:4 solver vectorised over cells in numba: ``solver="reduced"`` on CPU tensors.
 
-The per-cell solver (:func:`nmprune.prox.reduced_kernel.solve_sorted_cell`) branches on every
-cell and spends its time in mispredicted branches and in the latency of dependent divisions.
-Here the cells are cut into chunks (:func:`chunk_size`); within a chunk every stage is a
-branch-free loop over structure-of-arrays that LLVM vectorises (AVX2/AVX-512 lanes of float64),
-and each stage hands only the cells it could not settle to the next one:
+The cells are cut into chunks (:func:`chunk_size`) run in parallel; within a chunk every stage
+is a branch-free loop over structure-of-arrays that LLVM vectorises, and each stage hands only
+the cells it could not settle to the next one:
 
-1. load ``|z|``, sort each cell by comparisons (Lemma ``lemma:sorted_prox``) and settle the
-   cells whose answer is the 2-sparse point ``[z_1, z_2, 0, 0]`` by the necessary condition
-   ``K < 1`` or its KKT certificate (lam = 0 returns ``z``); mark the cells whose answer is
-   proven dense: ``f(z) = lam r(z)`` bounds the minimum from above, and is below a lower bound
-   on every point with a zero entry (:func:`_sparse_lower_bound`, at least ``z_4^2 / 2``):
-   they skip stage 2 and the boxes of stage 3 (most cells of the first proximal-gradient
-   iterations, where lam is small);
-2. the 3-sparse stationary point of ``g`` (eq. ``stationarity_3sparse``): the monotone Newton
-   iteration on ``Phi(u) = 0`` from its inflection point, in rounds of a few masked steps,
-   each round on the cells the previous one left iterating (a third of the cells leave the
-   region after one step, most converge in 4-5 steps), then the better of it and the
-   2-sparse point, and the KKT certificate ``sparse_point_rules_out_dense`` (the candidate minimises ``f`` over
-   the PSD region, so no dense point beats it);
-3. the dense case, for the cells proven dense and the remaining cells that pass its cheap
-   necessary conditions (the case box, ``lam (z_1 - z_2) < 1``): masked Newton steps on
-   ``grad G = 0``, a round on all cells and one on those still iterating; a converged point
-   with a positive definite Hessian is the unique PSD stationary point of ``f`` (Corollary
-   ``corollary:no_spurious``); a cell proven dense without such a point goes to stage 5; for
-   the other cells where Newton failed, the case and ``(x, y)`` boxes (they cost more than the
-   Newton steps, so only these cells pay for them) may prove the dense case empty;
-4. where plain Newton failed (a few per cent of the cells, mostly without a dense minimiser):
-   a few masked damped-Newton steps on the convex reduced problem with the convexity lower
-   bound of :func:`nmprune.prox.reduced_kernel._dense_convex` (its 2-D linear programme
-   unrolled over its 19 possible vertices) and, where the line search finds no Newton step
-   (near the boundary of ``R``, where ``grad^2 G`` turns singular), a step along that boundary
-   as in the per-cell solver. This proves for nearly all of them that the dense case cannot
-   beat the best sparse point (1536x576 at the median lam: 177 of 191 cells of a chunk,
-   against 150 without the boundary step; the rest cost ~1.5 us each in stage 5);
-5. the cells still undecided (well under one per cent) are solved by the exact per-cell
-   solver (those from stage 4 go on from the point where its iterations stopped, instead of
-   starting over), then everything is written back with the signs and positions of ``z``.
+1. load ``|z|``, sort each cell (Lemma ``lemma:sorted_prox``), settle the cells whose answer is
+   ``[z_1, z_2, 0, 0]`` (``K >= 1`` or its KKT certificate; lam = 0 returns ``z``) and mark
+   those proven dense (``f(z) = lam r(z)`` below :func:`_sparse_lower_bound`): these skip
+   stage 2 and the boxes of stage 3;
+2. the 3-sparse stationary point of ``g`` (eq. ``stationarity_3sparse``) by rounds of masked
+   monotone Newton steps on ``Phi(u) = 0``, the better of it and the 2-sparse point, and the KKT
+   certificate that no dense point beats it;
+3. the dense case, for the cells that pass its necessary conditions: masked Newton steps on
+   ``grad G = 0``; a converged point with a positive definite Hessian is the unique PSD
+   stationary point of ``f`` (Corollary ``corollary:no_spurious``); where Newton failed, the
+   case and ``(x, y)`` boxes may prove the dense case empty;
+4. where plain Newton failed: a few masked damped-Newton steps on the convex reduced problem
+   with the convexity lower bound (:func:`nmprune.prox.reduced_kernel.convex_lower_bound`) and
+   a slide along the boundary of ``R`` where the line search finds no Newton step; this proves
+   for most of them that the dense case cannot beat the best sparse point;
+5. the cells still open (well under one per cent) are finished by the per-cell code of
+   :mod:`nmprune.prox.reduced_kernel` (going on from the point where stage 4 stopped), then
+   everything is written back with the signs and positions of ``z``.
 
-Same mathematics and the same certificates as the per-cell solver, so the answer is the same
-exact minimiser. Loops index arrays with unsigned integers: numba's wrap-around of negative
-indices otherwise makes the addresses non-affine and LLVM refuses to vectorise. The loops are
-compiled with two vectors of cells interleaved per iteration (:func:`_interleaved_vector_loops`).
+Same mathematics and certificates as the per-cell solver, so the answer is the same exact
+minimiser. Loops index arrays with unsigned integers: numba's wrap-around of negative indices
+otherwise makes the addresses non-affine and LLVM refuses to vectorise. Measurements of the
+stages are in ``docs/prox.md``.
 """
 
 from __future__ import annotations
@@ -403,24 +388,19 @@ def _dense_finish(z1, z2, z3, z4, lv, x, y, state, w0, w1, w2, w3, flag):
 
 
 @njit(**_JIT)
-def _convex_start(z1, z2, z3, z4, lv, w0, w1, w2, x, y, target, s1, s2, d1, d2, xlo, xhi, ylo, yhi):
-    """For the cells where plain Newton failed, as in
-    :func:`nmprune.prox.reduced_kernel._dense_convex`: the reduced constants, the start
-    ``(S_1, S_2)/2`` (which :func:`_convex_pull` then moves into ``R``), the ``(x, y)`` box
-    and the bound to beat (``4 lam^2`` times the best sparse objective). Three loops: one
-    over all 19 arrays would need too many run-time aliasing checks to vectorise."""
-    for j in range(U64(x.shape[0])):
-        lam = lv[j]
-        p, q = lam * (z1[j] + z2[j]), lam * (z3[j] + z4[j])
-        s1[j], s2[j], d1[j], d2[j] = p, q, lam * (z1[j] - z2[j]), lam * (z3[j] - z4[j])
-        x[j], y[j] = 0.5 * p, 0.5 * q
-    for j in range(U64(x.shape[0])):
+def _convex_start(z1, z2, z3, z4, lv, w0, w1, w2, target, s1, s2, d1, d2, xlo, xhi, ylo, yhi):
+    """For the cells where plain Newton failed (the reduced constants and the start
+    ``(S_1, S_2)/2`` set by :func:`_dense_init`), as in
+    :func:`nmprune.prox.reduced_kernel.dense_case`: the ``(x, y)`` box and the bound to beat
+    (``4 lam^2`` times the best sparse objective). Two loops: one over all these arrays would
+    need too many run-time aliasing checks to vectorise."""
+    for j in range(U64(s1.shape[0])):
         x1, x2, x3, x4, lam = z1[j], z2[j], z3[j], z4[j], lv[j]
         _, l1, l2, l3, l4, h1, h2, h3, h4 = case_box(x1, x2, x3, x4, lam)
         _, a, b, c, d = xy_box(s1[j], s2[j], d1[j], d2[j], lam * (l1 + l2), lam * (h1 + h2),
-                                lam * (l3 + l4), lam * (h3 + h4))
+                               lam * (l3 + l4), lam * (h3 + h4))
         xlo[j], xhi[j], ylo[j], yhi[j] = a, b, c, d
-    for j in range(U64(x.shape[0])):
+    for j in range(U64(s1.shape[0])):
         x1, x2, x3, x4, lam = z1[j], z2[j], z3[j], z4[j], lv[j]
         target[j] = 4.0 * lam * lam * objective4(w0[j], w1[j], w2[j], 0.0, x1, x2, x3, x4, lam)
 
@@ -582,10 +562,10 @@ def _chunk(z, lam, out, undecided, start, stop, ws, ranks, idx):
             dx, dy, dec, state = ws[32, :k], ws[33, :k], ws[34, :k], ws[35, :k]
             xn, yn, moved = ws[36, :k], ws[37, :k], ws[38, :k]
             tx, ty = ws[39, :k], ws[40, :k]
-            _convex_start(z1, z2, z3, z4, lk, v0, v1, v2, x, y, target, s1, s2, d1, d2, xlo, xhi, ylo, yhi)
+            _dense_init(z1, z2, z3, z4, lk, x, y, s1, s2, d1, d2, state)
+            _convex_start(z1, z2, z3, z4, lk, v0, v1, v2, target, s1, s2, d1, d2, xlo, xhi, ylo, yhi)
             for _ in range(CONVEX_PULLS):
                 _convex_pull(x, y, s1, s2, d1, d2)
-            state[:] = 0.0
             moved[:] = 0.0
             for _ in range(ITER_CONVEX):
                 _convex_bound(x, y, s1, s2, d1, d2, xlo, xhi, ylo, yhi, target, gv, dx, dy, dec, state)
@@ -633,12 +613,9 @@ def prox_cells(z, lam, out, undecided, chunk, ws, ranks, idx):
 def chunk_size(cells: int, threads: int) -> int:
     """Cells per chunk: the fewest chunks of at most ``MAX_CHUNK`` cells whose number is a
     multiple of the thread count, all of (nearly) the same size, and no chunk below
-    ``MIN_CHUNK``. Large chunks (their work arrays, :func:`_workspace`, take 2.8 MB a thread)
-    give the rare later stages (a few per cent of the cells) arrays long enough to vectorise
-    well -- 1536x576 at the median lam:
-    8192 cells per chunk measured 14% faster than 1024. numba splits the chunks evenly over
-    the threads, so equal shares matter more than many chunks: 27 chunks of 8192 (the last
-    2192) on 2 threads took 6-9% longer than 28 of 7900 (kernel alone, repeated runs)."""
+    ``MIN_CHUNK``. Large chunks give the rare later stages arrays long enough to vectorise;
+    numba splits the chunks evenly over the threads, so equal shares matter more than many
+    chunks."""
     threads = max(1, threads)
     per_thread = -(-cells // (threads * MAX_CHUNK))
     return max(MIN_CHUNK, -(-cells // (threads * per_thread)))
@@ -653,9 +630,8 @@ def _interleaved_vector_loops(compiling: bool) -> Iterator[None]:
     iteration (``-force-vector-interleave=2``), then its default (0, its own cost model) again.
 
     Its cost model does not interleave loops with bodies this large, so each loop keeps one
-    vector of 8 cells in flight and waits on the latency of its dependent operations (a Newton
-    round, the rounds of a box). Two independent vectors per iteration hide part of it:
-    1536x576 at the median lam, 0.92x the kernel time (1 thread); interleaving 4 was slower.
+    vector of cells in flight and waits on the latency of its dependent operations (a Newton
+    round, the rounds of a box); two independent vectors per iteration hide part of it.
     The option is global to LLVM, so it is set only while this module's kernels compile (the
     first call per dtype; later calls and numba's on-disk cache compile nothing)."""
     if not compiling:
@@ -676,11 +652,10 @@ _WORKSPACE: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
 def _workspace(threads: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Work arrays for ``threads`` numba threads, each for one chunk of up to ``MAX_CHUNK``
     cells (2.8 MB), kept between calls (replaced only by a larger set; the compiled kernel holds
-    the GIL, so calls never share them). Allocated per chunk, they made glibc map and unmap
-    fresh memory on every call once torch's own allocations came between, and the page faults
-    cost ~3 ms per call on 1536x576 (a third of the kernel). Rows are ``MAX_CHUNK + 8`` apart,
-    a whole number of cache lines plus one: rows 64 KiB apart kept evicting each other from L1
-    in the loops over ten and more rows."""
+    the GIL, so calls never share them): allocated per call, glibc can map and unmap them every
+    time, and the page faults cost a large part of the kernel. Rows are ``MAX_CHUNK + 8``
+    apart, a whole number of cache lines plus one, so that the loops over ten and more rows do
+    not evict each other from L1 (rows a power of two apart do)."""
     if not _WORKSPACE or _WORKSPACE[0][0].shape[0] < threads:
         _WORKSPACE[:] = [(np.empty((threads, _SCRATCH, MAX_CHUNK + 8)), np.empty((threads, MAX_CHUNK), np.int32),
                           np.empty((threads, 2 * MAX_CHUNK), np.uint64))]
