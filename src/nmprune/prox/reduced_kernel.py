@@ -1,16 +1,14 @@
-"""The reduced 2:4 solver (:mod:`nmprune.prox.reduced`) in scalar numba code: one cell at a time.
+"""Scalar numba code of the compiled reduced 2:4 solver (:mod:`nmprune.prox.reduced_simd`).
 
-:func:`solve_sorted_cell` is the exact answer for one sorted cell, with early exits: the
-necessary conditions and KKT certificates, the 3-sparse equation ``Phi(u) = 0`` by monotone
-Newton from its inflection point, the dense case by Newton on ``grad G = 0``, then its exact
-fallbacks (damped Newton on the convex reduced problem with a convexity lower bound, then
-damped Newton on ``f``). :mod:`nmprune.prox.reduced_simd` runs the common paths vectorised and
-calls this code only for the cells its stages leave open, where branchy per-cell code is
-cheaper than more vectorised stages. The small helpers (the Newton step on ``G``, the
-convexity bound with its unrolled 2-D linear programme, the boxes) are branch-free so that
-those vectorised loops share them. All functions use numpy's error model (a division by zero
-gives inf or nan, which the comparisons then reject, instead of raising); all arithmetic is
-float64. The derivations are in ``docs/prox.md``.
+Two kinds of functions: branch-free helpers that the vectorised loops of ``reduced_simd``
+inline (the positive-definiteness test, the KKT certificate, the Newton step on ``G``, the
+case and ``(x, y)`` boxes, the convexity lower bound with its unrolled 2-D linear programme),
+and :func:`dense_case`, the exact dense-case fallbacks run one cell at a time for the few
+cells the vectorised stages leave open (damped Newton on the convex reduced problem with the
+convexity lower bound, then damped Newton on ``f``), where branchy per-cell code with early
+exits is cheaper than more vectorised stages. All functions use numpy's error model (a
+division by zero gives inf or nan, which the comparisons then reject, instead of raising); all
+arithmetic is float64. The derivations are in ``docs/prox.md``.
 """
 
 from __future__ import annotations
@@ -19,8 +17,6 @@ import numpy as np
 
 from numba import njit
 
-MAX_3SPARSE = 40
-MAX_DENSE = 40
 STEP_TOL = 1e-12
 BOX_ROUNDS = 4
 MAX_FALLBACK = 30
@@ -29,60 +25,6 @@ XY_ROUNDS = 3
 BOX_SLACK = 1e-9  # the boxes are widened by this much of the cell's scale (see case_box)
 NEWTON4_ITER = 30
 DEC_TOL = 1e-24
-
-
-@njit(cache=True, error_model="numpy", inline="always")
-def _phi(u, a, b, c):
-    """``Phi(u) = u + (A^2/(1+u)^2 - B^2/(1-u)^2)/4 - c``, ``Phi'(u)`` and the size of its
-    fraction terms ``(A^2/(1+u)^2 + B^2/(1-u)^2)/4`` (for a rounding-level residual test);
-    ``1/(1+u)`` and ``1/(1-u)`` come from one division."""
-    r = 1.0 / ((1.0 + u) * (1.0 - u))
-    ip = (1.0 - u) * r
-    im = (1.0 + u) * r
-    aa = a * ip
-    bb = b * im
-    aa = aa * aa
-    bb = bb * bb
-    return u + (aa - bb) * 0.25 - c, 1.0 - (aa * ip + bb * im) * 0.5, (aa + bb) * 0.25
-
-
-@njit(cache=True, error_model="numpy", inline="always")
-def _three_root(z1: float, z2: float, z3: float, lam: float):
-    """``(status, u)`` of the PSD stationary point of ``g`` (``u = lam w_3``): status 1 found,
-    0 proven absent, -1 undecided (see :func:`nmprune.prox.reduced.three_sparse_root`)."""
-    s = z1 + z2
-    d = z1 - z2
-    a = lam * s
-    b = lam * d
-    c = lam * z3
-    r = np.sqrt(d / s)
-    u = (1.0 - r) / (1.0 + r)
-    k = lam * (z1 + np.sqrt(d * s)) / 2.0
-    if k >= 1.0:
-        return 0, 0.0
-    phi = u + k * (a - b) / 4.0 - c
-    dphi = 1.0 - k * k
-    umax = min(z2 / z1, c)
-    left = phi > 0.0
-    if not left and u >= umax:
-        return 0, 0.0
-    for _ in range(MAX_3SPARSE):
-        step = phi / dphi
-        u = u - step
-        if left:
-            if u <= 0.0:
-                return 0, 0.0
-        elif u >= umax:
-            return 0, 0.0
-        phi, dphi, frac = _phi(u, a, b, c)
-        if dphi <= 0.0:
-            return 0, 0.0
-        # converged: a relative step of 1e-12, or a residual at rounding level (roots u ~ 0)
-        if abs(step) <= STEP_TOL * u or abs(phi) <= 4e-16 * (u + frac + c):
-            if u <= 0.0 or u >= umax:
-                return 0, 0.0
-            return 1, u
-    return -1, u
 
 
 @njit(cache=True, error_model="numpy", inline="always")
@@ -116,29 +58,6 @@ def sparse_point_rules_out_dense(w1, w2, w3, z3, z4, lam):
     nu3 = 0.0 if w3 > 0.0 else lam * w1 * w2 - z3
     nu4 = lam * (w1 * w2 + w3 * (w1 + w2)) - z4
     return (nu3 >= 0.0) & (nu4 >= 0.0) & pd4(lam, w1, w2, w3, 0.0)
-
-
-@njit(cache=True, error_model="numpy", inline="always")
-def _dense(z1, z2, z3, z4, lam):
-    """Newton on ``grad G = 0`` (:func:`nmprune.prox.reduced.dense_point`) with early exit.
-    Returns ``(status, w1..w4)``: 1 converged to a PD point (the unique PSD stationary point
-    of ``f``), -1 undecided."""
-    s1 = lam * (z1 + z2)
-    s2 = lam * (z3 + z4)
-    d1 = lam * (z1 - z2)
-    d2 = lam * (z3 - z4)
-    x = 0.5 * s1
-    y = 0.5 * s2
-    for _ in range(MAX_DENSE):
-        if x >= 1.0 or y >= 1.0:
-            return -1, 0.0, 0.0, 0.0, 0.0
-        _, _, h11, _, _, det, dx, dy = g_newton(x, y, s1, s2, d1, d2)
-        if h11 > 0.0 and det > 0.0 and abs(dx) + abs(dy) <= STEP_TOL * (x + y):
-            w1, w2, w3, w4 = dense_weights(x, y, z1, z2, z3, z4, lam)
-            return 1, w1, w2, w3, w4
-        x += dx
-        y += dy
-    return -1, 0.0, 0.0, 0.0, 0.0
 
 
 @njit(cache=True, error_model="numpy", inline="always")
@@ -522,42 +441,12 @@ def _dense_newton4(z, lam, lo, hi, beat):
     return f, w
 
 
-@njit(cache=True, error_model="numpy", inline="always")
-def solve_sorted_cell(z1, z2, z3, z4, lam):
-    """``(undecided, w1..w4)`` for one sorted non-negative cell."""
-    w1, w2, w3, w4 = z1, z2, 0.0, 0.0
-    if lam == 0.0:
-        return False, z1, z2, z3, z4
-    if lam * (z1 + np.sqrt((z1 - z2) * (z1 + z2))) >= 2.0 or lam * z3 <= 0.0:
-        return False, w1, w2, w3, w4  # K >= 1 (or z3 = 0): neither the 3-sparse nor the dense case
-    best = 0.5 * (z3 * z3 + z4 * z4)
-    if lam * z1 * z2 >= z3 and pd4(lam, z1, z2, 0.0, 0.0):
-        # KKT certificate of the 2-sparse point for f (and so for g, its 3x3 block): it
-        # minimises f over the convex PSD region with w >= 0, so no other case can beat it
-        return False, w1, w2, w3, w4
-    status, u = _three_root(z1, z2, z3, lam)
-    if status < 0:
-        return True, w1, w2, w3, w4
-    if status == 1:
-        den = 1.0 - u * u
-        v1 = (z1 - u * z2) / den
-        v2 = (z2 - u * z1) / den
-        v3 = u / lam
-        f3 = 0.5 * ((v1 - z1) ** 2 + (v2 - z2) ** 2 + (v3 - z3) ** 2 + z4 * z4) + lam * v1 * v2 * v3
-        if f3 < best:
-            w1, w2, w3, best = v1, v2, v3, f3
-    if lam * z4 <= 0.0 or lam * z1 * z2 >= 9.0 * z4 or sparse_point_rules_out_dense(w1, w2, w3, z3, z4, lam):
-        return False, w1, w2, w3, w4
-    return False, *dense_case(z1, z2, z3, z4, lam, w1, w2, w3, best, None)
-
-
 @njit(cache=True, error_model="numpy")
-def dense_case(z1, z2, z3, z4, lam, w1, w2, w3, best, resume):
+def dense_case(z1, z2, z3, z4, lam, w1, w2, w3, best, x0, y0):
     """The answer ``w1..w4`` given the best sparse point ``[w1, w2, w3, 0]`` (objective
-    ``best``) of a cell whose dense case is open: the necessary conditions, then plain
-    Newton on ``grad G = 0``, then the convex fallback from ``(S_1, S_2)/2``, then damped
-    Newton on ``f``. ``resume`` is None, or the point ``(x, y)`` where the caller's own
-    convex iterations stopped (it saw plain Newton fail): the fallback goes on from there."""
+    ``best``) of a cell whose dense case plain Newton left open: the necessary conditions,
+    then the convex fallback going on from ``(x0, y0)`` (where the caller's own convex
+    iterations stopped), then damped Newton on ``f``."""
     w4 = 0.0
     ok, l1, l2, l3, l4, h1, h2, h3, h4 = case_box(z1, z2, z3, z4, lam)
     if not ok:
@@ -570,22 +459,15 @@ def dense_case(z1, z2, z3, z4, lam, w1, w2, w3, best, resume):
                                      lam * (l3 + l4), lam * (h3 + h4))
     if not ok:
         return w1, w2, w3, w4
-    if resume is None:
-        st, v1, v2, v3, v4 = _dense(z1, z2, z3, z4, lam)
-        x0, y0 = 0.5 * s1, 0.5 * s2
-    else:
-        st, v1, v2, v3, v4 = -1, 0.0, 0.0, 0.0, 0.0
-        x0, y0 = resume
+    st, v1, v2, v3, v4 = _dense_convex(z1, z2, z3, z4, lam, xlo, xhi, ylo, yhi, best, x0, y0)
     if st < 0:
-        st, v1, v2, v3, v4 = _dense_convex(z1, z2, z3, z4, lam, xlo, xhi, ylo, yhi, best, x0, y0)
-        if st < 0:
-            f4, v = _dense_newton4(np.array((z1, z2, z3, z4)), lam, np.array((l1, l2, l3, l4)),
-                                   np.array((h1, h2, h3, h4)), best)
-            if f4 < best:
-                return v[0], v[1], v[2], v[3]
-            return w1, w2, w3, w4
-        if st == 0:
-            return w1, w2, w3, w4
+        f4, v = _dense_newton4(np.array((z1, z2, z3, z4)), lam, np.array((l1, l2, l3, l4)),
+                               np.array((h1, h2, h3, h4)), best)
+        if f4 < best:
+            return v[0], v[1], v[2], v[3]
+        return w1, w2, w3, w4
+    if st == 0:
+        return w1, w2, w3, w4
     if v2 > 0.0 and v4 > 0.0:
         f4 = objective4(v1, v2, v3, v4, z1, z2, z3, z4, lam)
         if f4 < best:

@@ -19,12 +19,14 @@ the cells it could not settle to the next one:
    with the convexity lower bound (:func:`nmprune.prox.reduced_kernel.convex_lower_bound`) and
    a slide along the boundary of ``R`` where the line search finds no Newton step; this proves
    for most of them that the dense case cannot beat the best sparse point;
-5. the cells still open (well under one per cent) are finished by the per-cell code of
-   :mod:`nmprune.prox.reduced_kernel` (going on from the point where stage 4 stopped), then
-   everything is written back with the signs and positions of ``z``.
+5. the cells still open (well under one per cent) are finished one by one by the exact
+   dense fallbacks of :mod:`nmprune.prox.reduced_kernel`, going on from the point where
+   stage 4 stopped; then everything is written back with the signs and positions of ``z``.
 
-Same mathematics and certificates as the per-cell solver, so the answer is the same exact
-minimiser. Loops index arrays with unsigned integers: numba's wrap-around of negative indices
+A cell proven dense whose dense stage found no answer goes through stages 2-5 like the others.
+Cells whose 3-sparse Newton has not converged after all its rounds (none in the benchmarks)
+are flagged undecided, for the torch solver. Same mathematics and certificates as
+:mod:`nmprune.prox.reduced`, so the answer is the same exact minimiser. Loops index arrays with unsigned integers: numba's wrap-around of negative indices
 otherwise makes the addresses non-affine and LLVM refuses to vectorise. Measurements of the
 stages are in ``docs/prox.md``.
 """
@@ -52,14 +54,13 @@ from .reduced_kernel import (
     objective4,
     pd4,
     phi_grad,
-    solve_sorted_cell,
     sparse_point_rules_out_dense,
     xy_box,
 )
 
 MIN_CHUNK, MAX_CHUNK = 1024, 8192  # cells per chunk (see chunk_size)
 ROUND_3SPARSE = 4  # masked Newton steps on Phi per round
-ROUNDS_3SPARSE = 2  # rounds; nearly all cells converge in 3-6 steps
+ROUNDS_3SPARSE = 10  # rounds at most; nearly all cells converge in 3-6 steps
 ITER_DENSE = 8  # masked Newton steps on grad G = 0
 ITER_CONVEX = 3  # masked damped-Newton steps with the convexity bound, where plain Newton failed
 CONVEX_PULLS = 12  # halvings of the start towards the origin, into R
@@ -166,11 +167,11 @@ def _scatter(idx, src, dst):
 def _three_newton(u, step, a, b, c, lo, hi, state):
     """One masked Newton step ``u - step`` on ``Phi(u) = 0`` (a cell with ``state`` 0 moves;
     1 once it has converged, 2 once it leaves the region that holds a valid PSD root), and
-    the next step. With ``p = 1 + u``, ``q = 1 - u`` (:func:`reduced_kernel._phi`):
+    the next step. With ``p = 1 + u``, ``q = 1 - u`` (:func:`nmprune.prox.reduced.three_sparse_root`):
     ``Phi = N / (4 p^2 q^2)`` and ``Phi' = D / (2 p^3 q^3)`` with
     ``N = 4 (u - c) p^2 q^2 + A^2 q^2 - B^2 p^2``, ``D = 2 p^3 q^3 - A^2 q^3 - B^2 p^3``,
     so the step ``Phi / Phi' = N p q / (2 D)`` costs one division (the divisions bound the
-    vectorised rounds). The tests of :func:`reduced_kernel._three_root` in these terms:
+    vectorised rounds). Its tests in these terms:
     ``Phi' <= 0`` is ``D p q <= 0``; the residual test is scaled by ``4 p^2 q^2``."""
     un = u - step
     p, q = 1.0 + un, 1.0 - un
@@ -364,10 +365,10 @@ def _dense_solve(ws, row, n, idx):
 
 @njit(**_JIT)
 def _no_dense_answer(w3, flag):
-    """For cells proven dense: flag 2 (the per-cell solver) where the dense stage found no
-    dense answer (``w_4 = 0``), else 0."""
+    """For cells proven dense: flag 1 (the 3-sparse stage and the rest of the pass) where the
+    dense stage found no dense answer (``w_4 = 0``), else 0."""
     for j in range(U64(w3.shape[0])):
-        flag[j] = 2.0 if w3[j] == 0.0 else 0.0
+        flag[j] = 1.0 if w3[j] == 0.0 else 0.0
 
 
 @njit(**_JIT)
@@ -521,13 +522,13 @@ def _chunk(z, lam, out, undecided, start, stop, ws, ranks, idx):
     resume_x, resume_y = ws[41, :m], ws[42, :m]  # the convex stage's last point, for stage 5
     load_cells(z, lam, start, a0, a1, a2, a3, lv, ranks, w0, w1, w2, w3, flag)
     # rows 10.. hold the compacted cells of one stage at a time
-    # stages: 0 the 3-sparse case (flag 1), 1 the dense case of the cells proven dense
-    # (flag 4), 2 the dense case of the cells stage 0 left open (flag 1), 3 the convex
-    # stage (flag 1 again)
-    for stage in range(4):
+    # stages, in this order: 1 the dense case of the cells proven dense (flag 4; those without
+    # a dense answer get flag 1), 0 the 3-sparse case (flag 1), 2 the dense case of the cells
+    # stage 0 left open (flag 1), 3 the convex stage (flag 1 again)
+    for stage in (1, 0, 2, 3):
         k = _select(flag, 4.0 if stage == 1 else 1.0, idx)
-        if k == 0:  # flag 1 comes only from the stage before; flag 4 only from load_cells
-            if stage < 2:
+        if k == 0:  # flag 4 comes only from load_cells; flag 1 from load_cells or the stage before
+            if stage == 1:
                 continue
             break
         sel = idx[:k]
@@ -551,7 +552,7 @@ def _chunk(z, lam, out, undecided, start, stop, ws, ranks, idx):
             if stage == 2:  # the cells proven dense skip the boxes (see _no_dense_answer)
                 _dense_unconverged_boxes(z1, z2, z3, z4, lk, state, ws, 34, idx[m:])  # rows 34-39
             _dense_finish(z1, z2, z3, z4, lk, x, y, state, v0, v1, v2, v3, fk)
-            if stage == 1:  # no dense answer found: the per-cell solver (sparse cases unsolved)
+            if stage == 1:  # no dense answer found: the whole pass (its sparse cases are unsolved)
                 _no_dense_answer(v3, fk)
             for src, dst in ((v0, w0), (v1, w1), (v2, w2), (v3, w3), (fk, flag)):
                 _scatter(sel, src, dst)
@@ -584,16 +585,12 @@ def _chunk(z, lam, out, undecided, start, stop, ws, ranks, idx):
                 flag[sel[j]] = 0.0 if state[j] == 3.0 else 3.0
                 resume_x[sel[j]], resume_y[sel[j]] = x[j], y[j]
     for t in range(m):
-        if flag[t] == 2.0:  # 3-sparse Newton not converged: the whole per-cell solver
-            und, p0, p1, p2, p3 = solve_sorted_cell(a0[t], a1[t], a2[t], a3[t], lv[t])
-            w0[t], w1[t], w2[t], w3[t] = p0, p1, p2, p3
-            undecided[start + t] = und
-        elif flag[t] == 5.0:  # NaN or Inf
+        if (flag[t] == 2.0) | (flag[t] == 5.0):  # 3-sparse Newton not converged; NaN or Inf
             undecided[start + t] = True
         elif flag[t] == 3.0:  # plain dense Newton failed: the per-cell dense fallbacks
             best = objective4(w0[t], w1[t], w2[t], 0.0, a0[t], a1[t], a2[t], a3[t], lv[t])
             w0[t], w1[t], w2[t], w3[t] = dense_case(a0[t], a1[t], a2[t], a3[t], lv[t], w0[t], w1[t],
-                                                     w2[t], best, (resume_x[t], resume_y[t]))
+                                                     w2[t], best, resume_x[t], resume_y[t])
     _store(z, start, w0, w1, w2, w3, ranks, out)
 
 
@@ -601,8 +598,8 @@ def _chunk(z, lam, out, undecided, start, stop, ws, ranks, idx):
 def prox_cells(z, lam, out, undecided, chunk, ws, ranks, idx):
     """The 2:4 prox of every cell ``z[4 i : 4 i + 4]`` (flat, float32 or float64) with
     ``lam[i]`` into ``out`` (flat, like ``z``), ``chunk`` cells at a time; ``undecided[i]``
-    is set where the exact torch path must re-solve the cell (rare, see
-    :mod:`nmprune.prox.reduced_kernel`) and where the cell holds NaN or Inf. Thread ``t``
+    is set where the exact torch path must re-solve the cell (3-sparse Newton not converged:
+    rare) and where the cell holds NaN or Inf. Thread ``t``
     works in ``ws[t]``, ``ranks[t]``, ``idx[t]`` (:func:`_workspace`)."""
     n = z.shape[0] // 4
     for c in prange((n + chunk - 1) // chunk):
