@@ -191,11 +191,10 @@ def prune_model(model: nn.Module, tokenizer: Any = None, settings: PruneSettings
         report.layers = checkpoint.records
         report.resumed_from_block = start
         for i in range(start):
-            saved = checkpoint.block_weights(i)
+            saved = checkpoint.block_weights(i, {sub: m.weight.shape for sub, m in block_layers[i].items()})
             for sub, module in block_layers[i].items():
-                if sub in saved:
-                    with torch.no_grad():
-                        module.weight.copy_(saved[sub])
+                with torch.no_grad():
+                    module.weight.copy_(saved[sub])
 
     was_training = model.training
     model.eval()
