@@ -120,6 +120,7 @@ class RunConfig:
     ``model=None`` is the packaged SmolLM2-135M-Instruct. ``eval`` lists the data sets to
     report perplexity on (dense and pruned); an empty list skips evaluation.
     ``eval_max_tokens`` caps each held-out token stream (0: the whole stream).
+    ``allow_pickle`` lets pickle weight files (``pytorch_model.bin``) load; they can run code.
     """
 
     model: str | None = None
@@ -132,6 +133,7 @@ class RunConfig:
     eval_seqlen: int = 512
     checkpoint_dir: str | None = None
     restart: bool = False
+    allow_pickle: bool = False
     prune: PruneSettings = field(default_factory=PruneSettings)
 
     def identity(self) -> str:

@@ -84,18 +84,40 @@ def check_text_sources(sources: Iterable[str], flag: str, split: str) -> None:
             raise ValueError(f"{flag} {source}: {e}") from None
 
 
+def _check_window(seqlen: object, max_tokens: object, flags: tuple[str, str]) -> None:
+    if not isinstance(seqlen, int) or isinstance(seqlen, bool) or seqlen < 2:
+        raise ValueError(f"{flags[0]} must be an integer >= 2, got {seqlen!r}")
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
+        raise ValueError(f"{flags[1]} must be a non-negative integer (0 = all), got {max_tokens!r}")
+
+
 def check_prune_inputs(config) -> None:
     """Everything about a ``nmprune prune`` run (a :class:`nmprune.config.RunConfig`) that
     can be judged before the model loads: ``--out``, ``--checkpoint-dir``, ``--device``,
-    the calibration source and the evaluation sources."""
+    ``--dtype``, the evaluation window, the calibration source and the evaluation sources."""
+    from .models import parse_dtype
+
     if not config.out:
         raise ValueError("--out DIR is required (where the pruned model is saved)")
     check_creatable_dir(config.out, "--out", must_not_exist=True)
     if config.checkpoint_dir:
         check_creatable_dir(config.checkpoint_dir, "--checkpoint-dir", must_not_exist=False)
     check_device(config.device)
+    parse_dtype(config.dtype)
+    _check_window(config.eval_seqlen, config.eval_max_tokens, ("--eval-seqlen", "--eval-max-tokens"))
     check_text_sources([config.prune.calib], "--calib", "calib")
     check_text_sources(config.eval, "--eval", "eval")
+
+
+def check_eval_inputs(data: list[str], device: str | None, dtype: str | None, seqlen: object,
+                      max_tokens: object) -> None:
+    """The ``nmprune eval`` inputs that can be judged before the model loads."""
+    from .models import parse_dtype
+
+    check_device(device)
+    parse_dtype(dtype)
+    _check_window(seqlen, max_tokens, ("--seqlen", "--max-tokens"))
+    check_text_sources(data, "--data", "eval")
 
 
 def non_finite_parameters(model: nn.Module) -> list[str]:
