@@ -126,8 +126,11 @@ def run_prune(config: RunConfig, *, progress: bool = True, on_block_done=None) -
     cache: dict[str, Any] = {}
     token_streams(tokenizer, config.eval, config.eval_seqlen, config.eval_max_tokens or None, cache)
     p = config.prune
-    calibration = calibration_batch(tokenizer, source=p.calib, nsamples=p.nsamples, seqlen=p.seqlen,
-                                    seed=p.seed)
+    try:
+        calibration = calibration_batch(tokenizer, source=p.calib, nsamples=p.nsamples,
+                                        seqlen=p.seqlen, seed=p.seed)
+    except ValueError as e:
+        raise ValueError(f"--calib {p.calib}: {e}") from e
     release_memory()  # the tokenised corpus
     remove_partial_save(out)  # what a save killed in an earlier run left
     ckpt = Checkpoint.open(ckpt_dir, config.identity(), restart=config.restart)

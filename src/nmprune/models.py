@@ -220,7 +220,8 @@ def load_model(spec: str | os.PathLike | None = None, *, gguf_file: str | None =
     try:
         model = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch_dtype, **model_kwargs)
     except _load_errors() as e:
-        raise ValueError(f"could not load the model {source}: {type(e).__name__}: {e}") from e
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise ValueError(f"could not load the model {source}: {type(e).__name__}: {first}") from e
     quantizer = getattr(model, "hf_quantizer", None)
     if source.gguf_file and quantizer is not None:
         quantizer.remove_quantization_config(model)  # weights are dense now; save as plain safetensors

@@ -81,7 +81,7 @@ def check_text_sources(sources: Iterable[str], flag: str, split: str) -> None:
         try:
             check_readable(source, split)
         except (ValueError, OSError) as e:
-            raise ValueError(f"{flag} {source}: {e}") from None
+            raise ValueError(f"{flag}: {e}" if source in str(e) else f"{flag} {source}: {e}") from None
 
 
 def _check_window(seqlen: object, max_tokens: object, flags: tuple[str, str]) -> None:
