@@ -172,7 +172,7 @@ def _cli(args, cwd, **env) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("case", ["prune --device nonsense", "pickle weights"])
+@pytest.mark.parametrize("case", ["pickle weights"])
 def test_real_process_exits_2_without_traceback(inputs, tmp_path, case):
     build, expected = CASES[case]
     result = _cli(build(inputs, str(tmp_path / "out")), tmp_path)
@@ -192,7 +192,7 @@ def test_crafted_pickle_with_allow_pickle_is_one_line(inputs, tmp_path, capsys):
 
     evil = tmp_path / "evil"
     tiny_model("llama").config.save_pretrained(evil)
-    (evil / "pytorch_model.bin").write_bytes(pickle.dumps({"x": Payload()}))
+    (evil / "pytorch_model.bin").write_bytes(pickle.dumps({"x": Payload()}, protocol=2))
     assert main(["eval", "--model", str(evil), "--allow-pickle", "--data", str(inputs["text"]),
                  "--seqlen", "16", "--quiet"]) == 2
     _check_refusal(capsys.readouterr().err, f"could not load the model {evil}")

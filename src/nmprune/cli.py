@@ -101,7 +101,6 @@ def run_prune(config: RunConfig, *, progress: bool = True, on_block_done=None) -
     crash resumes from the checkpoint; a user error before the first block is finished
     leaves no checkpoint of this run behind.
     """
-    from ._memory import release_memory
     from .checkpoint import Checkpoint
     from .data import calibration_batch
     from .models import load_model, remove_partial_save
@@ -131,7 +130,6 @@ def run_prune(config: RunConfig, *, progress: bool = True, on_block_done=None) -
                                         seqlen=p.seqlen, seed=p.seed)
     except ValueError as e:
         raise ValueError(f"--calib {p.calib}: {e}") from e
-    release_memory()  # the tokenised corpus
     remove_partial_save(out)  # what a save killed in an earlier run left
     ckpt = Checkpoint.open(ckpt_dir, config.identity(), restart=config.restart)
     try:
