@@ -62,15 +62,12 @@ def token_streams(tokenizer, datasets: list[str], seqlen: int, max_tokens: int |
 
 def evaluate(model, tokenizer, datasets: list[str], seqlen: int, max_tokens: int | None,
              device: str | None, progress: bool, cache: dict[str, Any] | None = None) -> dict[str, float]:
-    """Perplexity of ``model`` on each data set's held-out split (token streams cached); a
-    non-finite perplexity is a ValueError."""
+    """Perplexity of ``model`` on each data set's held-out split (token streams cached)."""
     from .evaluate import perplexity
-    from .validate import check_finite_value
 
     cache = {} if cache is None else cache
     token_streams(tokenizer, datasets, seqlen, max_tokens, cache)
-    return {name: check_finite_value(perplexity(model, cache[name], seqlen=seqlen, device=device,
-                                                progress=progress), f"the perplexity on {name}")
+    return {name: perplexity(model, cache[name], seqlen=seqlen, device=device, progress=progress)
             for name in datasets}
 
 
@@ -324,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "eval":
             from .evaluate import perplexity_table
             from .models import load_model
-            from .validate import check_eval_inputs, check_finite
+            from .validate import check_eval_inputs, check_finite, check_finite_value
 
             data = args.data or ["wiki"]
             check_eval_inputs(data, args.device, args.dtype, args.seqlen, args.max_tokens)
@@ -336,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
             check_finite(model, source)
             result = evaluate(model, tokenizer, data, args.seqlen, args.max_tokens or None,
                               args.device, not args.quiet)
+            for name, value in result.items():
+                check_finite_value(value, f"the perplexity of {source} on {name}")
             print(perplexity_table({str(source): result}))
     except (ValueError, OSError) as e:  # the user's input or environment; anything else is a bug
         print(f"nmprune: error: {' '.join(str(e).split())}", file=sys.stderr)
