@@ -16,20 +16,10 @@ from nmprune.checkpoint import MANIFEST, Checkpoint, CheckpointError, _content_s
 from nmprune.config import PruneSettings
 from nmprune.pipeline import prune_model
 from test_models_tiny import tiny_model, token_batch
+from test_pipeline import _fail_after, _Stop
 
 SETTINGS = PruneSettings(method="magnitude", refine=None, hessian_inputs="pruned", batch_size=2)
 IDS = token_batch(4, 12)
-
-
-class _Stop(Exception):
-    pass
-
-
-def _stop_after(block):
-    def callback(i):
-        if i == block:
-            raise _Stop
-    return callback
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +28,7 @@ def partial_checkpoint(tmp_path_factory):
     d = tmp_path_factory.mktemp("ck") / "ck"
     with pytest.raises(_Stop):
         prune_model(tiny_model("llama", layers=3), settings=SETTINGS, calibration=IDS, progress=False,
-                    checkpoint=Checkpoint.open(d, "id"), on_block_done=_stop_after(1))
+                    checkpoint=Checkpoint.open(d, "id"), on_block_done=_fail_after(1))
     assert sorted(p.name for p in d.iterdir()) == [
         "block_0000.safetensors", "block_0001.safetensors", "hidden_0001.safetensors", MANIFEST]
     return d
