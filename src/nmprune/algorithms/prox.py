@@ -57,7 +57,7 @@ took 18-30% less time (docs/methods.md).
 from __future__ import annotations
 
 import warnings
-from typing import Callable
+from typing import Annotated, Callable, Literal
 
 import torch
 from torch import Tensor
@@ -66,9 +66,12 @@ from .._linalg import column_scale, gd_step_size, rescale
 from ..pattern import NMPattern, count_dense_cells, from_cells, to_cells, topn_mask
 from ..prox import prox_2of4, prox_l0, prox_l1, prox_l2, prox_nm
 from ..prox.two_four import SOLVERS
-from ..registry import register_method
+from ..registry import NonNegativeInt, PositiveFloat, Range, register_method
 
 CellProx = Callable[[Tensor, Tensor], Tensor]  # (cells (..., M), lambda per cell) -> cells
+Growth = Annotated[float, Range(1, low_open=True)]  # beta: lambda must grow
+Finish = Annotated[float, Range(0, 1, high_open=True)]  # fraction of cells left to project
+Momentum = Annotated[float, Range(0, 1)]  # shrink_momentum rho
 
 
 def prox_gradient(w_star: Tensor, h: Tensor, pattern: NMPattern, cell_prox: CellProx, *,
@@ -77,17 +80,6 @@ def prox_gradient(w_star: Tensor, h: Tensor, pattern: NMPattern, cell_prox: Cell
                   gradient_precision: str = "full") -> Tensor:
     """Algorithm ``alg:prox_e2e`` for any cell-wise prox; returns an N:M matrix in the original
     (unscaled) coordinates. See the module docstring for the options."""
-    if not lambda0 > 0:
-        raise ValueError(f"lambda0 must be positive, got {lambda0!r}")
-    if not beta > 1:
-        raise ValueError(f"beta must be > 1, got {beta!r}")
-    if not isinstance(max_iter, int) or max_iter < 0:
-        raise ValueError(f"max_iter must be a non-negative integer, got {max_iter!r}")
-    if not 0 <= finish < 1:
-        raise ValueError(f"finish must be in [0, 1), got {finish!r}")
-    if shrink_momentum != "auto" and not (isinstance(shrink_momentum, (int, float))
-                                          and 0 <= shrink_momentum <= 1):
-        raise ValueError(f"shrink_momentum must be 'auto' or in [0, 1], got {shrink_momentum!r}")
     low = _gradient_dtype(gradient_precision, w_star)
     s = column_scale(h)
     w_star, h = rescale(w_star, h, s)
@@ -157,8 +149,6 @@ BF16_MIN_ROWS = 64  # this CPU: 16 rows x 576 no faster in bfloat16, 64 rows 1.7
 
 def _gradient_dtype(precision: str, w: Tensor) -> torch.dtype | None:
     """The dtype of the gradient product for ``gradient_precision`` (None: the working dtype)."""
-    if precision not in GRADIENT_PRECISIONS:
-        raise ValueError(f"gradient_precision must be one of {GRADIENT_PRECISIONS}, got {precision!r}")
     if precision == "bfloat16":
         return torch.bfloat16
     if precision == "full" or w.dtype != torch.float32 or w.shape[0] < BF16_MIN_ROWS:
@@ -174,16 +164,15 @@ def _gradient_dtype(precision: str, w: Tensor) -> torch.dtype | None:
 def _exact_prox(pattern: NMPattern, solver: str) -> CellProx:
     if (pattern.n, pattern.m) == (2, 4):
         return lambda z, lam: prox_2of4(z, lam, solver=solver)
-    if solver not in SOLVERS:
-        raise ValueError(f"solver must be one of {SOLVERS}, got {solver!r}")
     return lambda z, lam: prox_nm(z, lam, pattern.n)  # the solver choice concerns 2:4 only
 
 
 @register_method("prox", description="proximal gradient with the exact N:M prox (paper Alg. prox_e2e)")
-def prox(w: Tensor, h: Tensor, pattern: NMPattern, *, lambda0: float = 0.001, beta: float = 1.05,
-         lambda_adapt: bool = True, solver: str = "reduced", max_iter: int = 5000,
-         finish: float = 0.005, accelerate: bool = True, shrink_momentum: float | str = "auto",
-         gradient_precision: str = "auto") -> Tensor:
+def prox(w: Tensor, h: Tensor, pattern: NMPattern, *, lambda0: PositiveFloat = 0.001,
+         beta: Growth = 1.05, lambda_adapt: bool = True, solver: Literal[SOLVERS] = "reduced",
+         max_iter: NonNegativeInt = 5000, finish: Finish = 0.005, accelerate: bool = True,
+         shrink_momentum: Momentum | Literal["auto"] = "auto",
+         gradient_precision: Literal[GRADIENT_PRECISIONS] = "auto") -> Tensor:
     """Prox pruner with the regulariser ``r_{N:M}`` (eq. ``regularizer_nm``). ``solver`` picks
     the 2:4 prox solver (``prox_2of4``); other patterns always use ``prox_nm``."""
     return prox_gradient(w, h, pattern, _exact_prox(pattern, solver), lambda0=lambda0, beta=beta,
@@ -193,10 +182,10 @@ def prox(w: Tensor, h: Tensor, pattern: NMPattern, *, lambda0: float = 0.001, be
 
 
 def _register_simple(name: str, cell_prox: Callable[..., Tensor], eq: str) -> None:
-    def method(w: Tensor, h: Tensor, pattern: NMPattern, *, lambda0: float = 0.01,
-               beta: float = 1.01, lambda_adapt: bool = False, max_iter: int = 5000,
-               finish: float = 0.0, accelerate: bool = False, shrink_momentum: float = 1.0,
-               gradient_precision: str = "full") -> Tensor:
+    def method(w: Tensor, h: Tensor, pattern: NMPattern, *, lambda0: PositiveFloat = 0.01,
+               beta: Growth = 1.01, lambda_adapt: bool = False, max_iter: NonNegativeInt = 5000,
+               finish: Finish = 0.0, accelerate: bool = False, shrink_momentum: Momentum = 1.0,
+               gradient_precision: Literal[GRADIENT_PRECISIONS] = "full") -> Tensor:
         return prox_gradient(w, h, pattern, lambda z, lam: cell_prox(z, lam, pattern.n),
                              lambda0=lambda0, beta=beta, lambda_adapt=lambda_adapt,
                              max_iter=max_iter, finish=finish, accelerate=accelerate,

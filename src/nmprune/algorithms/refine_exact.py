@@ -31,13 +31,13 @@ the null directions.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Literal
 
 import torch
 from torch import Tensor
 
 from .._linalg import column_scale
-from ..registry import register_refiner
+from ..registry import NonNegativeFloat, NonNegativeInt, PositiveInt, register_refiner
 
 SOLVERS = ("auto", "direct", "pcg")
 PRECONDITIONERS = ("auto", "jacobi", "inverse")
@@ -222,9 +222,10 @@ def _pcg(w: Tensor, w_star: Tensor, h: Tensor, keep: Tensor, target: Tensor, *, 
 
 @register_refiner("exact", description="minimiser of the local loss with the mask held "
                                        "(batched Cholesky or PCG)")
-def refine_exact(w: Tensor, w_star: Tensor, h: Tensor, mask: Tensor, *, solver: str = "pcg",
-                 preconditioner: str = "auto", tol: float = 1e-8, max_iter: int = 600,
-                 restart: int = 25) -> Tensor:
+def refine_exact(w: Tensor, w_star: Tensor, h: Tensor, mask: Tensor, *,
+                 solver: Literal[SOLVERS] = "pcg", preconditioner: Literal[PRECONDITIONERS] = "auto",
+                 tol: NonNegativeFloat = 1e-8, max_iter: NonNegativeInt = 600,
+                 restart: PositiveInt = 25) -> Tensor:
     """Minimise ``Tr((W-W*) H (W-W*)^T)`` over ``W`` zero outside ``mask``, warm-started at ``w``.
 
     The default is ``"pcg"``: on real Hessians it converges in a few dozen iterations and beats
@@ -249,17 +250,6 @@ def refine_exact(w: Tensor, w_star: Tensor, h: Tensor, mask: Tensor, *, solver: 
     float32 reliable on ill-conditioned Hessians. The result's loss never exceeds that of
     ``w`` with the mask applied.
     """
-    if solver not in SOLVERS:
-        raise ValueError(f"solver must be one of {', '.join(SOLVERS)}, got {solver!r}")
-    if not tol >= 0:
-        raise ValueError(f"tol must be non-negative, got {tol!r}")
-    if not isinstance(max_iter, int) or max_iter < 0:
-        raise ValueError(f"max_iter must be a non-negative integer, got {max_iter!r}")
-    if not isinstance(restart, int) or restart < 1:
-        raise ValueError(f"restart must be a positive integer, got {restart!r}")
-    if preconditioner not in PRECONDITIONERS:
-        raise ValueError(f"preconditioner must be one of {', '.join(PRECONDITIONERS)}, "
-                         f"got {preconditioner!r}")
     keep = mask.to(w.dtype)
     w = w * keep
     if w.numel() == 0:
