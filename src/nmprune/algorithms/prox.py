@@ -136,7 +136,8 @@ def prox_gradient(w_star: Tensor, h: Tensor, pattern: NMPattern, cell_prox: Cell
     return w / s
 
 
-SHRINK_MOMENTUM_GAIN = 4.0  # rho = min(1, gain * mean eigenvalue / gamma_max); 4 and 8 fit alike (docs/methods.md)
+# rho = min(1, gain * mean eigenvalue / gamma_max); 4 and 8 fit alike (docs/methods.md#measurements)
+SHRINK_MOMENTUM_GAIN = 4.0
 
 
 def auto_shrink_momentum(h: Tensor, eta: float) -> float:
@@ -149,7 +150,8 @@ def auto_shrink_momentum(h: Tensor, eta: float) -> float:
 
 
 GRADIENT_PRECISIONS = ("auto", "full", "bfloat16")
-BF16_MIN_ROWS = 64  # fewer rows are not faster in bfloat16 (docs/methods.md#the-proximal-loop-srcnmprunealgorithmsproxpy)
+# fewer rows are not faster in bfloat16 (docs/methods.md#the-proximal-loop-srcnmprunealgorithmsproxpy)
+BF16_MIN_ROWS = 64
 
 
 def _gradient_dtype(precision: str, w: Tensor) -> torch.dtype | None:
