@@ -224,7 +224,7 @@ def main(parts: str = "ABC") -> None:
     out = Path(__file__).parent / "results"
     out.mkdir(exist_ok=True)
     # compile (or load from numba's cache) the 2:4 prox kernels before anything is timed: with
-    # a cold cache the first prox row read 53.5 s instead of ~1 s
+    # a cold cache the first prox row would include about a minute of compiling
     prox_2of4(torch.randn(64, 4), 0.1)
     results: list[dict] = []
     if "A" in parts:

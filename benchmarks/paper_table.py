@@ -29,7 +29,8 @@ skipped (``--force`` redoes them), so an interrupted run resumes. At the end (an
 ``--report-only``) ``benchmarks/paper_table_report.py`` rebuilds
 ``benchmarks/results/RESULTS.md`` and the PNG plots from all JSONs present.
 
-Run (88 minutes for everything, Hessians included, on the 2-core CPU; see RESULTS.md):
+Run (about 1.5 hours for everything, Hessians included, on the 2-core CPU; the latest
+timings are in docs/benchmarks.md):
 
     flock /tmp/nmprune-bench.lock python benchmarks/paper_table.py
     python benchmarks/paper_table.py --only wanda sparsegpt   # a subset of the groups

@@ -16,11 +16,12 @@ weights) when ``lambda_adapt`` is set (eq. ``lambda_adapt``). It stops when ``W`
 Paper-faithful settings: ``lambda0=0.01, beta=1.01, lambda_adapt=False, solver="gd",
 accelerate=False, finish=0.0, gradient_precision="full"`` (``shrink_momentum`` then plays no
 role; the 70B-model setting is ``lambda0=1e-3, beta=1.005, lambda_adapt=True``). Our defaults
-(see docs/methods.md for the measurements) trade the slow schedule for a scale-adaptive faster
-one, accelerate it, and finish early: once at most a fraction ``finish`` of the cells is still
-not N:M, those cells are projected onto N:M (their N largest magnitudes kept) -- a mask-held
-refiner then re-optimises all kept weights. ``max_iter`` guards the loop: reaching it projects
-the remaining cells the same way and emits a RuntimeWarning saying how many cells were projected.
+(measured in docs/methods.md#the-proximal-loop-srcnmprunealgorithmsproxpy) trade the slow
+schedule for a scale-adaptive faster one, accelerate it, and finish early: once at most a
+fraction ``finish`` of the cells is still not N:M, those cells are projected onto N:M (their
+N largest magnitudes kept) -- a mask-held refiner then re-optimises all kept weights.
+``max_iter`` guards the loop: reaching it projects the remaining cells the same way and emits
+a RuntimeWarning saying how many cells were projected.
 
 ``accelerate=True`` extrapolates the gradient point as FISTA does (Beck & Teboulle), with FISTA's
 coefficient ``c_k`` but one change, ``shrink_momentum`` (``rho``): the last step splits into the
@@ -35,13 +36,9 @@ prox step, and the gradient pulls an overshoot back only at the rate ``eta * 2 g
 direction's curvature ``gamma``. ``"auto"`` (the ``prox`` default) sets ``rho = min(1, 4
 gamma_mean / gamma_max)`` (``gamma_mean = tr(H)/d``, 1 in the scaled coordinates): classical
 FISTA where the step is large against the average curvature, less extrapolated shrinkage where
-a few large eigenvalues force a short step. Measured (docs/methods.md, + exact refinement): on
-21 SmolLM2 layers (``rho`` 0.03-0.23) the loss was lower than with classical FISTA on 19
-(total of three blocks -0.2% / -2.1% / -0.6%; +0.03% at worst), on four synthetic correlated
-layers (``rho`` 0.005-0.04) 3.4-4.0% lower, and the paper's synthetic sweep (``gamma_max``
-2.3-3.9) keeps ``rho = 1``, which is best there (``rho = 0.2`` was 1.6-3.6% worse). The
-damped path is slower: ~23% more iterations on those SmolLM2 layers; with ``beta=1.07`` it
-takes the classical loop's time there at about its loss, and keeps the synthetic gains.
+a few large eigenvalues force a short step. It lowers the loss on real and synthetic layers
+at the cost of more iterations (measured in docs/methods.md#measurements, "The extrapolated
+shrinkage").
 
 ``gradient_precision="bfloat16"`` computes the product ``(Y - W*) H`` of the gradient step in
 bfloat16 (the difference formed in the working precision first, so only the gradient itself
@@ -50,8 +47,8 @@ float32). ``"auto"`` (the ``prox`` default) does so for float32 work with at lea
 ``BF16_MIN_ROWS`` rows (fewer make the product a matrix-vector-like one that bfloat16 does not
 speed up) where the hardware has native bfloat16 products (CUDA devices that support bfloat16,
 CPUs with AVX512-BF16 or AMX), and keeps full precision otherwise; ``"full"`` always keeps
-it. On SmolLM2 layers the loss after exact refinement moved by at most 0.003% and the loop
-took 18-30% less time (docs/methods.md).
+it. The loss after exact refinement barely moves and the loop runs faster (measured in
+docs/methods.md#the-proximal-loop-srcnmprunealgorithmsproxpy).
 """
 
 from __future__ import annotations
@@ -131,7 +128,8 @@ def prox_gradient(w_star: Tensor, h: Tensor, pattern: NMPattern, cell_prox: Cell
     return w / s
 
 
-SHRINK_MOMENTUM_GAIN = 4.0  # rho = min(1, gain * mean eigenvalue / gamma_max); fits 4-8 alike
+# rho = min(1, gain * mean eigenvalue / gamma_max); 4 and 8 fit alike (docs/methods.md#measurements)
+SHRINK_MOMENTUM_GAIN = 4.0
 
 
 def auto_shrink_momentum(h: Tensor, eta: float) -> float:
@@ -144,7 +142,8 @@ def auto_shrink_momentum(h: Tensor, eta: float) -> float:
 
 
 GRADIENT_PRECISIONS = ("auto", "full", "bfloat16")
-BF16_MIN_ROWS = 64  # this CPU: 16 rows x 576 no faster in bfloat16, 64 rows 1.7x faster
+# fewer rows are not faster in bfloat16 (docs/methods.md#the-proximal-loop-srcnmprunealgorithmsproxpy)
+BF16_MIN_ROWS = 64
 
 
 def _gradient_dtype(precision: str, w: Tensor) -> torch.dtype | None:
