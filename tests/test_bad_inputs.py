@@ -136,6 +136,15 @@ CASES = {
     "eval non-finite perplexity": (lambda p, o: _eval(p, "overflow"), "perplexity"),
     "--strict with an indivisible layer": (lambda p, o: _fast(p) + ["--out", o, "--pattern", "2:3", "--strict"],
                                            "not divisible by M=3"),
+    "--option beta=abc": (lambda p, o: _fast(p) + ["--out", o, "--method", "prox", "--option", "beta=abc"],
+                          "beta"),
+    "--option refine_tol=abc": (lambda p, o: _fast(p) + ["--out", o, "--refine", "exact", "--option",
+                                                         "refine_tol=abc"], "refine_tol"),
+    "--option lambda0=-1": (lambda p, o: _fast(p) + ["--out", o, "--method", "prox", "--option", "lambda0=-1"],
+                            "lambda0"),
+    "no layer would be pruned": (lambda p, o: _fast(p) + ["--out", o, "--pattern", "2:3"], "pattern 2:3"),
+    "prune non-finite weights": (lambda p, o: _fast(p) + ["--out", o, "--model", str(p["nan"])],
+                                 "model.layers.1.mlp.up_proj.weight"),
     "missing model": (lambda p, o: _fast(p) + ["--out", o, "--model", str(Path(o).parent / "nomodel")], "nomodel"),
 }
 if HAS_CUDA:  # "not available" cases need a machine without the backend

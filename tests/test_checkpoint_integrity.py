@@ -77,12 +77,13 @@ def _flip_manifest_digit(d):
 
 
 def _remove_tensor(rehash: bool):
-    """``mlp.down_proj`` dropped from block_0001; with ``rehash`` the manifest is rewritten to
-    match (size, file hash and its own hash), so only the block's tensor list can tell."""
+    """``model.layers.1.mlp.down_proj`` dropped from block_0001; with ``rehash`` the manifest
+    is rewritten to match (size, file hash and its own hash), so only the block's tensor list
+    can tell."""
     def damage(d):
         p = d / "block_0001.safetensors"
         tensors = load_file(str(p))
-        del tensors["mlp.down_proj"]
+        del tensors["model.layers.1.mlp.down_proj"]
         save_file(tensors, str(p))
         if rehash:
             manifest = json.loads((d / MANIFEST).read_text())
@@ -99,7 +100,8 @@ DAMAGE = {
     "hidden data byte": (_flip_tensor_data("hidden_0001.safetensors"), "hidden_0001"),
     "hidden header byte": (lambda d: _flip(d / "hidden_0001.safetensors", 12), "hidden_0001"),
     "block tensor removed": (_remove_tensor(rehash=False), "block_0001"),
-    "block tensor removed, manifest rehashed": (_remove_tensor(rehash=True), "block_0001.*lacks mlp.down_proj"),
+    "block tensor removed, manifest rehashed": (_remove_tensor(rehash=True),
+                                                "block_0001.*lacks model.layers.1.mlp.down_proj"),
     "manifest done_blocks edited": (_edit_manifest(lambda m: m.update(done_blocks=3)), MANIFEST),
     "manifest file hash edited": (
         _edit_manifest(lambda m: m["files"]["block_0000.safetensors"].update(sha256="0" * 64)), MANIFEST),

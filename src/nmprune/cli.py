@@ -13,6 +13,7 @@ import json
 import platform
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -101,11 +102,11 @@ def run_prune(config: RunConfig, *, progress: bool = True, on_block_done=None) -
     from .checkpoint import Checkpoint
     from .data import calibration_batch
     from .models import load_model, remove_partial_save
-    from .pipeline import validate_plans
-    from .validate import check_prune_inputs
+    from .source import ModelBlocks
+    from .validate import check_finite, check_prune_inputs
 
     check_prune_inputs(config)
-    validate_plans(config.prune)
+    config.prune.planner()  # every method, refiner, pattern and option, before the model loads
     out = Path(config.out)
     ckpt_dir = Path(config.checkpoint_dir or f"{out}.checkpoint")
     timings: dict[str, float] = {}
@@ -117,6 +118,10 @@ def run_prune(config: RunConfig, *, progress: bool = True, on_block_done=None) -
         raise ValueError(f"{source} has no tokenizer; nmprune needs one for calibration and "
                          "evaluation text (save one next to the model)")
     timings["load"] = time.perf_counter() - t0
+    check_finite(model, source)
+    with warnings.catch_warnings():  # prune_model warns about skipped layers itself
+        warnings.simplefilter("ignore")
+        config.prune.planner().plan_layers(ModelBlocks(model).layer_shapes())
     # the text is tokenised before the checkpoint exists: a text too short is refused with
     # nothing written
     cache: dict[str, Any] = {}
