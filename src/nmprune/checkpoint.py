@@ -112,7 +112,6 @@ class Checkpoint:
         ck._check_files()
         return ck
 
-
     @staticmethod
     def _read_manifest(d: Path) -> dict[str, Any]:
         """The manifest, after checking its format, keys and its own SHA-256."""
