@@ -12,11 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from nmprune.checkpoint import MANIFEST, Checkpoint, CheckpointError, _content_sha256, file_sha256
+from nmprune.checkpoint import MANIFEST, Checkpoint, CheckpointError, content_sha256, file_sha256
 from nmprune.config import PruneSettings
 from nmprune.pipeline import prune_model
 from test_models_tiny import tiny_model, token_batch
-from test_pipeline import _fail_after, _Stop
+from test_pipeline import fail_after, Stop
 
 SETTINGS = PruneSettings(method="magnitude", refine=None, hessian_inputs="pruned", batch_size=2)
 IDS = token_batch(4, 12)
@@ -26,9 +26,9 @@ IDS = token_batch(4, 12)
 def partial_checkpoint(tmp_path_factory):
     """A checkpoint with blocks 0 and 1 of 3 finished: block_0000, block_0001, hidden_0001."""
     d = tmp_path_factory.mktemp("ck") / "ck"
-    with pytest.raises(_Stop):
+    with pytest.raises(Stop):
         prune_model(tiny_model("llama", layers=3), settings=SETTINGS, calibration=IDS, progress=False,
-                    checkpoint=Checkpoint.open(d, "id"), on_block_done=_fail_after(1))
+                    checkpoint=Checkpoint.open(d, "id"), on_block_done=fail_after(1))
     assert sorted(p.name for p in d.iterdir()) == [
         "block_0000.safetensors", "block_0001.safetensors", "hidden_0001.safetensors", MANIFEST]
     return d
@@ -88,7 +88,7 @@ def _remove_tensor(rehash: bool):
         if rehash:
             manifest = json.loads((d / MANIFEST).read_text())
             manifest["files"][p.name] = {"size": p.stat().st_size, "sha256": file_sha256(p)}
-            manifest["sha256"] = _content_sha256(manifest)
+            manifest["sha256"] = content_sha256(manifest)
             (d / MANIFEST).write_text(json.dumps(manifest))
     return damage
 

@@ -51,7 +51,7 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _content_sha256(manifest: Mapping[str, Any]) -> str:
+def content_sha256(manifest: Mapping[str, Any]) -> str:
     """Hex SHA-256 of the manifest's content without its own ``sha256`` field."""
     body = {k: v for k, v in manifest.items() if k != "sha256"}
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
@@ -125,7 +125,7 @@ class Checkpoint:
             raise CheckpointError(f"the checkpoint in {d} has format {manifest.get('format')!r}, "
                                   f"this nmprune reads format {FORMAT}; {_RESTART}")
         keys = {"identity", "done_blocks", "records", "files", "extra", "sha256"}
-        if not keys <= set(manifest) or manifest["sha256"] != _content_sha256(manifest):
+        if not keys <= set(manifest) or manifest["sha256"] != content_sha256(manifest):
             raise CheckpointError(f"the checkpoint in {d} is corrupt ({d / MANIFEST} was changed "
                                   f"after nmprune wrote it); {_RESTART}")
         return manifest
@@ -146,7 +146,7 @@ class Checkpoint:
                 raise self._corrupt(name, "does not hold the bytes that were written (SHA-256 differs)")
 
     def _write_manifest(self) -> None:
-        self.manifest["sha256"] = _content_sha256(self.manifest)
+        self.manifest["sha256"] = content_sha256(self.manifest)
         text = json.dumps(self.manifest, indent=1, default=str)
         _atomic_write_bytes(self.directory / MANIFEST, lambda p: p.write_text(text))
 

@@ -148,7 +148,7 @@ def _prune_and_save(config: RunConfig, model, tokenizer, source, ckpt, calibrati
     """:func:`run_prune` after loading: dense perplexity, pruning, pruned perplexity, save."""
     import torch
 
-    from ._memory import release_memory
+    from .memory import release_memory
     from .evaluate import perplexity_table
     from .models import save_pretrained_atomic
     from .pipeline import prune_model
@@ -319,9 +319,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "methods":
             print(_methods_text())
         elif args.command == "prune":
-            from ._memory import prefer_mmap
+            from .memory import prefer_mmap
 
-            prefer_mmap()  # keeps the resident set flat over a long run (nmprune/_memory.py)
+            prefer_mmap()  # keeps the resident set flat over a long run (nmprune/memory.py)
             run_prune(config_from_args(args), progress=not args.quiet)
         elif args.command == "eval":
             from .evaluate import perplexity_table

@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
-from ._memory import release_memory
+from .memory import release_memory
 from .checkpoint import Checkpoint
 from .config import PruneSettings
 from .executor import LayerJob, LocalExecutor

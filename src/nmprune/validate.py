@@ -122,10 +122,10 @@ def check_eval_inputs(data: list[str], device: str | None, dtype: str | None, se
 
 def non_finite_parameters(model: nn.Module) -> list[str]:
     """Names of the parameters and buffers of ``model`` holding NaN or Inf."""
-    from ._checks import _all_finite
+    from .checks import all_finite
 
     tensors = list(model.named_parameters()) + list(model.named_buffers())
-    return [name for name, t in tensors if t.is_floating_point() and t.numel() and not _all_finite(t)]
+    return [name for name, t in tensors if t.is_floating_point() and t.numel() and not all_finite(t)]
 
 
 def check_finite(model: nn.Module, source: object) -> None:
