@@ -43,7 +43,10 @@ def run_job(job: LayerJob, device: torch.device) -> tuple[Tensor, dict[str, Any]
     undamped ``H``, with the seconds each took."""
     h = job.stats.hessian().to(device)
     w = job.weight.detach().to(device=device, dtype=h.dtype, copy=True)
-    result = solve(w, h, job.plan, statistic_values(job.plan.statistics, job.stats, device))
+    try:
+        result = solve(w, h, job.plan, statistic_values(job.plan.statistics, job.stats, device))
+    except ValueError as e:  # bad tensors (NaN/Inf weights or statistics): say which layer
+        raise ValueError(f"layer {job.name}: {e}") from e
     start = time.perf_counter()
     loss_wanda = local_loss(solve(w, h, wanda_reference(job.plan.pattern, job.plan.damp)).weight, w, h)
     seconds_wanda = time.perf_counter() - start
