@@ -3,7 +3,7 @@
 A private name starts with one underscore (dunders do not count). Reported: ``from mod import
 _name`` and ``mod._name`` (also ``getattr``/``setattr``/``monkeypatch.setattr(mod, "_name")``)
 where ``mod`` is a module of the project (``src/``, ``benchmarks/``, ``scripts/``, ``tests/``)
-and ``_name`` is not itself a module, and importing a private module (``nmprune._memory``) from
+and ``_name`` is not itself a module, and importing a private module (``pkg._module``) from
 outside the tree that holds it. Usage: ``python3 scripts/check_private_imports.py [DIR ...]``
 (default: the four trees); exit code 1 when anything is found.
 """

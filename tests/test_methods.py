@@ -122,11 +122,11 @@ def test_dsnot_reduces_mean_output_shift_and_falls_back_to_wanda():
 
 def test_exact_refiner_rejects_bad_options():
     w, h = correlated(4, 16, seed=0)
-    with pytest.raises(ValueError, match="tol must be non-negative"):
+    with pytest.raises(ValueError, match="option 'refine_tol' of refiner 'exact' must be float >= 0"):
         prune_layer(w, h, method="wanda", refine="exact", refine_tol=-1.0)
     with pytest.raises(ValueError, match="blocksize must be a positive multiple of M=4"):
         prune_layer(w, h, method="sparsegpt", blocksize=6)
-    with pytest.raises(ValueError, match="beta must be > 1"):
+    with pytest.raises(ValueError, match="option 'beta' of method 'prox' must be float > 1"):
         prune_layer(w, h, method="prox", beta=1.0)
     assert get_refiner("exact").fn(w * 0, w, h, torch.zeros_like(w, dtype=torch.bool)).abs().sum() == 0
 
@@ -151,11 +151,11 @@ def test_gradient_precision_auto_follows_the_hardware(monkeypatch):
     for bf16, amx, expected in ((False, False, None), (True, False, torch.bfloat16), (False, True, torch.bfloat16)):
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=bf16: v)
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v)
-        assert prox_module._gradient_dtype("auto", w32) is expected
-        assert prox_module._gradient_dtype("auto", w64) is None  # float64 work keeps its precision
-        assert prox_module._gradient_dtype("full", w32) is None
-        assert prox_module._gradient_dtype("bfloat16", w64) is torch.bfloat16
-        assert prox_module._gradient_dtype("auto", w32[: rows - 1]) is None  # too few rows to pay
+        assert prox_module.gradient_dtype("auto", w32) is expected
+        assert prox_module.gradient_dtype("auto", w64) is None  # float64 work keeps its precision
+        assert prox_module.gradient_dtype("full", w32) is None
+        assert prox_module.gradient_dtype("bfloat16", w64) is torch.bfloat16
+        assert prox_module.gradient_dtype("auto", w32[: rows - 1]) is None  # too few rows to pay
     with pytest.raises(ValueError, match="gradient_precision"):
         prune_layer(w32, torch.eye(4), method="prox", gradient_precision="half")
 
@@ -163,7 +163,7 @@ def test_gradient_precision_auto_follows_the_hardware(monkeypatch):
 def fista_reference(w_star, h, lambda0, beta, lambda_adapt=True):
     """Classical FISTA proximal gradient (Beck & Teboulle) on eq. ``squared_loss`` + lambda_k
     r_2:4, Wanda-scaled, run until every cell is 2:4; written out plainly for the test."""
-    from nmprune._linalg import gd_step_size
+    from nmprune.linalg import gd_step_size
     from nmprune.prox import prox_2of4
 
     s = torch.diagonal(h).sqrt()
@@ -197,7 +197,7 @@ def test_shrink_momentum_one_is_classical_fista_and_other_values_differ():
 def test_auto_shrink_momentum_follows_the_spectrum():
     """"auto": rho = min(1, 4 mean eigenvalue / gamma_max) of the scaled H. A well-conditioned H
     keeps classical FISTA (the same result as rho = 1); a spiked one damps the shrinkage."""
-    from nmprune._linalg import column_scale, gd_step_size, rescale
+    from nmprune.linalg import column_scale, gd_step_size, rescale
     from nmprune.algorithms.prox import auto_shrink_momentum
 
     g = torch.Generator().manual_seed(0)

@@ -1,5 +1,5 @@
-"""scripts/check_private_imports.py: no module of the package or the benchmarks uses a private
-name of another module, and the checker finds each kind of private use it claims to."""
+"""scripts/check_private_imports.py: no module of the package, benchmarks, scripts or tests
+uses a private name of another module, and the checker finds each kind of private use it claims to."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ def _run(*trees: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(SCRIPT), *trees], capture_output=True, text=True, cwd=ROOT)
 
 
-def test_no_private_names_across_modules_in_src_and_benchmarks():
-    res = _run("src", "benchmarks")
+def test_no_private_names_across_modules_anywhere():
+    res = _run()
     assert res.returncode == 0, res.stdout
-    assert res.stdout.strip() == "0 private use(s) across modules in src, benchmarks"
+    assert res.stdout.strip() == "0 private use(s) across modules in src, benchmarks, scripts, tests"
 
 
 def test_checker_reports_each_kind_of_private_use():
@@ -28,10 +28,12 @@ def test_checker_reports_each_kind_of_private_use():
     finally:
         sys.path.pop(0)
     probe = ROOT / "scripts" / "_probe_private_uses.py"
+    private_module = ROOT / "src" / "nmprune" / "_probe_private_module.py"
+    private_module.write_text("X = 1\n")
     probe.write_text(
         "from __future__ import annotations\n"
         "import nmprune.prox.newton as newton\n"
-        "from nmprune import _checks\n"                 # a private module from outside nmprune
+        "from nmprune import _probe_private_module\n"  # a private module from outside nmprune
         "from nmprune.prox.newton import _unknown, damped_newton\n"
         "from nmprune.prox import newton as nt\n"
         "x = newton._hidden + newton.__doc__.__len__() + len(nt.damped_newton.__name__)\n"
@@ -41,9 +43,10 @@ def test_checker_reports_each_kind_of_private_use():
         lines = check.findings(probe, check.module_names())
     finally:
         probe.unlink()
+        private_module.unlink()
     text = "\n".join(lines)
     assert len(lines) == 4, text
-    assert ":3: imports the private module nmprune._checks" in text
+    assert ":3: imports the private module nmprune._probe_private_module" in text
     assert ":4: imports _unknown from nmprune.prox.newton" in text
     assert ":6: uses nmprune.prox.newton._hidden" in text
     assert ":7: uses nmprune.prox.newton._flag" in text

@@ -13,6 +13,7 @@ import json
 import platform
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -45,27 +46,30 @@ def parse_override(text: str) -> tuple[str, Any]:
     return glob, ({"method": method, "refine": refine} if plus else {"method": method})
 
 
-def check_datasets(names: list[str]) -> None:
-    """Reject an evaluation data set the data module cannot read, before any work."""
-    from .data.sources import parse_source
+def token_streams(tokenizer, datasets: list[str], seqlen: int, max_tokens: int | None,
+                  cache: dict[str, Any]) -> None:
+    """Tokenise each data set's held-out split into ``cache`` (name -> ids), refusing one
+    too short for a single evaluation window."""
+    from .data import eval_tokens
 
-    for name in names:
-        parse_source(name)
+    for name in datasets:
+        if name not in cache:
+            tokens = eval_tokens(tokenizer, source=name, max_tokens=max_tokens, seqlen=seqlen)
+            if tokens.shape[1] < seqlen:
+                raise ValueError(f"evaluation text {name} has {tokens.shape[1]} tokens, fewer than "
+                                 f"one window of {seqlen}; lower the evaluation seqlen or use a longer text")
+            cache[name] = tokens
 
 
 def evaluate(model, tokenizer, datasets: list[str], seqlen: int, max_tokens: int | None,
              device: str | None, progress: bool, cache: dict[str, Any] | None = None) -> dict[str, float]:
     """Perplexity of ``model`` on each data set's held-out split (token streams cached)."""
-    from .data import eval_tokens
     from .evaluate import perplexity
 
     cache = {} if cache is None else cache
-    result = {}
-    for name in datasets:
-        if name not in cache:
-            cache[name] = eval_tokens(tokenizer, source=name, max_tokens=max_tokens, seqlen=seqlen)
-        result[name] = perplexity(model, cache[name], seqlen=seqlen, device=device, progress=progress)
-    return result
+    token_streams(tokenizer, datasets, seqlen, max_tokens, cache)
+    return {name: perplexity(model, cache[name], seqlen=seqlen, device=device, progress=progress)
+            for name in datasets}
 
 
 def versions() -> dict[str, str]:
@@ -86,41 +90,74 @@ def _run_label(config: RunConfig) -> str:
 def run_prune(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict[str, Any]:
     """The whole ``nmprune prune`` job; returns the report written next to the model.
 
-    Order: load; dense perplexity (kept in the checkpoint); :func:`prune_model` with a
-    checkpoint after every block; pruned perplexity; save model + tokenizer + report into
-    a temporary directory renamed to ``out`` (all three appear at once); delete the checkpoint. A rerun of the same
-    command after a crash resumes from the checkpoint.
+    Order: the inputs that can be checked without the model (:mod:`nmprune.validate`) and
+    the plans; load (a decoder-only causal LM with a tokenizer); tokenise the evaluation
+    and calibration text; only then open the checkpoint; dense perplexity (kept in the
+    checkpoint); :func:`prune_model` with a checkpoint after every block; pruned
+    perplexity; save model + tokenizer + report into ``OUT.partial/`` renamed to ``out``
+    (all three appear at once); delete the checkpoint. A rerun of the same command after a
+    crash resumes from the checkpoint; a user error before the first block is finished
+    leaves no checkpoint of this run behind.
     """
-    import torch
-
-    from ._memory import release_memory
     from .checkpoint import Checkpoint
-    from .evaluate import perplexity_table
-    from .models import load_model, save_pretrained_atomic
-    from .pipeline import prune_model, validate_plans
+    from .data import calibration_batch
+    from .models import load_model, remove_partial_save
+    from .source import ModelBlocks
+    from .validate import check_finite, check_prune_inputs
 
-    if not config.out:
-        raise ValueError("--out DIR is required (where the pruned model is saved)")
+    check_prune_inputs(config)
+    config.prune.planner()  # every method, refiner, pattern and option, before the model loads
     out = Path(config.out)
-    if out.exists():
-        raise ValueError(f"{out} already exists; choose another --out or delete it")
-    check_datasets(config.eval)
-    validate_plans(config.prune)
     ckpt_dir = Path(config.checkpoint_dir or f"{out}.checkpoint")
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
 
-    model, tokenizer, source = load_model(config.model, gguf_file=config.gguf_file, dtype=config.dtype)
+    model, tokenizer, source = load_model(config.model, gguf_file=config.gguf_file, dtype=config.dtype,
+                                          allow_pickle=config.allow_pickle)
     if tokenizer is None:
         raise ValueError(f"{source} has no tokenizer; nmprune needs one for calibration and "
                          "evaluation text (save one next to the model)")
     timings["load"] = time.perf_counter() - t0
+    check_finite(model, source)
+    with warnings.catch_warnings():  # prune_model warns about skipped layers itself
+        warnings.simplefilter("ignore")
+        config.prune.planner().plan_layers(ModelBlocks(model).layer_shapes())
+    # the text is tokenised before the checkpoint exists: a text too short is refused with
+    # nothing written
+    cache: dict[str, Any] = {}
+    token_streams(tokenizer, config.eval, config.eval_seqlen, config.eval_max_tokens or None, cache)
+    p = config.prune
+    try:
+        calibration = calibration_batch(tokenizer, source=p.calib, nsamples=p.nsamples,
+                                        seqlen=p.seqlen, seed=p.seed)
+    except ValueError as e:
+        raise ValueError(f"--calib {p.calib}: {e}") from e
+    remove_partial_save(out)  # what a save killed in an earlier run left
     ckpt = Checkpoint.open(ckpt_dir, config.identity(), restart=config.restart)
+    try:
+        return _prune_and_save(config, model, tokenizer, source, ckpt, calibration, cache, timings,
+                               t0, progress, on_block_done)
+    except ValueError:
+        if ckpt.created and ckpt.done_blocks == 0:
+            ckpt.remove()  # refused before any progress: leave no checkpoint of this run
+        raise
+
+
+def _prune_and_save(config: RunConfig, model, tokenizer, source, ckpt, calibration, cache,
+                    timings: dict[str, float], t0: float, progress: bool, on_block_done) -> dict[str, Any]:
+    """:func:`run_prune` after loading: dense perplexity, pruning, pruned perplexity, save."""
+    import torch
+
+    from .memory import release_memory
+    from .evaluate import perplexity_table
+    from .models import save_pretrained_atomic
+    from .pipeline import prune_model
+
+    out = Path(config.out)
     if ckpt.done_blocks:
-        print(f"resuming from {ckpt_dir}: {ckpt.done_blocks} blocks already pruned", file=sys.stderr)
+        print(f"resuming from {ckpt.directory}: {ckpt.done_blocks} blocks already pruned", file=sys.stderr)
     device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
 
-    cache: dict[str, Any] = {}
     key = f"dense_perplexity/{config.eval_seqlen}/{config.eval_max_tokens}"
     dense = ckpt.get(key, {})
     missing = [d for d in config.eval if d not in dense]
@@ -133,8 +170,8 @@ def run_prune(config: RunConfig, *, progress: bool = True, on_block_done=None) -
         timings["eval_dense"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    prune_report = prune_model(model, tokenizer, config.prune, device=device, checkpoint=ckpt,
-                               progress=progress, on_block_done=on_block_done)
+    prune_report = prune_model(model, tokenizer, config.prune, calibration=calibration, device=device,
+                               checkpoint=ckpt, progress=progress, on_block_done=on_block_done)
     timings["prune"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -159,7 +196,7 @@ def run_prune(config: RunConfig, *, progress: bool = True, on_block_done=None) -
         "layers": prune_report.layers,
     }
     report["seconds"]["total_before_save"] = time.perf_counter() - t0
-    # model, tokenizer and report go to OUT.saving/ and appear together under OUT by one rename
+    # model, tokenizer and report go to OUT.partial/ and appear together under OUT by one rename
     save_pretrained_atomic(model, tokenizer, out,
                            {REPORT_FILE: json.dumps(report, indent=1, default=str)})
     ckpt.remove()
@@ -177,6 +214,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gguf-file", dest="gguf_file", help="GGUF file inside --model DIR")
     p.add_argument("--dtype", help="auto (default), float32, bfloat16, float16, float64")
     p.add_argument("--device", help="compute device, e.g. cuda or cpu (default: cuda if available)")
+    p.add_argument("--allow-pickle", dest="allow_pickle", action="store_true", default=None,
+                   help="also load pickle weights (pytorch_model.bin), which can run code; "
+                        "default: safetensors only")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -241,7 +281,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     flags: dict[str, Any] = {k: getattr(args, k) for k in (
         "model", "gguf_file", "dtype", "device", "out", "method", "refine", "pattern", "calib",
         "nsamples", "seqlen", "seed", "batch_size", "hessian_inputs", "hessian_dtype", "damp", "strict",
-        "eval_seqlen", "checkpoint_dir", "restart")}
+        "eval_seqlen", "checkpoint_dir", "restart", "allow_pickle")}
     if args.option:
         flags["options"] = dict(parse_option(o) for o in args.option)
     if args.override:
@@ -279,25 +319,30 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "methods":
             print(_methods_text())
         elif args.command == "prune":
-            from ._memory import prefer_mmap
+            from .memory import prefer_mmap
 
-            prefer_mmap()  # keeps the resident set flat over a long run (nmprune/_memory.py)
+            prefer_mmap()  # keeps the resident set flat over a long run (nmprune/memory.py)
             run_prune(config_from_args(args), progress=not args.quiet)
         elif args.command == "eval":
             from .evaluate import perplexity_table
             from .models import load_model
+            from .validate import check_eval_inputs, check_finite, check_finite_value
 
             data = args.data or ["wiki"]
-            check_datasets(data)
+            check_eval_inputs(data, args.device, args.dtype, args.seqlen, args.max_tokens)
             model, tokenizer, source = load_model(args.model, gguf_file=args.gguf_file,
-                                                  dtype=args.dtype or "auto")
+                                                  dtype=args.dtype or "auto",
+                                                  allow_pickle=bool(args.allow_pickle))
             if tokenizer is None:
                 raise ValueError(f"{source} has no tokenizer; save one next to the model")
+            check_finite(model, source)
             result = evaluate(model, tokenizer, data, args.seqlen, args.max_tokens or None,
                               args.device, not args.quiet)
+            for name, value in result.items():
+                check_finite_value(value, f"the perplexity of {source} on {name}")
             print(perplexity_table({str(source): result}))
-    except (ValueError, FileNotFoundError) as e:
-        print(f"nmprune: error: {e}", file=sys.stderr)
+    except (ValueError, OSError) as e:  # the user's input or environment; anything else is a bug
+        print(f"nmprune: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     return 0
 

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from . import reduced_simd
-from .._checks import non_finite_error
+from ..checks import non_finite_error
 from .cells import check_cells, lam_tensor, sort_abs, unsort
 from .gd_solver import solve_sorted_gd
 from .newton import solve_sorted_newton

@@ -2,14 +2,13 @@
 
 glibc keeps freed heap memory for reuse, and its mmap threshold grows each time a large block
 is freed, so later large tensors come from the heap and fragment it: on the packaged model the
-resident set grew by about 100 MB per decoder block (1.87 GB peak for the main job).
-:func:`prefer_mmap` (called by the CLI) pins the threshold at 32 MiB, so the large activation
-tensors are always mapped and unmapped directly while the many small temporaries of the layer
-solvers keep reusing the heap (a 1 MiB threshold gave the same peak but made the run ~45%
-slower through page faults); :func:`release_memory` (after loading, evaluating, every block
-and, without the garbage collection, every layer) returns the free heap pages. Together they
-brought that peak to about 1.4 GB; the per-layer trim took the layer solvers' temporaries
-(which grew the heap by 70-80 MB over a block's MLP layers) off it.
+resident set grows by about 100 MB per decoder block. :func:`prefer_mmap` (called by the CLI)
+pins the threshold at 32 MiB, so the large activation tensors are always mapped and unmapped
+directly while the many small temporaries of the layer solvers keep reusing the heap (a
+1 MiB threshold gives the same peak but makes the run slower through page faults);
+:func:`release_memory` (after loading, evaluating, every block and, without the garbage
+collection, every layer) returns the free heap pages, the layer solvers' temporaries
+included. Measured in docs/pipeline.md#measured-packaged-smollm2-135m-instruct-this-2-core-cpu.
 """
 
 from __future__ import annotations
@@ -31,15 +30,15 @@ def _glibc():
         return None
 
 
-_LIBC = _glibc()
+LIBC = _glibc()
 _M_MMAP_THRESHOLD = -3
 
 
 def prefer_mmap(threshold: int = 32 << 20) -> None:
     """Serve allocations of ``threshold`` bytes or more by mmap (glibc; process-wide, so only
     the command-line entry point calls it)."""
-    if _LIBC is not None:
-        _LIBC.mallopt(_M_MMAP_THRESHOLD, threshold)
+    if LIBC is not None:
+        LIBC.mallopt(_M_MMAP_THRESHOLD, threshold)
 
 
 def release_memory(collect: bool = True) -> None:
@@ -47,5 +46,5 @@ def release_memory(collect: bool = True) -> None:
     system."""
     if collect:
         gc.collect()
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
+    if LIBC is not None:
+        LIBC.malloc_trim(0)
