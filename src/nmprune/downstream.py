@@ -40,6 +40,8 @@ class DownstreamSettings:
     ``num_fewshot`` ``None`` keeps each task's default (0 for nmprune's tasks); ``limit``
     ``None`` evaluates every item, an integer the first ``limit`` items of each task;
     ``include_path`` adds folders of the user's own task YAML files (lm-eval's ``--include_path``).
+    The options are validated even without tasks (so a bad flag fails at once); no tasks means
+    no downstream evaluation.
     """
 
     tasks: tuple[str, ...]
@@ -52,8 +54,6 @@ class DownstreamSettings:
         tasks = (self.tasks,) if isinstance(self.tasks, str) else tuple(self.tasks)
         object.__setattr__(self, "tasks", tuple(t.strip() for t in tasks if t and t.strip()))
         object.__setattr__(self, "include_path", tuple(str(p) for p in self.include_path))
-        if not self.tasks:
-            raise ValueError("no lm-eval task given; name at least one, e.g. " + ",".join(OFFLINE_TASKS[:2]))
         if self.num_fewshot is not None and (not _is_int(self.num_fewshot) or self.num_fewshot < 0):
             raise ValueError(f"--num-fewshot must be an integer >= 0, got {self.num_fewshot!r}")
         if self.limit is not None and (not _is_int(self.limit) or self.limit < 1):
@@ -131,6 +131,8 @@ def check_tasks(settings: DownstreamSettings) -> dict[str, str]:
     from the local files or the Hugging Face cache otherwise). Raises ValueError naming the
     offending task.
     """
+    if not settings.tasks:
+        raise ValueError("no lm-eval task given; name at least one, e.g. " + ",".join(OFFLINE_TASKS[:2]))
     manager = task_manager(settings.tasks, settings.include_path)
     known = set(manager.all_tasks)
     for name in settings.tasks:
@@ -216,22 +218,13 @@ def headline(metrics: Mapping[str, Any]) -> tuple[str, float] | None:
     return None
 
 
-def accuracy_table(rows: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> str:
-    """A Markdown table: one row per model, one column per task (``task vVERSION metric``),
-    values in percent; ``rows`` maps a model to :func:`evaluate_tasks`' result."""
-    if not rows:
-        raise ValueError("accuracy_table needs at least one row")
-    columns: dict[str, str] = {}
-    for result in rows.values():
-        for task, metrics in result.items():
-            if task not in columns and (h := headline(metrics)) is not None:
-                columns[task] = f"{task} v{metrics.get('version', 'N/A')} {h[0]}"
-    lines = ["| model | " + " | ".join(columns.values()) + " |",
-             "| --- | " + " | ".join("---:" for _ in columns) + " |"]
-    for name, result in rows.items():
-        cells = []
-        for task in columns:
-            h = headline(result.get(task, {}))
-            cells.append(f"{100 * h[1]:.1f}" if h else "—")
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+def accuracy_columns(result: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
+    """Table columns of :func:`evaluate_tasks`' result: ``{"TASK METRIC% vVERSION": percent}``,
+    one per task (its :func:`headline` metric), to sit beside the perplexity columns of
+    :func:`nmprune.evaluate.perplexity_table`."""
+    columns = {}
+    for task, metrics in result.items():
+        h = headline(metrics)
+        if h is not None:
+            columns[f"{task} {h[0]}% v{metrics.get('version', 'N/A')}"] = 100 * h[1]
+    return columns
