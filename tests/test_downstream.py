@@ -174,29 +174,31 @@ def _one_line_error(capsys, needle: str) -> None:
 
 @pytest.mark.parametrize("flags, needle", [
     (["--tasks", "no_such_task"], "unknown lm-eval task 'no_such_task'"),
-    (["--tasks", "my_copy"], "task 'my_copy' could not be loaded"),
+    (["--tasks", "my_copy", "--include-path", "MINE"], "task 'my_copy' could not be loaded"),
     (["--tasks", "nmprune_wiki_next", "--limit", "0"], "--limit must be a positive integer"),
     (["--tasks", "nmprune_wiki_next", "--num-fewshot", "-1"], "--num-fewshot must be an integer >= 0"),
 ])
 def test_bad_task_requests_fail_before_any_model_loads(flags, needle, tmp_path, capsys):
     """The model path does not exist: the error must be about the tasks, found first."""
-    folder = _user_tasks(tmp_path / "mine")
+    folder = str(_user_tasks(tmp_path / "mine"))
+    flags = [folder if f == "MINE" else f for f in flags]
     missing_model = str(tmp_path / "no_model")
-    assert main(["eval", "--model", missing_model, "--include-path", str(folder), *flags]) == 2
+    assert main(["eval", "--model", missing_model, *flags]) == 2
     _one_line_error(capsys, needle)
     prune_flags = [f.replace("--tasks", "--eval-tasks") for f in flags]
-    assert main(["prune", "--model", missing_model, "--out", str(tmp_path / "out"),
-                 "--include-path", str(folder), *prune_flags]) == 2
+    assert main(["prune", "--model", missing_model, "--out", str(tmp_path / "out"), *prune_flags]) == 2
     _one_line_error(capsys, needle)
 
 
 def test_cli_error_is_one_line_without_traceback_in_a_real_process(tmp_path):
+    """lm-eval indexes and loads the task in this process: nothing but our line reaches stderr."""
+    folder = _user_tasks(tmp_path / "mine")
     proc = subprocess.run([sys.executable, "-m", "nmprune.cli", "prune", "--out", str(tmp_path / "o"),
-                           "--eval-tasks", "nmprune_wiki_next,no_such_task"],
+                           "--eval-tasks", "nmprune_wiki_next,my_copy", "--include-path", str(folder)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [
-        proc.stderr.strip()] and "unknown lm-eval task 'no_such_task'" in proc.stderr
+    assert proc.stderr.startswith("nmprune: error: the data of lm-eval task 'my_copy' could not be loaded")
+    assert proc.stderr.count("\n") == 1, proc.stderr
 
 
 def test_eval_and_prune_report_accuracy_beside_perplexity(tiny, tmp_path, capsys):
