@@ -215,10 +215,10 @@ def test_eval_and_prune_report_accuracy_beside_perplexity(tiny, tmp_path, capsys
     run = tmp_path / "pruned"
     assert main(["prune", "--model", str(model_dir), "--out", str(run), "--method", "wanda",
                  "--refine", "none", "--calib", str(text), "--nsamples", "4", "--seqlen", "16",
-                 "--eval", str(text), "--no-eval", "--eval-tasks", f"{task},nmprune_wiki_cloze",
+                 "--no-eval", "--eval-tasks", f"{task},nmprune_wiki_cloze",
                  "--limit", "4", "--eval-batch-size", "2", "--quiet"]) == 0
     table = capsys.readouterr().out
-    assert "| dense |" in table and "| wanda 2:4 |" in table and "nmprune_wiki_cloze acc% v1.0" in table
+    assert "| dense |" in table and "| wanda" in table and "nmprune_wiki_cloze acc% v1.0" in table
     report = json.loads((run / "nmprune_report.json").read_text())
     down = report["downstream"]
     assert down["settings"] == {"tasks": [task, "nmprune_wiki_cloze"], "num_fewshot": None,
