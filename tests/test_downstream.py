@@ -70,7 +70,7 @@ def test_task_files_hold_a_few_hundred_well_formed_items():
 
 def test_offline_tasks_score_through_lm_eval_on_a_tiny_model(tiny):
     model, tok, _, _ = tiny
-    settings = DownstreamSettings(OFFLINE_TASKS, limit=LIMIT, batch_size=4)
+    settings = DownstreamSettings(["nmprune"], limit=LIMIT, batch_size=4)  # the tag of all four
     assert check_tasks(settings) == {t: "1.0" for t in OFFLINE_TASKS}
     result = evaluate_tasks(model, tok, settings)
     assert set(result) == set(OFFLINE_TASKS)
