@@ -72,6 +72,14 @@ def evaluate(model, tokenizer, datasets: list[str], seqlen: int, max_tokens: int
             for name in datasets}
 
 
+def downstream_settings(config: RunConfig):
+    """The lm-eval settings of a run (validated; no tasks: no downstream evaluation)."""
+    from .downstream import DownstreamSettings, parse_task_list
+
+    return DownstreamSettings(parse_task_list(config.eval_tasks), config.eval_num_fewshot,
+                              config.eval_limit, config.eval_batch_size, tuple(config.eval_include_path))
+
+
 def versions() -> dict[str, str]:
     import torch
     import transformers
@@ -101,11 +109,15 @@ def run_prune(config: RunConfig, *, progress: bool = True, on_block_done=None) -
     """
     from .checkpoint import Checkpoint
     from .data import calibration_batch
+    from .downstream import check_tasks
     from .models import load_model, remove_partial_save
     from .source import ModelBlocks
     from .validate import check_finite, check_prune_inputs
 
     check_prune_inputs(config)
+    downstream = downstream_settings(config)
+    if downstream.tasks:
+        check_tasks(downstream)
     config.prune.planner()  # every method, refiner, pattern and option, before the model loads
     out = Path(config.out)
     ckpt_dir = Path(config.checkpoint_dir or f"{out}.checkpoint")
@@ -148,12 +160,14 @@ def _prune_and_save(config: RunConfig, model, tokenizer, source, ckpt, calibrati
     """:func:`run_prune` after loading: dense perplexity, pruning, pruned perplexity, save."""
     import torch
 
-    from .memory import release_memory
+    from .downstream import accuracy_columns, evaluate_tasks
     from .evaluate import perplexity_table
+    from .memory import release_memory
     from .models import save_pretrained_atomic
     from .pipeline import prune_model
 
     out = Path(config.out)
+    downstream = downstream_settings(config)
     if ckpt.done_blocks:
         print(f"resuming from {ckpt.directory}: {ckpt.done_blocks} blocks already pruned", file=sys.stderr)
     device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -168,6 +182,14 @@ def _prune_and_save(config: RunConfig, model, tokenizer, source, ckpt, calibrati
         release_memory()
         ckpt.put(key, dense)
         timings["eval_dense"] = time.perf_counter() - t
+    acc_key = "dense_downstream/" + json.dumps(downstream.to_dict(), sort_keys=True)
+    dense_acc = ckpt.get(acc_key, {})
+    if downstream.tasks and not dense_acc:
+        t = time.perf_counter()
+        dense_acc = evaluate_tasks(model, tokenizer, downstream, device=device)
+        release_memory()
+        ckpt.put(acc_key, dense_acc)
+        timings["downstream_dense"] = time.perf_counter() - t
 
     t = time.perf_counter()
     prune_report = prune_model(model, tokenizer, config.prune, calibration=calibration, device=device,
@@ -178,8 +200,15 @@ def _prune_and_save(config: RunConfig, model, tokenizer, source, ckpt, calibrati
     pruned = evaluate(model, tokenizer, config.eval, config.eval_seqlen,
                       config.eval_max_tokens or None, device, progress, cache) if config.eval else {}
     timings["eval_pruned"] = time.perf_counter() - t
-    table = perplexity_table({"dense": {d: dense[d] for d in config.eval},
-                              _run_label(config): pruned}) if config.eval else ""
+    pruned_acc = {}
+    if downstream.tasks:
+        t = time.perf_counter()
+        pruned_acc = evaluate_tasks(model, tokenizer, downstream, device=device)
+        timings["downstream_pruned"] = time.perf_counter() - t
+    table = perplexity_table({
+        "dense": {**{d: dense[d] for d in config.eval}, **accuracy_columns(dense_acc)},
+        _run_label(config): {**pruned, **accuracy_columns(pruned_acc)},
+    }) if config.eval or downstream.tasks else ""
 
     layers = [r for r in prune_report.layers if not r.get("skipped")]
     ratios = [r["loss_vs_wanda"] for r in layers if r.get("loss_vs_wanda") is not None]
@@ -188,6 +217,7 @@ def _prune_and_save(config: RunConfig, model, tokenizer, source, ckpt, calibrati
         "versions": versions(), "device": str(device),
         "perplexity": {"dense": {d: dense[d] for d in config.eval}, "pruned": pruned,
                        "seqlen": config.eval_seqlen, "max_tokens": config.eval_max_tokens},
+        "downstream": {"dense": dense_acc, "pruned": pruned_acc, "settings": downstream.to_dict()},
         "summary": {"layers_pruned": len(layers),
                     "layers_skipped": len(prune_report.layers) - len(layers),
                     "mean_loss_vs_wanda": sum(ratios) / len(ratios) if ratios else None},
@@ -217,6 +247,23 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-pickle", dest="allow_pickle", action="store_true", default=None,
                    help="also load pickle weights (pytorch_model.bin), which can run code; "
                         "default: safetensors only")
+
+
+def _add_task_args(p: argparse.ArgumentParser, prefix: str) -> None:
+    """lm-eval flags; ``prefix`` "eval_" (prune) stores them under RunConfig's names."""
+    tasks = "--eval-tasks" if prefix else "--tasks"
+    p.add_argument(tasks, dest=f"{prefix}tasks", action="append", metavar="TASK[,TASK...]",
+                   help="lm-eval tasks to report accuracy on (nmprune_wiki_cloze, nmprune_wiki_next, "
+                        "nmprune_austen_cloze, nmprune_austen_next work offline; the tag nmprune names "
+                        "all four); repeatable")
+    p.add_argument("--num-fewshot", dest=f"{prefix}num_fewshot", type=int,
+                   help="few-shot examples per lm-eval task (default: the task's own, 0 for ours)")
+    p.add_argument("--limit", dest=f"{prefix}limit", type=int,
+                   help="evaluate the first N items of each lm-eval task (default: all)")
+    batch = "--eval-batch-size" if prefix else "--batch-size"
+    p.add_argument(batch, dest=f"{prefix}batch_size", type=int, help="lm-eval batch size (default 8)")
+    p.add_argument("--include-path", dest=f"{prefix}include_path", action="append", metavar="DIR",
+                   help="folder of your own lm-eval task YAML files; repeatable")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -256,19 +303,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-seqlen", dest="eval_seqlen", type=int, help="evaluation window (default 512)")
     p.add_argument("--eval-max-tokens", dest="eval_max_tokens", type=int,
                    help="evaluate on the first N held-out tokens (default 8192; 0 = all)")
+    _add_task_args(p, "eval_")
     p.add_argument("--checkpoint-dir", dest="checkpoint_dir",
                    help="where progress is saved (default: OUT.checkpoint)")
     p.add_argument("--restart", action="store_true", default=None,
                    help="discard an existing checkpoint and start over")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
-    e = sub.add_parser("eval", help="perplexity of a model on held-out text")
+    e = sub.add_parser("eval", help="perplexity on held-out text and accuracy on lm-eval tasks")
     _add_model_args(e)
     e.add_argument("--data", action="append", metavar="DATA",
                    help="wiki (default), c4, wikitext2, austen or a text file; repeatable")
     e.add_argument("--seqlen", type=int, default=512, help="evaluation window (default 512)")
     e.add_argument("--max-tokens", dest="max_tokens", type=int, default=8192,
                    help="first N held-out tokens (default 8192; 0 = all)")
+    _add_task_args(e, "")
     e.add_argument("--quiet", action="store_true", help="no progress bars")
 
     sub.add_parser("methods", help="list the pruning methods and refiners with their options")
@@ -281,7 +330,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     flags: dict[str, Any] = {k: getattr(args, k) for k in (
         "model", "gguf_file", "dtype", "device", "out", "method", "refine", "pattern", "calib",
         "nsamples", "seqlen", "seed", "batch_size", "hessian_inputs", "hessian_dtype", "damp", "strict",
-        "eval_seqlen", "checkpoint_dir", "restart", "allow_pickle")}
+        "eval_seqlen", "checkpoint_dir", "restart", "allow_pickle", "eval_tasks", "eval_num_fewshot",
+        "eval_limit", "eval_batch_size", "eval_include_path")}
     if args.option:
         flags["options"] = dict(parse_option(o) for o in args.option)
     if args.override:
@@ -328,8 +378,15 @@ def main(argv: list[str] | None = None) -> int:
             from .models import load_model
             from .validate import check_eval_inputs, check_finite, check_finite_value
 
-            data = args.data or ["wiki"]
+            from .downstream import (DownstreamSettings, accuracy_columns, check_tasks,
+                                     evaluate_tasks, parse_task_list)
+
+            downstream = DownstreamSettings(parse_task_list(args.tasks), args.num_fewshot, args.limit,
+                                            args.batch_size or 8, tuple(args.include_path or ()))
+            data = args.data or ([] if downstream.tasks else ["wiki"])
             check_eval_inputs(data, args.device, args.dtype, args.seqlen, args.max_tokens)
+            if downstream.tasks:
+                check_tasks(downstream)
             model, tokenizer, source = load_model(args.model, gguf_file=args.gguf_file,
                                                   dtype=args.dtype or "auto",
                                                   allow_pickle=bool(args.allow_pickle))
@@ -340,6 +397,9 @@ def main(argv: list[str] | None = None) -> int:
                               args.device, not args.quiet)
             for name, value in result.items():
                 check_finite_value(value, f"the perplexity of {source} on {name}")
+            if downstream.tasks:
+                result.update(accuracy_columns(evaluate_tasks(model, tokenizer, downstream,
+                                                              device=args.device)))
             print(perplexity_table({str(source): result}))
     except (ValueError, OSError) as e:  # the user's input or environment; anything else is a bug
         print(f"nmprune: error: {' '.join(str(e).split())}", file=sys.stderr)
