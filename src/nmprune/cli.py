@@ -9,6 +9,7 @@ held-out text and saves the pruned model. Settings come from defaults, then a YA
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import sys
@@ -90,41 +91,53 @@ def run_prune(config: RunConfig, *, progress: bool = True, on_block_done=None) -
     checkpoint after every block; pruned perplexity; save model + tokenizer + report into
     a temporary directory renamed to ``out`` (all three appear at once); delete the checkpoint. A rerun of the same
     command after a crash resumes from the checkpoint.
+
+    Under ``torchrun`` with several ranks (:mod:`nmprune.distributed`) every rank loads the
+    model and takes part in :func:`prune_model`; rank 0 alone keeps the checkpoint, evaluates
+    and saves, and the other ranks return the pruning report once pruning is done.
     """
     import torch
 
+    from . import distributed
     from ._memory import release_memory
     from .checkpoint import Checkpoint
     from .evaluate import perplexity_table
     from .models import load_model, save_pretrained_atomic
     from .pipeline import prune_model, validate_plans
 
-    if not config.out:
-        raise ValueError("--out DIR is required (where the pruned model is saved)")
-    out = Path(config.out)
-    if out.exists():
-        raise ValueError(f"{out} already exists; choose another --out or delete it")
-    check_datasets(config.eval)
-    validate_plans(config.prune)
+    ranks = distributed.setup(config.device)
+    main_rank = ranks is None or ranks.is_main
+    phase = ranks.phase if ranks is not None else lambda name: contextlib.nullcontext()
+    with phase("checking the settings"):
+        if not config.out:
+            raise ValueError("--out DIR is required (where the pruned model is saved)")
+        out = Path(config.out)
+        if main_rank and out.exists():
+            raise ValueError(f"{out} already exists; choose another --out or delete it")
+        check_datasets(config.eval)
+        validate_plans(config.prune)
     ckpt_dir = Path(config.checkpoint_dir or f"{out}.checkpoint")
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
 
-    model, tokenizer, source = load_model(config.model, gguf_file=config.gguf_file, dtype=config.dtype)
-    if tokenizer is None:
-        raise ValueError(f"{source} has no tokenizer; nmprune needs one for calibration and "
-                         "evaluation text (save one next to the model)")
-    timings["load"] = time.perf_counter() - t0
-    ckpt = Checkpoint.open(ckpt_dir, config.identity(), restart=config.restart)
-    if ckpt.done_blocks:
+    with phase("loading the model"):
+        model, tokenizer, source = load_model(config.model, gguf_file=config.gguf_file, dtype=config.dtype)
+        if tokenizer is None:
+            raise ValueError(f"{source} has no tokenizer; nmprune needs one for calibration and "
+                             "evaluation text (save one next to the model)")
+        timings["load"] = time.perf_counter() - t0
+        # only rank 0 keeps the checkpoint (and evaluates and saves); prune_model shares it out
+        ckpt = Checkpoint.open(ckpt_dir, config.identity(), restart=config.restart) if main_rank else None
+    if ckpt is not None and ckpt.done_blocks:
         print(f"resuming from {ckpt_dir}: {ckpt.done_blocks} blocks already pruned", file=sys.stderr)
-    device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = ranks.device if ranks is not None else \
+        (config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
     cache: dict[str, Any] = {}
     key = f"dense_perplexity/{config.eval_seqlen}/{config.eval_max_tokens}"
-    dense = ckpt.get(key, {})
+    dense = ckpt.get(key, {}) if ckpt is not None else {}
     missing = [d for d in config.eval if d not in dense]
-    if missing:
+    if main_rank and missing:
         t = time.perf_counter()
         dense.update(evaluate(model, tokenizer, missing, config.eval_seqlen,
                               config.eval_max_tokens or None, device, progress, cache))
@@ -136,6 +149,8 @@ def run_prune(config: RunConfig, *, progress: bool = True, on_block_done=None) -
     prune_report = prune_model(model, tokenizer, config.prune, device=device, checkpoint=ckpt,
                                progress=progress, on_block_done=on_block_done)
     timings["prune"] = time.perf_counter() - t
+    if not main_rank:
+        return prune_report.to_dict()
 
     t = time.perf_counter()
     pruned = evaluate(model, tokenizer, config.eval, config.eval_seqlen,
@@ -155,6 +170,7 @@ def run_prune(config: RunConfig, *, progress: bool = True, on_block_done=None) -
                     "layers_skipped": len(prune_report.layers) - len(layers),
                     "mean_loss_vs_wanda": sum(ratios) / len(ratios) if ratios else None},
         "resumed_from_block": prune_report.resumed_from_block,
+        "ranks": prune_report.ranks, "per_rank": prune_report.per_rank,
         "seconds": {**timings, "pipeline": prune_report.seconds},
         "layers": prune_report.layers,
     }
@@ -274,6 +290,8 @@ def _methods_text() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .distributed import RankError, teardown
+
     args = build_parser().parse_args(argv)
     try:
         if args.command == "methods":
@@ -299,6 +317,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"nmprune: error: {e}", file=sys.stderr)
         return 2
+    except RankError as e:
+        print(f"nmprune: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        teardown()
     return 0
 
 

@@ -17,14 +17,17 @@ from __future__ import annotations
 import hashlib
 import time
 import warnings
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor, nn
 
+from . import distributed
 from .checkpoint import Checkpoint
 from .config import LayerPlan, PruneSettings
+from .distributed import DistributedExecutor, LayerJob, job_cost
 from ._memory import release_memory
 from .hessian import HessianCollector, InputStats, capture_block_inputs, run_block
 from .loss import local_loss
@@ -43,6 +46,8 @@ class PruneReport:
     layers: list[dict[str, Any]] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
     resumed_from_block: int = 0
+    ranks: int = 1
+    per_rank: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -138,6 +143,39 @@ def _progress(iterable, progress: bool, **kwargs):
     return tqdm(iterable, disable=not progress, **kwargs)
 
 
+class _LocalExecutor:
+    """The one-process executor: all calibration batches, no reduction, every layer here."""
+
+    rank, world, is_main = 0, 1, True
+
+    def share(self, n: int) -> range:
+        return range(n)
+
+    def phase(self, name: str):
+        return nullcontext()
+
+    def broadcast_object(self, value: Any) -> Any:
+        return value
+
+    def broadcast_tensors(self, tensors: Sequence[Tensor]) -> None:
+        pass
+
+    def reduce(self, stats: Sequence[InputStats]) -> None:
+        pass
+
+    def solve(self, jobs: Sequence[LayerJob], solve_one, phase: str) -> list[dict[str, Any]]:
+        return [{**solve_one(job), "rank": 0} for job in jobs]
+
+    def gather_batches(self, local: list[Tensor], sizes: Sequence[int]) -> list[Tensor]:
+        return local
+
+    def scatter_batches(self, batches: list[Tensor], local_like: list[Tensor]) -> list[Tensor]:
+        return batches
+
+    def per_rank(self, value: Any) -> list[Any]:
+        return [value]
+
+
 def prune_model(model: nn.Module, tokenizer: Any = None, settings: PruneSettings | None = None, *,
                 calibration: Tensor | None = None, device: str | torch.device | None = None,
                 checkpoint: Checkpoint | None = None, progress: bool = True,
@@ -155,13 +193,24 @@ def prune_model(model: nn.Module, tokenizer: Any = None, settings: PruneSettings
     block ``i`` is saved. Embeddings, norms, the LM head and tied weights are not touched.
     ``hessians`` (from :func:`collect_hessians`, dense inputs only) replaces the calibration
     forward passes, so several methods can be compared on one set of Hessians.
+
+    Inside an initialised ``torch.distributed`` process group of several ranks (e.g. under
+    ``torchrun``; :mod:`nmprune.distributed`) every rank calls this with the same model and
+    settings: the calibration batches and layer solves are shared out, rank 0's
+    ``checkpoint`` is the one used (the others' are ignored), and every rank returns the
+    same pruned model and report. ``device`` ``"cuda"`` then means ``cuda:LOCAL_RANK``.
     """
     if settings is None:
         settings = PruneSettings(**setting_kwargs)
     elif setting_kwargs:
         raise ValueError("give either settings or keyword settings, not both")
     validate_plans(settings)
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    ranks = distributed.current(device)
+    executor = _LocalExecutor() if ranks is None else DistributedExecutor(ranks)
+    device = ranks.device if ranks is not None else \
+        torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if not executor.is_main:
+        checkpoint = None
     hdtype = {"float32": torch.float32, "float64": torch.float64}[settings.hessian_dtype]
     blocks_name, blocks = find_blocks(model)
     tied = shared_weight_ptrs(model, blocks)
@@ -177,51 +226,73 @@ def prune_model(model: nn.Module, tokenizer: Any = None, settings: PruneSettings
         raise ValueError("precomputed hessians come from the dense model; they cannot be used "
                          "with hessian_inputs='pruned'")
     t_start = time.perf_counter()
-    if hessians is None:
-        calibration = _calibration(model, tokenizer, settings, calibration)
-        batches = list(calibration.split(settings.batch_size))
-        release_memory()  # the tokenised corpus
-    start = 0
-    report = PruneReport(settings=asdict(settings))
-    if checkpoint is not None:
-        checkpoint.bind("calibration_sha256", _digest(calibration) if hessians is None
-                        else _digest(torch.stack([hessians[n].xtx.trace() for n in all_names
-                                                  if n in hessians])))
-        start = checkpoint.done_blocks
-        report.layers = checkpoint.records
-        report.resumed_from_block = start
+    report = PruneReport(settings=asdict(settings), ranks=executor.world)
+    sizes: list[int] = []
+    with executor.phase("setup"):
+        if hessians is None:
+            calibration = _calibration(model, tokenizer, settings, calibration)
+            all_batches = list(calibration.split(settings.batch_size))
+            sizes = [b.shape[0] for b in all_batches]
+            batches = [all_batches[j] for j in executor.share(len(all_batches))]
+            del all_batches
+            release_memory()  # the tokenised corpus
+        start, records = 0, []
+        if checkpoint is not None:
+            checkpoint.bind("calibration_sha256", _digest(calibration) if hessians is None
+                            else _digest(torch.stack([hessians[n].xtx.trace() for n in all_names
+                                                      if n in hessians])))
+            start, records = checkpoint.done_blocks, checkpoint.records
+    saving, start, records = executor.broadcast_object((checkpoint is not None, start, records))
+    report.layers, report.resumed_from_block = records, start
+    with executor.phase("loading the checkpoint"):
         for i in range(start):
-            saved = checkpoint.block_weights(i)
+            saved = checkpoint.block_weights(i) if checkpoint is not None else {}
             for sub, module in block_layers[i].items():
                 if sub in saved:
                     with torch.no_grad():
                         module.weight.copy_(saved[sub])
+    executor.broadcast_tensors([m.weight for i in range(start) for m in block_layers[i].values()])
 
+    busy = {"calibration_seconds": 0.0, "solve_seconds": 0.0, "layer_cpu_seconds": 0.0}
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
             if hessians is None:
-                inputs = capture_block_inputs(model, blocks_name, blocks, batches, device,
-                                              keep_hidden=start == 0)
+                with executor.phase("capturing the block inputs"):
+                    inputs = capture_block_inputs(model, blocks_name, blocks, batches, device,
+                                                  keep_hidden=start == 0 or executor.world > 1)
                 if start > 0:
-                    inputs.hidden = [h.to(device) for h in checkpoint.hidden()]
+                    with executor.phase("loading the block inputs"):
+                        saved_hidden = checkpoint.hidden() if checkpoint is not None else None
+                    inputs.hidden = executor.scatter_batches(
+                        None if saved_hidden is None else [h.to(device) for h in saved_hidden],
+                        inputs.hidden)
+                    del saved_hidden
             else:
                 inputs = _PrecomputedInputs(hessians)
             t_capture = time.perf_counter() - t_start
-            bar = _progress(range(start, len(blocks)), progress, desc="pruning blocks",
-                            initial=start, total=len(blocks))
+            bar = _progress(range(start, len(blocks)), progress and executor.is_main,
+                            desc="pruning blocks", initial=start, total=len(blocks))
             for i in bar:
                 report.layers += _prune_block(i, blocks[i], block_layers[i], blocks_name, settings,
-                                              inputs, device, hdtype, progress)
-                if checkpoint is not None:
-                    weights = {sub: m.weight for sub, m in block_layers[i].items()}
-                    checkpoint.save_block(i, weights, inputs.hidden,
-                                          [r for r in report.layers if r["block"] == i])
+                                              inputs, device, hdtype, executor, busy)
+                if saving:
+                    hidden = None if inputs.hidden is None else executor.gather_batches(inputs.hidden, sizes)
+                    if checkpoint is not None:
+                        weights = {sub: m.weight for sub, m in block_layers[i].items()}
+                        checkpoint.save_block(i, weights, hidden,
+                                              [r for r in report.layers if r["block"] == i])
+                    del hidden
                 if on_block_done is not None:
                     on_block_done(i)
     finally:
         model.train(was_training)
+    solved = [r["name"] for r in report.layers[len(records):] if not r.get("skipped")
+              and r.get("rank") == executor.rank]
+    report.per_rank = executor.per_rank({"rank": executor.rank, **busy,
+                                         "busy_seconds": busy["calibration_seconds"] + busy["solve_seconds"],
+                                         "layers": solved})
     report.seconds = {"capture": t_capture, "total": time.perf_counter() - t_start,
                       "layers": sum(r.get("seconds", 0.0) for r in report.layers)}
     return report
@@ -229,38 +300,57 @@ def prune_model(model: nn.Module, tokenizer: Any = None, settings: PruneSettings
 
 def _prune_block(index: int, block: nn.Module, layers: dict[str, nn.Module], blocks_name: str,
                  settings: PruneSettings, inputs, device: torch.device, hdtype: torch.dtype,
-                 progress: bool) -> list[dict[str, Any]]:
+                 executor, busy: dict[str, float]) -> list[dict[str, Any]]:
     """Hessians, pruning and output propagation of one block; ``inputs.hidden`` becomes the
-    next block's input. Returns the block's layer records."""
+    next block's input. Returns the block's layer records. ``executor`` runs this process's
+    share; ``busy`` accumulates its calibration and solve seconds."""
     plans = _plans_for_block(settings, blocks_name, index, layers)
     active = {sub: layers[sub] for sub, p in plans.items() if p is not None}
     names = _layer_names(blocks_name, index, layers)
+    start = time.perf_counter()
     if isinstance(inputs, _PrecomputedInputs):
         collector = inputs.for_block(names)
     else:
-        block.to(device)
-        collector = _block_statistics(block, active, index, inputs, hdtype,
-                                      propagate=settings.hessian_inputs == "dense")
-    records = []
-    for sub, plan in _progress(plans.items(), progress and len(plans) > 1, desc=f"block {index}",
-                               leave=False):
-        w = weight_matrix(layers[sub])
-        record = {"name": names[sub], "block": index, "shape": list(w.shape)}
-        if plan is None:
-            records.append({**record, "method": None, "skipped": True})
-            continue
+        with executor.phase(f"calibration of block {index}"):
+            block.to(device)
+            collector = _block_statistics(block, active, index, inputs, hdtype,
+                                          propagate=settings.hessian_inputs == "dense")
+        executor.reduce([collector.stats[k] for k in sorted(collector.stats)])
+    busy["calibration_seconds"] += time.perf_counter() - start
+
+    subs = {names[sub]: sub for sub in active}
+
+    def solve_one(job: LayerJob) -> dict[str, Any]:
+        sub = subs[job.name]
         stats = collector.of(sub)
-        start = time.perf_counter()
-        pruned, rec = prune_one(w, stats.hessian().to(device), plan, stats.mean().to(device))
+        t0, c0 = time.perf_counter(), time.process_time()
+        pruned, rec = prune_one(weight_matrix(layers[sub]), stats.hessian().to(device), plans[sub],
+                                stats.mean().to(device))
         set_weight_matrix(layers[sub], pruned)
         del pruned
         release_memory(collect=False)  # the solvers' temporaries: heap pages back to the system
-        records.append({**record, **rec, "skipped": False, "seconds": time.perf_counter() - start})
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+        busy["solve_seconds"] += seconds
+        busy["layer_cpu_seconds"] += cpu
+        return {**rec, "skipped": False, "seconds": seconds, "cpu_seconds": cpu}
+
+    jobs = [LayerJob(names[sub], job_cost(*weight_matrix(m).shape, plans[sub].method,
+                                          plans[sub].refine), m.weight)
+            for sub, m in active.items()]
+    solved = dict(zip(active, executor.solve(jobs, solve_one, f"the layers of block {index}")))
+    records = []
+    for sub in plans:
+        record = {"name": names[sub], "block": index, "shape": list(weight_matrix(layers[sub]).shape)}
+        records.append({**record, **solved[sub]} if sub in solved else
+                       {**record, "method": None, "skipped": True})
     del collector
     if isinstance(inputs, _PrecomputedInputs):
         return records
     if settings.hessian_inputs != "dense":  # propagate through the pruned block
-        inputs.hidden = [run_block(block, h, inputs.call(index, h)) for h in inputs.hidden]
+        start = time.perf_counter()
+        with executor.phase(f"propagation through block {index}"):
+            inputs.hidden = [run_block(block, h, inputs.call(index, h)) for h in inputs.hidden]
+        busy["calibration_seconds"] += time.perf_counter() - start
     block.to("cpu")
     release_memory()
     return records
