@@ -243,7 +243,7 @@ def prune_model(model: nn.Module, tokenizer: Any = None, settings: PruneSettings
                                                       if n in hessians])))
             start, records = checkpoint.done_blocks, checkpoint.records
     saving, start, records = executor.broadcast_object((checkpoint is not None, start, records))
-    report.layers, report.resumed_from_block = records, start
+    report.layers, report.resumed_from_block = list(records), start
     with executor.phase("loading the checkpoint"):
         for i in range(start):
             saved = checkpoint.block_weights(i) if checkpoint is not None else {}
@@ -277,15 +277,16 @@ def prune_model(model: nn.Module, tokenizer: Any = None, settings: PruneSettings
             for i in bar:
                 report.layers += _prune_block(i, blocks[i], block_layers[i], blocks_name, settings,
                                               inputs, device, hdtype, executor, busy)
-                if saving:
-                    hidden = None if inputs.hidden is None else executor.gather_batches(inputs.hidden, sizes)
+                hidden = None if not saving or inputs.hidden is None else \
+                    executor.gather_batches(inputs.hidden, sizes)
+                with executor.phase(f"saving block {i}"):
                     if checkpoint is not None:
                         weights = {sub: m.weight for sub, m in block_layers[i].items()}
                         checkpoint.save_block(i, weights, hidden,
                                               [r for r in report.layers if r["block"] == i])
                     del hidden
-                if on_block_done is not None:
-                    on_block_done(i)
+                    if on_block_done is not None:
+                        on_block_done(i)
     finally:
         model.train(was_training)
     solved = [r["name"] for r in report.layers[len(records):] if not r.get("skipped")
