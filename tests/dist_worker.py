@@ -25,11 +25,17 @@ from nmprune.pipeline import prune_model  # noqa: E402
 SETTINGS = dict(method="sparsegpt", refine="exact", pattern="2:4", batch_size=2)
 
 
+def build(family: str):
+    """The tiny model of the tests; Llama's wide MLP (down_proj 16/27 of a block's cost) makes
+    two ranks balance two blocks at a time (nmprune.distributed.balance_window)."""
+    return tiny_model(family, layers=3, intermediate=128)
+
+
 def main(family: str, mode: str, out: Path) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    model = tiny_model(family, layers=3)
+    model = build(family)
     checkpoint = Checkpoint.open(out / "ckpt", "test") if mode == "fail" and rank == 0 else None
 
     def fail(i: int) -> None:

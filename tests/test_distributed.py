@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_models_tiny import save_tiny_model_dir, tiny_model, token_batch, write_text
+from test_cli import tiny_dir  # noqa: F401 - the fixture: a tiny Llama directory and its run.yaml
+from test_models_tiny import token_batch
 
 from nmprune.checkpoint import Checkpoint
 from nmprune.cli import main
-from nmprune.distributed import assign, job_cost
+from nmprune.distributed import assign, balance_window, job_cost, makespan
 from nmprune.pattern import same_mask_cells
 from nmprune.pipeline import prune_model
 
@@ -83,19 +84,19 @@ def test_job_cost_scales_with_rows_and_squared_input_width():
     assert job_cost(64, 32, "prox", None) < base
 
 
+def test_balance_window_takes_the_fewest_blocks_that_balance():
+    block = [1.0, 0.25, 0.25, 1.0, 3.5, 3.5, 12.25]  # Llama-3.1-8B's layers, units of 4096^3
+    assert balance_window([block] * 32, 1) == 1
+    for world in (2, 4, 8):
+        k = balance_window([block] * 32, world)
+        assert makespan(block * k, world) <= 1.1 * sum(block) * k / world
+        assert k == 1 or makespan(block * (k - 1), world) > 1.1 * sum(block) * (k - 1) / world
+    assert balance_window([block] * 32, 8) > balance_window([block] * 32, 2) > 1
+    assert balance_window([[10.0, 1.0]] * 2, 3) == 2  # never balanced: all blocks
+    assert balance_window([[1.0] * 4] * 3, 2) == 1
+
+
 # ----------------------------------------------------------------------------- 2 ranks
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    base = tmp_path_factory.mktemp("dist")
-    text = write_text(base / "text.txt")
-    model_dir = save_tiny_model_dir(base / "model", "llama", layers=3, text=text.read_text())
-    yaml_file = base / "run.yaml"
-    yaml_file.write_text(f"model: {model_dir}\nmethod: sparsegpt\nrefine: exact\ncalib: {text}\n"
-                         f"nsamples: 8\nseqlen: 16\nbatch_size: 2\neval: ['{text}']\n"
-                         f"eval_seqlen: 16\neval_max_tokens: 512\n")
-    return base, yaml_file, text
 
 
 def _load(out: Path) -> tuple[dict, dict]:
@@ -104,9 +105,9 @@ def _load(out: Path) -> tuple[dict, dict]:
     return json.loads((out / "nmprune_report.json").read_text()), load_file(out / "model.safetensors")
 
 
-def test_command_line_on_two_ranks_matches_one_rank(llama_dir, tmp_path):
-    base, yaml_file, text = llama_dir
-    args = ["prune", "--config", str(yaml_file), "--quiet"]
+def test_command_line_on_two_ranks_matches_one_rank(tiny_dir, tmp_path):
+    base, model_dir, text, yaml_file = tiny_dir
+    args = ["prune", "--config", str(yaml_file), "--method", "sparsegpt", "--refine", "exact", "--quiet"]
     assert main(args + ["--out", str(tmp_path / "one")]) == 0
     run = torchrun(["-m", "nmprune", *args, "--out", str(tmp_path / "two")], tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -127,9 +128,9 @@ def test_prune_model_in_a_process_group_matches_one_rank(tmp_path):
     run = _worker("opt", "run", tmp_path / "two", tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     sys.path.insert(0, str(WORKER.parent))
-    from dist_worker import SETTINGS
+    from dist_worker import SETTINGS, build
 
-    model = tiny_model("opt", layers=3)
+    model = build("opt")
     one = prune_model(model, calibration=token_batch(8, 16), device="cpu", progress=False,
                       hessian_inputs="pruned", **SETTINGS).to_dict()
     two = json.loads((tmp_path / "two" / "report.json").read_text())
@@ -148,13 +149,14 @@ def test_failing_rank_ends_the_job_with_its_error_and_resumes_on_one_rank(tmp_pa
     out = tmp_path / "failed"
     run = _worker("llama", "fail", out, tmp_path)
     assert run.returncode != 0
-    assert "rank 1 failed during saving block 1: ValueError: injected failure on rank 1" in run.stderr
+    # Llama's wide MLP made the ranks solve blocks 0 and 1 together
+    assert "rank 1 failed during saving blocks 0-1: ValueError: injected failure on rank 1" in run.stderr
     assert "ValueError: injected failure on rank 1 after block 1" in run.stderr
     # the checkpoint rank 0 kept resumes on one rank, to the same result as a straight run
     sys.path.insert(0, str(WORKER.parent))
-    from dist_worker import SETTINGS
+    from dist_worker import SETTINGS, build
 
-    resumed, straight = tiny_model("llama", layers=3), tiny_model("llama", layers=3)
+    resumed, straight = build("llama"), build("llama")
     kwargs = dict(calibration=token_batch(8, 16), device="cpu", progress=False, **SETTINGS)
     report = prune_model(resumed, checkpoint=Checkpoint.open(out / "ckpt", "test"), **kwargs).to_dict()
     assert report["resumed_from_block"] == 2

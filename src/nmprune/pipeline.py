@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from . import distributed
 from .checkpoint import Checkpoint
 from .config import LayerPlan, PruneSettings
-from .distributed import DistributedExecutor, LayerJob, job_cost
+from .distributed import DistributedExecutor, LayerJob, balance_window, job_cost
 from ._memory import release_memory
 from .hessian import HessianCollector, InputStats, capture_block_inputs, run_block
 from .loss import local_loss
@@ -81,7 +81,7 @@ def _plans_for_block(settings: PruneSettings, blocks_name: str, index: int,
                        f"{parse_pattern(plan.pattern).m}")
             if settings.strict:
                 raise ValueError(message + "; skip it with an override or run without strict")
-            warnings.warn(message + "; it stays dense", stacklevel=3)
+            warnings.warn(message + "; it stays dense", stacklevel=4)
             plan = None
         plans[sub] = plan
     return plans
@@ -137,10 +137,10 @@ def _digest(t: Tensor) -> str:
     return hashlib.sha256(t.contiguous().cpu().numpy().tobytes()).hexdigest()[:16]
 
 
-def _progress(iterable, progress: bool, **kwargs):
+def _progress(**kwargs):
     from tqdm.auto import tqdm
 
-    return tqdm(iterable, disable=not progress, **kwargs)
+    return tqdm(**kwargs)
 
 
 class _LocalExecutor:
@@ -272,21 +272,32 @@ def prune_model(model: nn.Module, tokenizer: Any = None, settings: PruneSettings
             else:
                 inputs = _PrecomputedInputs(hessians)
             t_capture = time.perf_counter() - t_start
-            bar = _progress(range(start, len(blocks)), progress and executor.is_main,
-                            desc="pruning blocks", initial=start, total=len(blocks))
-            for i in bar:
-                report.layers += _prune_block(i, blocks[i], block_layers[i], blocks_name, settings,
-                                              inputs, device, hdtype, executor, busy)
+            plans = [_plans_for_block(settings, blocks_name, i, block_layers[i]) for i in range(len(blocks))]
+            costs = [[job_cost(*weight_matrix(block_layers[i][sub]).shape, p.method, p.refine)
+                      for sub, p in plans[i].items() if p is not None] for i in range(len(blocks))]
+            bar = _progress(total=len(blocks), initial=start, disable=not (progress and executor.is_main),
+                            desc="pruning blocks")
+            i = start
+            while i < len(blocks):
+                # dense inputs: solve as many blocks together as balancing the ranks needs
+                k = balance_window(costs[i:], executor.world) if settings.hessian_inputs == "dense" else 1
+                group = range(i, i + k)
+                new = _prune_blocks(group, blocks, block_layers, plans, blocks_name, settings, inputs,
+                                    device, hdtype, executor, busy)
+                report.layers += new
                 hidden = None if not saving or inputs.hidden is None else \
                     executor.gather_batches(inputs.hidden, sizes)
-                with executor.phase(f"saving block {i}"):
+                with executor.phase(f"saving blocks {i}-{i + k - 1}"):
                     if checkpoint is not None:
-                        weights = {sub: m.weight for sub, m in block_layers[i].items()}
-                        checkpoint.save_block(i, weights, hidden,
-                                              [r for r in report.layers if r["block"] == i])
+                        checkpoint.save_blocks(i, [{sub: m.weight for sub, m in block_layers[j].items()}
+                                                   for j in group], hidden, new)
                     del hidden
                     if on_block_done is not None:
-                        on_block_done(i)
+                        for j in group:
+                            on_block_done(j)
+                bar.update(k)
+                i += k
+            bar.close()
     finally:
         model.train(was_training)
     solved = [r["name"] for r in report.layers[len(records):] if not r.get("skipped")
@@ -299,35 +310,40 @@ def prune_model(model: nn.Module, tokenizer: Any = None, settings: PruneSettings
     return report
 
 
-def _prune_block(index: int, block: nn.Module, layers: dict[str, nn.Module], blocks_name: str,
-                 settings: PruneSettings, inputs, device: torch.device, hdtype: torch.dtype,
-                 executor, busy: dict[str, float]) -> list[dict[str, Any]]:
-    """Hessians, pruning and output propagation of one block; ``inputs.hidden`` becomes the
-    next block's input. Returns the block's layer records. ``executor`` runs this process's
-    share; ``busy`` accumulates its calibration and solve seconds."""
-    plans = _plans_for_block(settings, blocks_name, index, layers)
-    active = {sub: layers[sub] for sub, p in plans.items() if p is not None}
-    names = _layer_names(blocks_name, index, layers)
-    start = time.perf_counter()
-    if isinstance(inputs, _PrecomputedInputs):
-        collector = inputs.for_block(names)
-    else:
-        with executor.phase(f"calibration of block {index}"):
-            block.to(device)
-            collector = _block_statistics(block, active, index, inputs, hdtype,
-                                          propagate=settings.hessian_inputs == "dense")
-        executor.reduce([collector.stats[k] for k in sorted(collector.stats)])
-    busy["calibration_seconds"] += time.perf_counter() - start
-
-    subs = {names[sub]: sub for sub in active}
+def _prune_blocks(group: range, blocks: nn.ModuleList, block_layers: list[dict[str, nn.Module]],
+                  plans: list[dict[str, LayerPlan | None]], blocks_name: str, settings: PruneSettings,
+                  inputs, device: torch.device, hdtype: torch.dtype, executor,
+                  busy: dict[str, float]) -> list[dict[str, Any]]:
+    """Hessians, pruning and output propagation of the consecutive blocks in ``group`` (one
+    block unless dense inputs make several worth balancing together); ``inputs.hidden``
+    becomes the next block's input. Returns the blocks' layer records. ``executor`` runs
+    this process's share; ``busy`` accumulates its calibration and solve seconds."""
+    collectors, names, where = {}, {}, {}
+    for index in group:
+        layers = block_layers[index]
+        names[index] = _layer_names(blocks_name, index, layers)
+        start = time.perf_counter()
+        if isinstance(inputs, _PrecomputedInputs):
+            collectors[index] = inputs.for_block(names[index])
+        else:
+            active = {sub: layers[sub] for sub, p in plans[index].items() if p is not None}
+            with executor.phase(f"calibration of block {index}"):
+                blocks[index].to(device)
+                collectors[index] = _block_statistics(blocks[index], active, index, inputs, hdtype,
+                                                      propagate=settings.hessian_inputs == "dense")
+                blocks[index].to("cpu")
+            executor.reduce([collectors[index].stats[k] for k in sorted(collectors[index].stats)])
+        busy["calibration_seconds"] += time.perf_counter() - start
+        where.update({names[index][sub]: (index, sub) for sub, p in plans[index].items() if p is not None})
 
     def solve_one(job: LayerJob) -> dict[str, Any]:
-        sub = subs[job.name]
-        stats = collector.of(sub)
+        index, sub = where[job.name]
+        stats = collectors[index].of(sub)
+        layer = block_layers[index][sub]
         t0, c0 = time.perf_counter(), time.process_time()
-        pruned, rec = prune_one(weight_matrix(layers[sub]), stats.hessian().to(device), plans[sub],
+        pruned, rec = prune_one(weight_matrix(layer), stats.hessian().to(device), plans[index][sub],
                                 stats.mean().to(device))
-        set_weight_matrix(layers[sub], pruned)
+        set_weight_matrix(layer, pruned)
         del pruned
         release_memory(collect=False)  # the solvers' temporaries: heap pages back to the system
         seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -335,24 +351,29 @@ def _prune_block(index: int, block: nn.Module, layers: dict[str, nn.Module], blo
         busy["layer_cpu_seconds"] += cpu
         return {**rec, "skipped": False, "seconds": seconds, "cpu_seconds": cpu}
 
-    jobs = [LayerJob(names[sub], job_cost(*weight_matrix(m).shape, plans[sub].method,
-                                          plans[sub].refine), m.weight)
-            for sub, m in active.items()]
-    solved = dict(zip(active, executor.solve(jobs, solve_one, f"the layers of block {index}")))
+    jobs = []
+    for name, (index, sub) in where.items():
+        plan, layer = plans[index][sub], block_layers[index][sub]
+        jobs.append(LayerJob(name, job_cost(*weight_matrix(layer).shape, plan.method, plan.refine),
+                             layer.weight))
+    label = f"block {group[0]}" if len(group) == 1 else f"blocks {group[0]}-{group[-1]}"
+    solved = dict(zip(where, executor.solve(jobs, solve_one, f"the layers of {label}")))
+    del collectors
     records = []
-    for sub in plans:
-        record = {"name": names[sub], "block": index, "shape": list(weight_matrix(layers[sub]).shape)}
-        records.append({**record, **solved[sub]} if sub in solved else
-                       {**record, "method": None, "skipped": True})
-    del collector
-    if isinstance(inputs, _PrecomputedInputs):
-        return records
-    if settings.hessian_inputs != "dense":  # propagate through the pruned block
+    for index in group:
+        for sub, layer in block_layers[index].items():
+            name = names[index][sub]
+            record = {"name": name, "block": index, "shape": list(weight_matrix(layer).shape)}
+            records.append({**record, **solved[name]} if name in solved else
+                           {**record, "method": None, "skipped": True})
+    if settings.hessian_inputs != "dense" and not isinstance(inputs, _PrecomputedInputs):
+        (index,) = group  # propagate through the pruned block
         start = time.perf_counter()
         with executor.phase(f"propagation through block {index}"):
-            inputs.hidden = [run_block(block, h, inputs.call(index, h)) for h in inputs.hidden]
+            blocks[index].to(device)
+            inputs.hidden = [run_block(blocks[index], h, inputs.call(index, h)) for h in inputs.hidden]
+            blocks[index].to("cpu")
         busy["calibration_seconds"] += time.perf_counter() - start
-    block.to("cpu")
     release_memory()
     return records
 
@@ -418,7 +439,7 @@ def collect_hessians(model: nn.Module, calibration: Tensor, *, device: str | tor
         with torch.no_grad():
             inputs = capture_block_inputs(model, blocks_name, blocks, list(calibration.split(batch_size)),
                                           device)
-            for i in _progress(range(len(blocks)), progress, desc="collecting Hessians"):
+            for i in _progress(iterable=range(len(blocks)), disable=not progress, desc="collecting Hessians"):
                 layers = find_linears(blocks[i], tied)
                 blocks[i].to(device)
                 collector = _block_statistics(blocks[i], layers, i, inputs, dtype, propagate=True)
