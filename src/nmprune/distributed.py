@@ -27,11 +27,13 @@ import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+T = TypeVar("T")
 
 TIMEOUT_ENV = "NMPRUNE_DIST_TIMEOUT"
 DEFAULT_TIMEOUT_S = 1800.0
@@ -301,46 +303,68 @@ def balance_window(block_costs: Sequence[Sequence[float]], world: int,
 # ----------------------------------------------------------------------------- executor
 
 
-@dataclass
-class LayerJob:
-    """One layer solve: its full name, estimated cost (:func:`job_cost`) and the weight
-    parameter the solve writes in place (broadcast from its rank afterwards)."""
-
-    name: str
-    cost: float
-    target: Tensor
-
-
 class DistributedExecutor:
-    """Runs the pipeline's per-block work across the ranks of the process group.
+    """The executor (:mod:`nmprune.executor`) of one rank in a process group.
 
-    Calibration batches: each rank its :meth:`Ranks.share`; statistics: all-reduced
-    (:meth:`reduce`); layer solves: spread by :func:`assign` and broadcast
-    (:meth:`solve`). Every phase ends in a status check (:meth:`Ranks.check`).
+    Calibration batches: this rank's :meth:`Ranks.share` (:meth:`shard`); statistics:
+    all-reduced (:meth:`reduce`); layer solves: spread by :func:`assign`, each pruned weight
+    broadcast from its rank so every rank hands every job to ``done`` (:meth:`solve`).
+    Every exchange starts with a status check (:meth:`Ranks.check`).
     """
 
     def __init__(self, ranks: Ranks):
         self.ranks = ranks
-
-    @property
-    def rank(self) -> int:
-        return self.ranks.rank
-
-    @property
-    def world(self) -> int:
-        return self.ranks.world
-
-    @property
-    def is_main(self) -> bool:
-        return self.ranks.is_main
-
-    def share(self, n: int) -> range:
-        return self.ranks.share(n)
+        self.device = ranks.device
+        self.rank, self.world, self.is_main = ranks.rank, ranks.world, ranks.is_main
 
     def phase(self, name: str):
         return self.ranks.phase(name)
 
-    def broadcast_object(self, value: Any) -> Any:
+    def shard(self, items: Sequence[T]) -> list[T]:
+        """This rank's contiguous share of the calibration batches."""
+        items = list(items)
+        return [items[j] for j in self.ranks.share(len(items))]
+
+    def reduce(self, stats: list[Any]) -> None:
+        """Sum each :class:`~nmprune.statistics.InputStats` (``xtx``, ``xsum``, ``count``) over
+        all ranks, in place (``stats`` in the same order on every rank)."""
+        self.ranks.check("calibration")
+        for s in stats:
+            count = torch.tensor([s.count], dtype=torch.float64, device=self.device)
+            self.ranks.all_reduce_sum([s.xtx, s.xsum, count])
+            s.count = int(count.item())
+
+    def solve(self, jobs: Sequence[Any], done, progress=iter) -> None:
+        """Solve this rank's share of ``jobs`` (:class:`~nmprune.executor.LayerJob`), then
+        hand every job, in order, with its pruned weight (broadcast from the rank that solved
+        it) and record (with that ``rank``) to ``done`` on every rank."""
+        from .executor import run_job
+
+        owner = assign([job_cost(*job.weight.shape, job.plan.method.name,
+                                 job.plan.refiner.name if job.plan.refiner is not None else None)
+                        for job in jobs], self.world)
+        weights: dict[int, Tensor] = {}
+        records: dict[int, dict[str, Any]] = {}
+        error = None
+        try:
+            for k in progress([k for k in range(len(jobs)) if owner[k] == self.rank]):
+                weights[k], record = run_job(jobs[k], self.device)
+                records[k] = {**record, "rank": self.rank}
+        except Exception as e:  # noqa: BLE001 - reported to every rank by check
+            error = e
+        blocks = sorted({job.block for job in jobs})
+        for payload in self.ranks.check(f"the layers of blocks {blocks[0]}-{blocks[-1]}"
+                                        if len(blocks) > 1 else f"the layers of block {blocks[0]}",
+                                        error, records):
+            records.update(payload)
+        for k, job in enumerate(jobs):
+            weight = weights.pop(k, None)
+            if weight is None:
+                weight = torch.empty(tuple(job.weight.shape), dtype=job.stats.xtx.dtype, device=self.device)
+            dist.broadcast(weight, src=owner[k])
+            done(job, weight, records[k])
+
+    def broadcast_object(self, value: T) -> T:
         return self.ranks.broadcast_object(value)
 
     def broadcast_tensors(self, tensors: Sequence[Tensor]) -> None:
@@ -348,40 +372,12 @@ class DistributedExecutor:
         for t in tensors:
             self.ranks.broadcast_into(t, src=0)
 
-    def reduce(self, stats: Sequence[Any]) -> None:
-        """Sum each :class:`~nmprune.hessian.InputStats` (``xtx``, ``xsum``, ``count``) over
-        all ranks, in place; ``stats`` must be in the same order on every rank."""
-        for s in stats:
-            count = torch.tensor([s.count], dtype=torch.float64, device=self.ranks.device)
-            self.ranks.all_reduce_sum([s.xtx, s.xsum, count])
-            s.count = int(count.item())
-
-    def solve(self, jobs: Sequence[LayerJob], solve_one, phase: str) -> list[dict[str, Any]]:
-        """Solve this rank's share of ``jobs`` with ``solve_one(job) -> record`` (which writes
-        the pruned weight into ``job.target``), then give every rank every job's weight and
-        record. Records come back in job order, each with the ``rank`` that solved it."""
-        owner = assign([j.cost for j in jobs], self.world)
-        mine: dict[int, dict[str, Any]] = {}
-        error = None
-        try:
-            for k, job in enumerate(jobs):
-                if owner[k] == self.rank:
-                    mine[k] = {**solve_one(job), "rank": self.rank}
-        except Exception as e:  # noqa: BLE001 - reported to every rank by check
-            error = e
-        records: dict[int, dict[str, Any]] = {}
-        for payload in self.ranks.check(phase, error, mine):
-            records.update(payload)
-        for k, job in enumerate(jobs):
-            self.ranks.broadcast_into(job.target, src=owner[k])
-        return [records[k] for k in range(len(jobs))]
-
     def gather_batches(self, local: list[Tensor], sizes: Sequence[int]) -> list[Tensor] | None:
         return self.ranks.gather_batches(local, sizes)
 
     def scatter_batches(self, batches: list[Tensor] | None, local_like: list[Tensor]) -> list[Tensor]:
         return self.ranks.scatter_batches(batches, local_like)
 
-    def per_rank(self, value: Any) -> list[Any]:
-        """Every rank's ``value``, by rank (with a status check)."""
+    def per_rank(self, value: T) -> list[T]:
+        """Every rank's ``value``, by rank (after a status check)."""
         return self.ranks.check("finishing", None, value)

@@ -1,42 +1,43 @@
 """Prune a whole causal LM block by block: :func:`prune_model`.
 
-For each decoder block (paper Section ``sec:llm_experiments``): run the calibration
-hidden states through it with hooks collecting every linear layer's Hessian
-``H = X X^T / n`` (:mod:`nmprune.hessian`), prune each layer to N:M with its planned
-method and refiner (:func:`nmprune.prune.prune_layer`), then pass the hidden states on to
-the next block: the dense block's outputs (``hessian_inputs="dense"``, the paper's
-default, every layer's Hessian comes from the unpruned model) or the pruned block's
-(``"pruned"``, Appendix ``app:use_unpruned_inputs``). Only the current block sits on the
-compute device. With a checkpoint, progress is saved after every block and a rerun resumes.
+For each decoder block (paper Section ``sec:llm_experiments``) the stages run in order:
 
-This module only orchestrates; it writes no files except through the checkpoint.
+1. block source (:mod:`nmprune.source`): the block's modules on the compute device;
+2. statistics (:mod:`nmprune.statistics`): every layer's input sums from this process's
+   calibration batches, reduced across processes by the executor;
+3. plans (:mod:`nmprune.plan`): made once for all layers before the first block;
+4. solver (:mod:`nmprune.executor`): each layer pruned to N:M with its plan, written into the
+   block as soon as it is done;
+5. the hidden states move on to the next block: the dense block's outputs
+   (``hessian_inputs="dense"``, the paper's default, every layer's Hessian comes from the
+   unpruned model) or the pruned block's (``"pruned"``, Appendix ``app:use_unpruned_inputs``);
+6. sink (:mod:`nmprune.sink`) and checkpoint: the finished block is kept, and progress saved
+   so that a rerun resumes after it.
+
+This module only wires the stages; it writes no files except through the checkpoint.
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
-import warnings
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
 
 from . import distributed
-from .checkpoint import Checkpoint
-from .config import LayerPlan, PruneSettings
-from .distributed import DistributedExecutor, LayerJob, balance_window, job_cost
 from ._memory import release_memory
-from .hessian import HessianCollector, InputStats, capture_block_inputs, run_block
-from .loss import local_loss
-from .models import find_blocks, find_linears, set_weight_matrix, shared_weight_ptrs, weight_matrix
-from .pattern import parse_pattern
-from .registry import get_method, get_refiner, split_options
-
-INPUT_MEAN = "input_mean"
-
+from .checkpoint import Checkpoint, CheckpointError
+from .config import PruneSettings
+from .distributed import DistributedExecutor, balance_window, job_cost
+from .executor import LayerJob, LocalExecutor
+from .models import set_weight_matrix, weight_matrix
+from .plan import LayerPlan
+from .sink import ModelSink
+from .source import ModelBlocks
+from .statistics import CalibrationStatistics, InputStats, PrecomputedStatistics
 
 @dataclass
 class PruneReport:
@@ -53,69 +54,7 @@ class PruneReport:
         return asdict(self)
 
 
-def validate_plans(settings: PruneSettings) -> None:
-    """Check every method, refiner, pattern and option (global and overrides) up front."""
-    for plan in settings.all_plans():
-        method = get_method(plan.method)
-        refiner = get_refiner(plan.refine) if plan.refine is not None else None
-        if INPUT_MEAN in plan.options:
-            raise ValueError(f"option {INPUT_MEAN!r} is computed from the calibration data; "
-                             "do not set it")
-        split_options(plan.options, method, refiner)
-        if not method.supports(parse_pattern(plan.pattern)):
-            raise ValueError(f"method {plan.method!r} does not support pattern {plan.pattern}")
-
-
-def _layer_names(blocks_name: str, index: int, layers: dict[str, nn.Module]) -> dict[str, str]:
-    return {sub: f"{blocks_name}.{index}.{sub}" for sub in layers}
-
-
-def _plans_for_block(settings: PruneSettings, blocks_name: str, index: int,
-                     layers: dict[str, nn.Module]) -> dict[str, LayerPlan | None]:
-    plans: dict[str, LayerPlan | None] = {}
-    for sub, full in _layer_names(blocks_name, index, layers).items():
-        plan = settings.plan(full)
-        d_in = weight_matrix(layers[sub]).shape[1]
-        if plan is not None and d_in % parse_pattern(plan.pattern).m:
-            message = (f"layer {full} has d_in={d_in}, not divisible by M="
-                       f"{parse_pattern(plan.pattern).m}")
-            if settings.strict:
-                raise ValueError(message + "; skip it with an override or run without strict")
-            warnings.warn(message + "; it stays dense", stacklevel=4)
-            plan = None
-        plans[sub] = plan
-    return plans
-
-
-def prune_one(w: Tensor, h: Tensor, plan: LayerPlan, input_mean: Tensor | None) -> tuple[Tensor, dict[str, Any]]:
-    """Prune one weight matrix ``(d_out, d_in)`` with ``plan``; returns the pruned matrix
-    (float, on ``h``'s device) and its record: local losses (paper eq. ``squared_loss``)
-    after the method and after refinement, relative to Wanda's with the same dampening, all
-    on the undamped ``H``."""
-    from .prune import prune_layer, prune_matrix
-
-    w32 = w.detach().to(device=h.device, dtype=h.dtype, copy=True)
-    options = dict(plan.options)
-    if input_mean is not None and INPUT_MEAN in get_method(plan.method).option_names():
-        options[INPUT_MEAN] = input_mean
-    result = prune_layer(w32, h, method=plan.method, pattern=plan.pattern, refine=plan.refine,
-                         damp=plan.damp, **options)
-    start = time.perf_counter()
-    loss_wanda = local_loss(prune_matrix(w32, h, "wanda", plan.pattern, damp=plan.damp), w32, h)
-    seconds_wanda = time.perf_counter() - start
-    final = result.loss_refined if result.loss_refined is not None else result.loss_method
-    record = {
-        "method": plan.method, "refine": plan.refine, "pattern": plan.pattern, "damp": plan.damp,
-        "loss_method": result.loss_method, "loss_refined": result.loss_refined,
-        "loss_wanda": loss_wanda,
-        "loss_vs_wanda": final / loss_wanda if loss_wanda > 0 else None,
-        "seconds_method": result.seconds_method, "seconds_refine": result.seconds_refine,
-        "seconds_wanda_reference": seconds_wanda,
-    }
-    return result.weight, record
-
-
-def _calibration(model: nn.Module, tokenizer: Any, settings: PruneSettings,
+def _calibration(vocab: int, tokenizer: Any, settings: PruneSettings,
                  calibration: Tensor | None) -> Tensor:
     if calibration is None:
         if tokenizer is None:
@@ -127,7 +66,6 @@ def _calibration(model: nn.Module, tokenizer: Any, settings: PruneSettings,
                                         seqlen=settings.seqlen, seed=settings.seed)
     if not isinstance(calibration, Tensor) or calibration.ndim != 2 or calibration.dtype != torch.long:
         raise ValueError("calibration must be a LongTensor of token ids with shape (nsamples, seqlen)")
-    vocab = model.get_input_embeddings().weight.shape[0]
     if calibration.numel() and (int(calibration.min()) < 0 or int(calibration.max()) >= vocab):
         raise ValueError(f"calibration token ids must lie in [0, {vocab}) (the model's vocabulary)")
     return calibration
@@ -137,43 +75,10 @@ def _digest(t: Tensor) -> str:
     return hashlib.sha256(t.contiguous().cpu().numpy().tobytes()).hexdigest()[:16]
 
 
-def _progress(**kwargs):
+def _progress(iterable, progress: bool, **kwargs):
     from tqdm.auto import tqdm
 
-    return tqdm(**kwargs)
-
-
-class _LocalExecutor:
-    """The one-process executor: all calibration batches, no reduction, every layer here."""
-
-    rank, world, is_main = 0, 1, True
-
-    def share(self, n: int) -> range:
-        return range(n)
-
-    def phase(self, name: str):
-        return nullcontext()
-
-    def broadcast_object(self, value: Any) -> Any:
-        return value
-
-    def broadcast_tensors(self, tensors: Sequence[Tensor]) -> None:
-        pass
-
-    def reduce(self, stats: Sequence[InputStats]) -> None:
-        pass
-
-    def solve(self, jobs: Sequence[LayerJob], solve_one, phase: str) -> list[dict[str, Any]]:
-        return [{**solve_one(job), "rank": 0} for job in jobs]
-
-    def gather_batches(self, local: list[Tensor], sizes: Sequence[int]) -> list[Tensor]:
-        return local
-
-    def scatter_batches(self, batches: list[Tensor], local_like: list[Tensor]) -> list[Tensor]:
-        return batches
-
-    def per_rank(self, value: Any) -> list[Any]:
-        return [value]
+    return tqdm(iterable, disable=not progress, **kwargs)
 
 
 def prune_model(model: nn.Module, tokenizer: Any = None, settings: PruneSettings | None = None, *,
@@ -197,100 +102,92 @@ def prune_model(model: nn.Module, tokenizer: Any = None, settings: PruneSettings
     Inside an initialised ``torch.distributed`` process group of several ranks (e.g. under
     ``torchrun``; :mod:`nmprune.distributed`) every rank calls this with the same model and
     settings: the calibration batches and layer solves are shared out, rank 0's
-    ``checkpoint`` is the one used (the others' are ignored), and every rank returns the
+    ``checkpoint`` is the one used (the others' are ignored), and every rank ends with the
     same pruned model and report. ``device`` ``"cuda"`` then means ``cuda:LOCAL_RANK``.
     """
     if settings is None:
         settings = PruneSettings(**setting_kwargs)
     elif setting_kwargs:
         raise ValueError("give either settings or keyword settings, not both")
-    validate_plans(settings)
+    planner = settings.planner()
     ranks = distributed.current(device)
-    executor = _LocalExecutor() if ranks is None else DistributedExecutor(ranks)
-    device = ranks.device if ranks is not None else \
-        torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    executor = DistributedExecutor(ranks) if ranks is not None else \
+        LocalExecutor(torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")))
+    device = executor.device
     if not executor.is_main:
         checkpoint = None
-    hdtype = {"float32": torch.float32, "float64": torch.float64}[settings.hessian_dtype]
-    blocks_name, blocks = find_blocks(model)
-    tied = shared_weight_ptrs(model, blocks)
-    block_layers = [find_linears(b, tied) for b in blocks]
-    all_names = [n for i, ls in enumerate(block_layers) for n in _layer_names(blocks_name, i, ls).values()]
-    import fnmatch
-    for glob in settings.overrides:
-        if not any(fnmatch.fnmatchcase(n, glob) for n in all_names):
-            raise ValueError(f"override {glob!r} matches no layer; layer names look like "
-                             f"{', '.join(all_names[:3])}")
-
+    source = ModelBlocks(model)
+    plans = planner.plan_layers(source.layer_shapes())
     if hessians is not None and settings.hessian_inputs != "dense":
         raise ValueError("precomputed hessians come from the dense model; they cannot be used "
                          "with hessian_inputs='pruned'")
+    sink = ModelSink(source)
+
     t_start = time.perf_counter()
     report = PruneReport(settings=asdict(settings), ranks=executor.world)
     sizes: list[int] = []
     with executor.phase("setup"):
         if hessians is None:
-            calibration = _calibration(model, tokenizer, settings, calibration)
-            all_batches = list(calibration.split(settings.batch_size))
+            calibration = _calibration(source.vocab_size, tokenizer, settings, calibration)
+            all_batches = calibration.split(settings.batch_size)
             sizes = [b.shape[0] for b in all_batches]
-            batches = [all_batches[j] for j in executor.share(len(all_batches))]
+            batches = executor.shard(all_batches)
             del all_batches
             release_memory()  # the tokenised corpus
-        start, records = 0, []
+        start, resumed = 0, []
         if checkpoint is not None:
             checkpoint.bind("calibration_sha256", _digest(calibration) if hessians is None
-                            else _digest(torch.stack([hessians[n].xtx.trace() for n in all_names
+                            else _digest(torch.stack([hessians[n].xtx.trace() for n in plans
                                                       if n in hessians])))
-            start, records = checkpoint.done_blocks, checkpoint.records
-    saving, start, records = executor.broadcast_object((checkpoint is not None, start, records))
-    report.layers, report.resumed_from_block = list(records), start
-    with executor.phase("loading the checkpoint"):
-        for i in range(start):
-            saved = checkpoint.block_weights(i) if checkpoint is not None else {}
-            for sub, module in block_layers[i].items():
-                if sub in saved:
-                    with torch.no_grad():
-                        module.weight.copy_(saved[sub])
-    executor.broadcast_tensors([m.weight for i in range(start) for m in block_layers[i].values()])
+            start, resumed = checkpoint.done_blocks, checkpoint.records
+            for i in range(start):
+                sink.write(i, _saved_block(checkpoint, i, source.layers(i)))
+    start, resumed = executor.broadcast_object((start, resumed))
+    report.layers, report.resumed_from_block = list(resumed), start
+    executor.broadcast_tensors([m.weight for i in range(start) for m in source.layers(i).values()])
+    saving = executor.broadcast_object(checkpoint is not None)
 
-    busy = {"calibration_seconds": 0.0, "solve_seconds": 0.0, "layer_cpu_seconds": 0.0}
+    busy = {"calibration_seconds": 0.0}
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
             if hessians is None:
                 with executor.phase("capturing the block inputs"):
-                    inputs = capture_block_inputs(model, blocks_name, blocks, batches, device,
-                                                  keep_hidden=start == 0 or executor.world > 1)
+                    inputs = source.capture(batches, device, keep_hidden=start == 0 or executor.world > 1)
+                    saved = checkpoint.hidden() if start > 0 and checkpoint is not None else None
                 if start > 0:
-                    with executor.phase("loading the block inputs"):
-                        saved_hidden = checkpoint.hidden() if checkpoint is not None else None
                     inputs.hidden = executor.scatter_batches(
-                        None if saved_hidden is None else [h.to(device) for h in saved_hidden],
-                        inputs.hidden)
-                    del saved_hidden
+                        None if saved is None else [h.to(device) for h in saved], inputs.hidden)
+                del saved
+                stage = CalibrationStatistics(inputs, getattr(torch, settings.hessian_dtype),
+                                              settings.hessian_inputs == "dense", executor.reduce)
             else:
-                inputs = _PrecomputedInputs(hessians)
+                stage = PrecomputedStatistics(hessians)
             t_capture = time.perf_counter() - t_start
-            plans = [_plans_for_block(settings, blocks_name, i, block_layers[i]) for i in range(len(blocks))]
-            costs = [[job_cost(*weight_matrix(block_layers[i][sub]).shape, p.method, p.refine)
-                      for sub, p in plans[i].items() if p is not None] for i in range(len(blocks))]
-            bar = _progress(total=len(blocks), initial=start, disable=not (progress and executor.is_main),
-                            desc="pruning blocks")
+            shapes = source.layer_shapes()
+            costs = [[job_cost(*shapes[name], p.method.name,
+                               p.refiner.name if p.refiner is not None else None)
+                      for name in source.layers(i) if (p := plans[name]) is not None]
+                     for i in range(len(source))]
+            bar = _progress(None, progress and executor.is_main, desc="pruning blocks",
+                            initial=start, total=len(source))
             i = start
-            while i < len(blocks):
-                # dense inputs: solve as many blocks together as balancing the ranks needs
+            while i < len(source):
+                # dense inputs: solve as many blocks together as it takes to balance the ranks
                 k = balance_window(costs[i:], executor.world) if settings.hessian_inputs == "dense" else 1
                 group = range(i, i + k)
-                new = _prune_blocks(group, blocks, block_layers, plans, blocks_name, settings, inputs,
-                                    device, hdtype, executor, busy)
+                new = _prune_blocks(group, source, plans, stage, executor, hessians is None,
+                                    progress and executor.is_main, busy)
                 report.layers += new
-                hidden = None if not saving or inputs.hidden is None else \
-                    executor.gather_batches(inputs.hidden, sizes)
-                with executor.phase(f"saving blocks {i}-{i + k - 1}"):
+                hidden = executor.gather_batches(stage.hidden, sizes) \
+                    if saving and stage.hidden is not None else None
+                with executor.phase(f"saving block {i}" if k == 1 else f"saving blocks {i}-{i + k - 1}"):
+                    weights = [{name: m.weight for name, m in source.layers(j).items()} for j in group]
+                    for j, w in zip(group, weights):
+                        sink.write(j, w)
                     if checkpoint is not None:
-                        checkpoint.save_blocks(i, [{sub: m.weight for sub, m in block_layers[j].items()}
-                                                   for j in group], hidden, new)
+                        checkpoint.save_blocks(i, weights, hidden, new)
                     del hidden
                     if on_block_done is not None:
                         for j in group:
@@ -300,121 +197,74 @@ def prune_model(model: nn.Module, tokenizer: Any = None, settings: PruneSettings
             bar.close()
     finally:
         model.train(was_training)
-    solved = [r["name"] for r in report.layers[len(records):] if not r.get("skipped")
-              and r.get("rank") == executor.rank]
-    report.per_rank = executor.per_rank({"rank": executor.rank, **busy,
-                                         "busy_seconds": busy["calibration_seconds"] + busy["solve_seconds"],
-                                         "layers": solved})
+    mine = [r for r in report.layers[len(resumed):] if not r["skipped"] and r["rank"] == executor.rank]
+    solve = sum(r["seconds"] for r in mine)
+    report.per_rank = executor.per_rank({
+        "rank": executor.rank, "busy_seconds": busy["calibration_seconds"] + solve,
+        "calibration_seconds": busy["calibration_seconds"], "solve_seconds": solve,
+        "layer_cpu_seconds": sum(r["cpu_seconds"] for r in mine), "layers": [r["name"] for r in mine]})
     report.seconds = {"capture": t_capture, "total": time.perf_counter() - t_start,
                       "layers": sum(r.get("seconds", 0.0) for r in report.layers)}
     return report
 
 
-def _prune_blocks(group: range, blocks: nn.ModuleList, block_layers: list[dict[str, nn.Module]],
-                  plans: list[dict[str, LayerPlan | None]], blocks_name: str, settings: PruneSettings,
-                  inputs, device: torch.device, hdtype: torch.dtype, executor,
+def _saved_block(checkpoint: Checkpoint, index: int, layers: dict[str, nn.Module]) -> dict[str, Tensor]:
+    """Block ``index``'s weights from ``checkpoint``; a layer missing there is corruption."""
+    saved = checkpoint.block_weights(index)
+    missing = [name for name in layers if name not in saved]
+    if missing:
+        raise CheckpointError(f"the checkpoint in {checkpoint.directory} is corrupt "
+                              f"(block_{index:04d}.safetensors has no tensor {missing[0]}); "
+                              "delete the directory or pass --restart to start over")
+    return saved
+
+
+def _prune_blocks(group: range, source: ModelBlocks, plans: dict[str, LayerPlan | None], stage,
+                  executor: LocalExecutor | DistributedExecutor, load: bool, progress: bool,
                   busy: dict[str, float]) -> list[dict[str, Any]]:
-    """Hessians, pruning and output propagation of the consecutive blocks in ``group`` (one
-    block unless dense inputs make several worth balancing together); ``inputs.hidden``
-    becomes the next block's input. Returns the blocks' layer records. ``executor`` runs
-    this process's share; ``busy`` accumulates its calibration and solve seconds."""
-    collectors, names, where = {}, {}, {}
+    """Statistics and pruning of the consecutive blocks in ``group`` (several only with dense
+    inputs, when balancing the ranks needs them; each then returns to the CPU once its
+    statistics are in), each layer written into its module as soon as it is solved; then the
+    hidden states move past the last of them. ``load``: the blocks visit the compute device
+    (not with precomputed statistics). Returns the layer records, in block and layer order;
+    ``busy`` accumulates this process's calibration seconds."""
+    jobs, records, modules, blocks = [], {}, {}, {}
     for index in group:
-        layers = block_layers[index]
-        names[index] = _layer_names(blocks_name, index, layers)
-        start = time.perf_counter()
-        if isinstance(inputs, _PrecomputedInputs):
-            collectors[index] = inputs.for_block(names[index])
-        else:
-            active = {sub: layers[sub] for sub, p in plans[index].items() if p is not None}
-            with executor.phase(f"calibration of block {index}"):
-                blocks[index].to(device)
-                collectors[index] = _block_statistics(blocks[index], active, index, inputs, hdtype,
-                                                      propagate=settings.hessian_inputs == "dense")
-                blocks[index].to("cpu")
-            executor.reduce([collectors[index].stats[k] for k in sorted(collectors[index].stats)])
-        busy["calibration_seconds"] += time.perf_counter() - start
-        where.update({names[index][sub]: (index, sub) for sub, p in plans[index].items() if p is not None})
+        layers = source.layers(index)
+        modules.update(layers)
+        active = {name: m for name, m in layers.items() if plans[name] is not None}
+        started = time.perf_counter()
+        blocks[index] = source.load(index, executor.device) if load else None
+        with executor.phase(f"calibration of block {index}"):
+            stats = stage.collect(index, blocks[index], active)
+        busy["calibration_seconds"] += time.perf_counter() - started
+        if load and len(group) > 1:
+            source.release(index)
+        jobs += [LayerJob(name, index, weight_matrix(m), stats[name], plans[name]) for name, m in active.items()]
+        del stats
+        records.update({name: {"name": name, "block": index, "shape": list(weight_matrix(m).shape),
+                               "method": None, "skipped": True} for name, m in layers.items()})
 
-    def solve_one(job: LayerJob) -> dict[str, Any]:
-        index, sub = where[job.name]
-        stats = collectors[index].of(sub)
-        layer = block_layers[index][sub]
-        t0, c0 = time.perf_counter(), time.process_time()
-        pruned, rec = prune_one(weight_matrix(layer), stats.hessian().to(device), plans[index][sub],
-                                stats.mean().to(device))
-        set_weight_matrix(layer, pruned)
-        del pruned
+    def done(job: LayerJob, weight: Tensor, record: dict[str, Any]) -> None:
+        set_weight_matrix(modules[job.name], weight)
+        del weight
         release_memory(collect=False)  # the solvers' temporaries: heap pages back to the system
-        seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
-        busy["solve_seconds"] += seconds
-        busy["layer_cpu_seconds"] += cpu
-        return {**rec, "skipped": False, "seconds": seconds, "cpu_seconds": cpu}
+        records[job.name] = {**records[job.name], **record, "skipped": False}
 
-    jobs = []
-    for name, (index, sub) in where.items():
-        plan, layer = plans[index][sub], block_layers[index][sub]
-        jobs.append(LayerJob(name, job_cost(*weight_matrix(layer).shape, plan.method, plan.refine),
-                             layer.weight))
     label = f"block {group[0]}" if len(group) == 1 else f"blocks {group[0]}-{group[-1]}"
-    solved = dict(zip(where, executor.solve(jobs, solve_one, f"the layers of {label}")))
-    del collectors
-    records = []
-    for index in group:
-        for sub, layer in block_layers[index].items():
-            name = names[index][sub]
-            record = {"name": name, "block": index, "shape": list(weight_matrix(layer).shape)}
-            records.append({**record, **solved[name]} if name in solved else
-                           {**record, "method": None, "skipped": True})
-    if settings.hessian_inputs != "dense" and not isinstance(inputs, _PrecomputedInputs):
-        (index,) = group  # propagate through the pruned block
-        start = time.perf_counter()
+    executor.solve(jobs, done, lambda it: _progress(it, progress and len(jobs) > 1, desc=label,
+                                                    leave=False))
+    del jobs
+    if len(group) == 1:
+        (index,) = group
+        started = time.perf_counter()
         with executor.phase(f"propagation through block {index}"):
-            blocks[index].to(device)
-            inputs.hidden = [run_block(blocks[index], h, inputs.call(index, h)) for h in inputs.hidden]
-            blocks[index].to("cpu")
-        busy["calibration_seconds"] += time.perf_counter() - start
+            stage.advance(index, blocks[index])
+        busy["calibration_seconds"] += time.perf_counter() - started
+        if load:
+            source.release(index)
     release_memory()
-    return records
-
-
-def _block_statistics(block: nn.Module, layers: dict[str, nn.Module], index: int, inputs,
-                      hdtype: torch.dtype, propagate: bool) -> HessianCollector:
-    """Run ``block`` on every calibration batch with hooks on ``layers``; returns the collector
-    holding each layer's input statistics. With ``propagate`` (dense-input mode) each batch's
-    dense output replaces its input in ``inputs.hidden`` at once (the input is not needed
-    again), so only one set of activations is held."""
-    with HessianCollector(block, layers, hdtype) as collector:
-        for j, h in enumerate(inputs.hidden):
-            out = run_block(block, h, inputs.call(index, h))
-            if propagate:
-                inputs.hidden[j] = out
-    return collector
-
-
-class _PrecomputedInputs:
-    """Stands in for block inputs when :func:`collect_hessians` already gave every layer's
-    statistics: ``for_block`` serves them by sub-layer name."""
-
-    hidden = None  # nothing to propagate or checkpoint
-
-    def __init__(self, hessians: dict[str, InputStats]):
-        self.hessians = hessians
-
-    def for_block(self, names: dict[str, str]) -> "_Lookup":
-        missing = [full for full in names.values() if full not in self.hessians]
-        if missing:
-            raise ValueError(f"hessians has no entry for {', '.join(missing[:3])}; collect them "
-                             "with collect_hessians on this model")
-        return _Lookup({sub: self.hessians[full] for sub, full in names.items()})
-
-
-@dataclass
-class _Lookup:
-    stats: dict[str, InputStats]
-
-    def of(self, sub: str) -> InputStats:
-        return self.stats[sub]
+    return list(records.values())
 
 
 def collect_hessians(model: nn.Module, calibration: Tensor, *, device: str | torch.device | None = None,
@@ -430,25 +280,20 @@ def collect_hessians(model: nn.Module, calibration: Tensor, *, device: str | tor
     if not isinstance(calibration, Tensor) or calibration.ndim != 2 or calibration.dtype != torch.long:
         raise ValueError("calibration must be a LongTensor of token ids with shape (nsamples, seqlen)")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    blocks_name, blocks = find_blocks(model)
-    tied = shared_weight_ptrs(model, blocks)
+    source = ModelBlocks(model)
     result: dict[str, InputStats] = {}
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            inputs = capture_block_inputs(model, blocks_name, blocks, list(calibration.split(batch_size)),
-                                          device)
-            for i in _progress(iterable=range(len(blocks)), disable=not progress, desc="collecting Hessians"):
-                layers = find_linears(blocks[i], tied)
-                blocks[i].to(device)
-                collector = _block_statistics(blocks[i], layers, i, inputs, dtype, propagate=True)
-                moved: dict[int, InputStats] = {}
-                for sub, full in _layer_names(blocks_name, i, layers).items():
-                    stats = collector.of(sub)
-                    result[full] = moved.setdefault(id(stats), InputStats(stats.xtx.cpu(), stats.xsum.cpu(),
-                                                                          stats.count))
-                blocks[i].to("cpu")
+            inputs = source.capture(calibration.split(batch_size), device)
+            stage = CalibrationStatistics(inputs, dtype, dense_inputs=True, reduce=LocalExecutor(device).reduce)
+            for i in _progress(range(len(source)), progress, desc="collecting Hessians"):
+                stats = stage.collect(i, source.load(i, device), source.layers(i))
+                on_cpu: dict[int, InputStats] = {}
+                for name, s in stats.items():
+                    result[name] = on_cpu.setdefault(id(s), InputStats(s.xtx.cpu(), s.xsum.cpu(), s.count))
+                source.release(i)
     finally:
         model.train(was_training)
     return result

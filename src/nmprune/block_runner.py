@@ -1,0 +1,130 @@
+"""Running a causal LM one decoder block at a time.
+
+Block inputs are captured with a SparseGPT-style catcher: the decoder blocks are swapped
+for recorders that store the hidden states entering the first block and the keyword
+arguments (attention masks, position embeddings, ...) every block receives, and stop the
+forward pass. The blocks are then run one at a time (:func:`run_block`), so only one block
+needs to be on the compute device (paper Section ``sec:llm_experiments``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+
+class _Stop(Exception):
+    """Raised by the recorders to end the model's forward pass early."""
+
+
+@dataclass
+class BlockCall:
+    """Everything except the hidden states that one block receives in one forward call."""
+
+    args: tuple
+    kwargs: dict
+    hidden_as_kwarg: bool
+
+
+@dataclass
+class BlockInputs:
+    """Hidden states entering the current block (one tensor per calibration batch), and
+    the other arguments of every block per batch shape."""
+
+    hidden: list[Tensor]
+    calls: dict[tuple[int, tuple[int, ...]], BlockCall] = field(default_factory=dict)
+    output_template: Any = None
+
+    def call(self, index: int, hidden: Tensor) -> BlockCall:
+        return self.calls[(index, tuple(hidden.shape))]
+
+
+class _Recorder(nn.Module):
+    """Stands in for block ``index`` during capture; attribute lookups fall through to the
+    real block (models read e.g. ``layer.attention_type``), which is not registered as a
+    submodule so moving the model does not move it."""
+
+    def __init__(self, index: int, block: nn.Module, sink: Callable):
+        super().__init__()
+        self.index = index
+        self.__dict__["_real"] = block
+        self.__dict__["_sink"] = sink
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_real"], name)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.__dict__["_sink"](self.index, args, kwargs)
+
+
+def block_hidden(out: Any) -> Tensor:
+    """The hidden states in a block's output (a tensor, or the first item of a tuple)."""
+    return out if isinstance(out, Tensor) else out[0]
+
+
+def _like(template: Any, hidden: Tensor) -> Any:
+    return hidden if isinstance(template, Tensor) else (hidden, *template[1:])
+
+
+def run_block(block: nn.Module, hidden: Tensor, call: BlockCall) -> Tensor:
+    """Run one block on ``hidden`` with the arguments the model gave it."""
+    if call.hidden_as_kwarg:
+        return block_hidden(block(*call.args, hidden_states=hidden, **call.kwargs))
+    return block_hidden(block(hidden, *call.args, **call.kwargs))
+
+
+def capture_block_inputs(model: nn.Module, blocks_name: str, blocks: nn.ModuleList,
+                         batches: list[Tensor], device: torch.device, *,
+                         keep_hidden: bool = True) -> BlockInputs:
+    """Run ``model`` on each token batch up to its first decoder block.
+
+    Returns the hidden states entering block 0 (on ``device``, unless ``keep_hidden`` is
+    False) and, for every block and batch shape, the other arguments the model passes it.
+    Only the modules outside ``blocks`` (embeddings, rotary tables, ...) and block 0 visit
+    ``device``; they return to the CPU afterwards.
+    """
+    parent_name, _, attr = blocks_name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    result = BlockInputs(hidden=[])
+    recording = {"all": False}
+
+    def sink(index: int, args: tuple, kwargs: dict) -> Any:
+        as_kwarg = not args
+        hidden = kwargs.pop("hidden_states") if as_kwarg else args[0]
+        rest = args if as_kwarg else args[1:]
+        if index == 0 and keep_hidden:
+            result.hidden.append(hidden.detach())
+        if not recording["all"]:
+            raise _Stop
+        result.calls[(index, tuple(hidden.shape))] = BlockCall(rest, dict(kwargs), as_kwarg)
+        if result.output_template is None:
+            blocks[0].to(device)
+            result.output_template = blocks[0](*args, **kwargs) if not as_kwarg else \
+                blocks[0](*rest, hidden_states=hidden, **kwargs)
+            blocks[0].to("cpu")
+        if index == len(blocks) - 1:
+            raise _Stop
+        return _like(result.output_template, hidden)
+
+    recorders = nn.ModuleList([_Recorder(i, b, sink) for i, b in enumerate(blocks)])
+    setattr(parent, attr, recorders)
+    try:
+        model.to(device)
+        with torch.no_grad():
+            for ids in batches:
+                recording["all"] = not any(k[1][:2] == tuple(ids.shape) for k in result.calls)
+                try:
+                    model(ids.to(device), use_cache=False)
+                except _Stop:
+                    pass
+                else:
+                    raise RuntimeError("the model's forward pass never reached its decoder blocks")
+    finally:
+        setattr(parent, attr, blocks)
+        model.to("cpu")
+    return result
