@@ -252,8 +252,8 @@ def _prune_blocks(group: range, source: ModelBlocks, plans: dict[str, LayerPlan 
         records[job.name] = {**records[job.name], **record, "skipped": False}
 
     label = f"block {group[0]}" if len(group) == 1 else f"blocks {group[0]}-{group[-1]}"
-    executor.solve(jobs, done, lambda it: _progress(it, progress and len(jobs) > 1, desc=label,
-                                                    leave=False))
+    bars = progress and len(jobs) > 1
+    executor.solve(jobs, done, lambda it: _progress(it, bars, desc=label, leave=False))
     del jobs
     if len(group) == 1:
         (index,) = group
