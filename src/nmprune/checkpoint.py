@@ -186,18 +186,26 @@ class Checkpoint:
     def save_block(self, index: int, weights: dict[str, Tensor], hidden: list[Tensor] | None,
                    records: list[dict[str, Any]]) -> None:
         """Durably record block ``index`` as finished (it must be the next one)."""
-        if index != self.done_blocks:
-            raise ValueError(f"block {index} saved out of order (expected {self.done_blocks})")
+        self.save_blocks(index, [weights], hidden, records)
+
+    def save_blocks(self, first: int, weights: list[dict[str, Tensor]], hidden: list[Tensor] | None,
+                    records: list[dict[str, Any]]) -> None:
+        """Durably record blocks ``first, first + 1, ...`` (one weight dict each; ``first``
+        must be the next block) as finished at once; ``hidden`` enters the block after them."""
+        if first != self.done_blocks:
+            raise ValueError(f"block {first} saved out of order (expected {self.done_blocks})")
         files = dict(self.manifest["files"])
-        name = f"block_{index:04d}.safetensors"
-        files[name] = self._save(name, weights)
+        for index, tensors in enumerate(weights, start=first):
+            name = f"block_{index:04d}.safetensors"
+            files[name] = self._save(name, tensors)
         old_hidden = [f for f in files if f.startswith("hidden_")]
+        last = first + len(weights) - 1
         if hidden is not None:
-            hname = f"hidden_{index:04d}.safetensors"
+            hname = f"hidden_{last:04d}.safetensors"
             files[hname] = self._save(hname, {f"batch_{j:06d}": h for j, h in enumerate(hidden)})
         for f in old_hidden:
             del files[f]
-        self.manifest.update(done_blocks=index + 1, files=files,
+        self.manifest.update(done_blocks=last + 1, files=files,
                              records=self.manifest["records"] + records)
         self._write_manifest()
         for f in old_hidden:

@@ -9,6 +9,7 @@ held-out text and saves the pruned model. Settings come from defaults, then a YA
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import sys
@@ -106,7 +107,12 @@ def run_prune(config: RunConfig, *, progress: bool = True, on_block_done=None) -
     (all three appear at once); delete the checkpoint. A rerun of the same command after a
     crash resumes from the checkpoint; a user error before the first block is finished
     leaves no checkpoint of this run behind.
+
+    Under ``torchrun`` with several ranks (:mod:`nmprune.distributed`) every rank loads the
+    model and takes part in :func:`prune_model`; rank 0 alone keeps the checkpoint, evaluates
+    and saves, and the other ranks return the pruning report once pruning is done.
     """
+    from . import distributed
     from .checkpoint import Checkpoint
     from .data import calibration_batch
     from .downstream import check_tasks
@@ -114,50 +120,63 @@ def run_prune(config: RunConfig, *, progress: bool = True, on_block_done=None) -
     from .source import ModelBlocks
     from .validate import check_finite, check_prune_inputs
 
-    check_prune_inputs(config)
-    downstream = downstream_settings(config)
-    if downstream.tasks:
-        check_tasks(downstream)
-    config.prune.planner()  # every method, refiner, pattern and option, before the model loads
+    ranks = distributed.setup(config.device)
+    main_rank = ranks is None or ranks.is_main
+    phase = ranks.phase if ranks is not None else lambda name: contextlib.nullcontext()
+    with phase("checking the settings"):
+        if main_rank:  # rank 0 alone writes --out and the checkpoint
+            check_prune_inputs(config)
+        downstream = downstream_settings(config)
+        if downstream.tasks:
+            check_tasks(downstream)
+        config.prune.planner()  # every method, refiner, pattern and option, before the model loads
     out = Path(config.out)
     ckpt_dir = Path(config.checkpoint_dir or f"{out}.checkpoint")
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
 
-    model, tokenizer, source = load_model(config.model, gguf_file=config.gguf_file, dtype=config.dtype,
-                                          allow_pickle=config.allow_pickle)
-    if tokenizer is None:
-        raise ValueError(f"{source} has no tokenizer; nmprune needs one for calibration and "
-                         "evaluation text (save one next to the model)")
-    timings["load"] = time.perf_counter() - t0
-    check_finite(model, source)
-    with warnings.catch_warnings():  # prune_model warns about skipped layers itself
-        warnings.simplefilter("ignore")
-        config.prune.planner().plan_layers(ModelBlocks(model).layer_shapes())
-    # the text is tokenised before the checkpoint exists: a text too short is refused with
-    # nothing written
-    cache: dict[str, Any] = {}
-    token_streams(tokenizer, config.eval, config.eval_seqlen, config.eval_max_tokens or None, cache)
-    p = config.prune
-    try:
-        calibration = calibration_batch(tokenizer, source=p.calib, nsamples=p.nsamples,
-                                        seqlen=p.seqlen, seed=p.seed)
-    except ValueError as e:
-        raise ValueError(f"--calib {p.calib}: {e}") from e
-    remove_partial_save(out)  # what a save killed in an earlier run left
-    ckpt = Checkpoint.open(ckpt_dir, config.identity(), restart=config.restart)
+    with phase("loading the model"):
+        model, tokenizer, source = load_model(config.model, gguf_file=config.gguf_file,
+                                              dtype=config.dtype, allow_pickle=config.allow_pickle)
+        if tokenizer is None:
+            raise ValueError(f"{source} has no tokenizer; nmprune needs one for calibration and "
+                             "evaluation text (save one next to the model)")
+        timings["load"] = time.perf_counter() - t0
+        check_finite(model, source)
+        with warnings.catch_warnings():  # prune_model warns about skipped layers itself
+            warnings.simplefilter("ignore")
+            config.prune.planner().plan_layers(ModelBlocks(model).layer_shapes())
+        # the text is tokenised before the checkpoint exists: a text too short is refused with
+        # nothing written
+        cache: dict[str, Any] = {}
+        if main_rank:
+            token_streams(tokenizer, config.eval, config.eval_seqlen, config.eval_max_tokens or None,
+                          cache)
+        p = config.prune
+        try:
+            calibration = calibration_batch(tokenizer, source=p.calib, nsamples=p.nsamples,
+                                            seqlen=p.seqlen, seed=p.seed)
+        except ValueError as e:
+            raise ValueError(f"--calib {p.calib}: {e}") from e
+        ckpt = None
+        if main_rank:  # only rank 0 keeps the checkpoint (and evaluates and saves)
+            remove_partial_save(out)  # what a save killed in an earlier run left
+            ckpt = Checkpoint.open(ckpt_dir, config.identity(), restart=config.restart)
     try:
         return _prune_and_save(config, model, tokenizer, source, ckpt, calibration, cache, timings,
-                               t0, progress, on_block_done)
+                               t0, progress, on_block_done, ranks)
     except ValueError:
-        if ckpt.created and ckpt.done_blocks == 0:
+        if ckpt is not None and ckpt.created and ckpt.done_blocks == 0:
             ckpt.remove()  # refused before any progress: leave no checkpoint of this run
         raise
 
 
 def _prune_and_save(config: RunConfig, model, tokenizer, source, ckpt, calibration, cache,
-                    timings: dict[str, float], t0: float, progress: bool, on_block_done) -> dict[str, Any]:
-    """:func:`run_prune` after loading: dense perplexity, pruning, pruned perplexity, save."""
+                    timings: dict[str, float], t0: float, progress: bool, on_block_done,
+                    ranks) -> dict[str, Any]:
+    """:func:`run_prune` after loading: dense perplexity and accuracy, pruning, pruned
+    perplexity and accuracy, save (``ckpt`` is None on ranks other than 0, which return
+    the pruning report once pruning is done)."""
     import torch
 
     from .downstream import accuracy_columns, evaluate_tasks
@@ -167,15 +186,17 @@ def _prune_and_save(config: RunConfig, model, tokenizer, source, ckpt, calibrati
     from .pipeline import prune_model
 
     out = Path(config.out)
+    main_rank = ranks is None or ranks.is_main
     downstream = downstream_settings(config)
-    if ckpt.done_blocks:
+    if ckpt is not None and ckpt.done_blocks:
         print(f"resuming from {ckpt.directory}: {ckpt.done_blocks} blocks already pruned", file=sys.stderr)
-    device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = ranks.device if ranks is not None else \
+        (config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
     key = f"dense_perplexity/{config.eval_seqlen}/{config.eval_max_tokens}"
-    dense = ckpt.get(key, {})
+    dense = ckpt.get(key, {}) if ckpt is not None else {}
     missing = [d for d in config.eval if d not in dense]
-    if missing:
+    if main_rank and missing:
         t = time.perf_counter()
         dense.update(evaluate(model, tokenizer, missing, config.eval_seqlen,
                               config.eval_max_tokens or None, device, progress, cache))
@@ -183,8 +204,8 @@ def _prune_and_save(config: RunConfig, model, tokenizer, source, ckpt, calibrati
         ckpt.put(key, dense)
         timings["eval_dense"] = time.perf_counter() - t
     acc_key = "dense_downstream/" + json.dumps(downstream.to_dict(), sort_keys=True)
-    dense_acc = ckpt.get(acc_key, {})
-    if downstream.tasks and not dense_acc:
+    dense_acc = ckpt.get(acc_key, {}) if ckpt is not None else {}
+    if main_rank and downstream.tasks and not dense_acc:
         t = time.perf_counter()
         dense_acc = evaluate_tasks(model, tokenizer, downstream, device=device)
         release_memory()
@@ -195,6 +216,8 @@ def _prune_and_save(config: RunConfig, model, tokenizer, source, ckpt, calibrati
     prune_report = prune_model(model, tokenizer, config.prune, calibration=calibration, device=device,
                                checkpoint=ckpt, progress=progress, on_block_done=on_block_done)
     timings["prune"] = time.perf_counter() - t
+    if not main_rank:
+        return prune_report.to_dict()
 
     t = time.perf_counter()
     pruned = evaluate(model, tokenizer, config.eval, config.eval_seqlen,
@@ -222,6 +245,7 @@ def _prune_and_save(config: RunConfig, model, tokenizer, source, ckpt, calibrati
                     "layers_skipped": len(prune_report.layers) - len(layers),
                     "mean_loss_vs_wanda": sum(ratios) / len(ratios) if ratios else None},
         "resumed_from_block": prune_report.resumed_from_block,
+        "ranks": prune_report.ranks, "per_rank": prune_report.per_rank,
         "seconds": {**timings, "pipeline": prune_report.seconds},
         "layers": prune_report.layers,
     }
@@ -364,6 +388,8 @@ def _methods_text() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .distributed import RankError, teardown
+
     args = build_parser().parse_args(argv)
     try:
         if args.command == "methods":
@@ -404,6 +430,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # the user's input or environment; anything else is a bug
         print(f"nmprune: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
+    except RankError as e:
+        print(f"nmprune: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        teardown()
     return 0
 
 
