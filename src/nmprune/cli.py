@@ -90,8 +90,9 @@ def versions() -> dict[str, str]:
 
 
 def _run_label(config: RunConfig) -> str:
-    p = config.prune
-    return f"{p.method}{'+' + p.refine if p.refine else ''} {p.pattern}"
+    """``method[+refiner] N:M`` of the run's global plan (as the planner resolved it)."""
+    plan = config.prune.planner().default
+    return f"{plan.method.name}{'+' + plan.refiner.name if plan.refiner else ''} {plan.pattern}"
 
 
 # ----------------------------------------------------------------------------- prune run
