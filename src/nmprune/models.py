@@ -233,6 +233,32 @@ def shared_weight_ptrs(model: nn.Module, blocks: nn.ModuleList) -> set[int]:
             for p in m.parameters(recurse=False)}
 
 
+def staging_dir(out: str | os.PathLike) -> Path:
+    """The empty temporary sibling ``OUT.saving`` a save writes into before
+    :func:`publish_atomic` renames it to ``out`` (which must not exist yet)."""
+    out = Path(out)
+    if out.exists():
+        raise ValueError(f"output directory {out} already exists; choose another --out or remove it")
+    tmp = out.with_name(out.name + ".saving")
+    if tmp.exists():
+        import shutil
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def publish_atomic(tmp: Path, out: str | os.PathLike) -> Path:
+    """Give every file in ``tmp`` the permissions the user's umask gives a new file
+    (transformers writes the weights through a private temporary file, mode 600) and
+    rename ``tmp`` to ``out``."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in tmp.iterdir():
+        f.chmod(0o666 & ~umask)
+    os.replace(tmp, out)
+    return Path(out)
+
+
 def save_pretrained_atomic(model: nn.Module, tokenizer, out: str | os.PathLike,
                            extra_files: dict[str, str] | None = None) -> Path:
     """Save the model (safetensors, zeros stored densely), tokenizer and ``extra_files``
@@ -241,24 +267,10 @@ def save_pretrained_atomic(model: nn.Module, tokenizer, out: str | os.PathLike,
     ``out`` must not exist yet. GGUF-loaded models save as ordinary transformers
     checkpoints that load without ``gguf_file``.
     """
-    out = Path(out)
-    if out.exists():
-        raise ValueError(f"output directory {out} already exists; choose another --out or remove it")
-    tmp = out.with_name(out.name + ".saving")
-    if tmp.exists():
-        import shutil
-        shutil.rmtree(tmp)
-    tmp.parent.mkdir(parents=True, exist_ok=True)
+    tmp = staging_dir(out)
     model.save_pretrained(tmp, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     for name, text in (extra_files or {}).items():
         (tmp / name).write_text(text)
-    # transformers writes the weights through a private temporary file (mode 600): give every
-    # file the permissions the user's umask gives a newly created file
-    umask = os.umask(0)
-    os.umask(umask)
-    for f in tmp.iterdir():
-        f.chmod(0o666 & ~umask)
-    os.replace(tmp, out)
-    return out
+    return publish_atomic(tmp, out)

@@ -1,0 +1,112 @@
+"""Writing a pruned model shard by shard, without the whole model in memory.
+
+:class:`ShardedWriter` plans the output layout up front from the input checkpoint (the
+same tensors, in the model's dtype): one safetensors shard per decoder block, written by
+:meth:`ShardedWriter.write_block` as soon as the block is final, and the tensors outside
+the blocks (embeddings, norms, LM head) copied from the input checkpoint tensor by tensor
+into shards of at most one block's size (a larger tensor gets a shard of its own). Shards
+are named ``model-NNNNN-of-NNNNN.safetensors`` and listed by a standard
+``model.safetensors.index.json``, so the directory loads with ``from_pretrained``.
+Everything goes into ``OUT.saving`` and appears under ``OUT`` by one rename at
+:meth:`ShardedWriter.finish`, as :func:`nmprune.models.save_pretrained_atomic` does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor
+
+from ..models import publish_atomic, staging_dir
+from .files import INDEX
+from .source import StreamingModel
+
+
+def _pack(keys: list[str], size: dict[str, int], limit: int) -> list[list[str]]:
+    """Consecutive groups of ``keys`` of at most ``limit`` bytes (a larger key alone)."""
+    groups: list[list[str]] = []
+    total = limit + 1
+    for key in keys:
+        if total + size[key] > limit:
+            groups.append([])
+            total = 0
+        groups[-1].append(key)
+        total += size[key]
+    return groups
+
+
+class ShardedWriter:
+    """The output directory of a streamed run (module docstring)."""
+
+    def __init__(self, source: StreamingModel, out: str | os.PathLike):
+        self.source = source
+        self.out = Path(out)
+        itemsize = {k: source.output_dtype(k).itemsize for k in
+                    source.outside_keys() + [k for i in range(source.num_blocks) for k in source.block_keys(i)]}
+        size = {k: itemsize[k] * _numel(source.files.shape(k)) for k in itemsize}
+        self.block_groups = [source.block_keys(i) for i in range(source.num_blocks)]
+        limit = max((sum(size[k] for k in g) for g in self.block_groups), default=1)
+        self.outside_groups = _pack(source.outside_keys(), size, limit)
+        groups = self.block_groups + self.outside_groups
+        n = len(groups)
+        self.shard_names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        self.weight_map = {k: name for name, g in zip(self.shard_names, groups) for k in g}
+        self.total_size = sum(size.values())
+        self.written: set[str] = set()
+        self.tmp = staging_dir(self.out)
+
+    def _save(self, shard: str, tensors: dict[str, Tensor]) -> None:
+        from safetensors.torch import save_file
+
+        save_file({k: v.detach().to("cpu", self.source.output_dtype(k)).contiguous()
+                   for k, v in tensors.items()}, str(self.tmp / shard), metadata={"format": "pt"})
+        self.written.add(shard)
+
+    def write_block(self, index: int, tensors: dict[str, Tensor]) -> None:
+        """Write block ``index`` (all its tensors by checkpoint name, e.g. from
+        :meth:`StreamingModel.state`) into its shard."""
+        keys = self.block_groups[index]
+        if set(tensors) != set(keys):
+            raise ValueError(f"block {index} has tensors {sorted(keys)}, got {sorted(tensors)}")
+        self._save(self.shard_names[index], tensors)
+
+    def copy_outside(self) -> None:
+        """Copy the tensors outside the blocks from the input checkpoint."""
+        for j, keys in enumerate(self.outside_groups):
+            self._save(self.shard_names[len(self.block_groups) + j],
+                       {k: self.source.files.get(k) for k in keys})
+
+    def finish(self, tokenizer: Any = None, extra_files: dict[str, str] | None = None) -> Path:
+        """Write the index, configuration, generation configuration, tokenizer and
+        ``extra_files`` (name -> text), then rename the directory to ``out``."""
+        missing = [s for s in self.shard_names if s not in self.written]
+        if missing:
+            raise RuntimeError(f"shard {missing[0]} was never written")
+        index = {"metadata": {"total_size": self.total_size}, "weight_map": self.weight_map}
+        (self.tmp / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        model = self.source.model
+        model.config.architectures = [type(model).__name__]
+        model.config.dtype = self.source.dtype
+        model.config.save_pretrained(self.tmp)
+        if model.can_generate():
+            model.generation_config.save_pretrained(self.tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(self.tmp)
+        for name, text in (extra_files or {}).items():
+            (self.tmp / name).write_text(text)
+        return publish_atomic(self.tmp, self.out)
+
+    def abandon(self) -> None:
+        """Delete the unfinished output."""
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

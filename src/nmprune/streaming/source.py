@@ -1,0 +1,223 @@
+"""The model skeleton of a safetensors checkpoint, with weights materialised on demand.
+
+:class:`StreamingModel` builds the causal LM from its configuration under accelerate's
+``init_empty_weights`` (parameters on the meta device, no memory; buffers such as rotary
+tables are computed as usual) and fills parameters in from the checkpoint only while they
+are needed: one decoder block at a time (:meth:`load_block` / :meth:`release_block`, a
+per-block API, so a process reads only the blocks it works on), and the modules outside
+the blocks (embeddings, final norm, LM head: :meth:`load_outside`) for the input capture
+and the evaluation's head. Releasing puts the parameters back on the meta device.
+Parameters shared between modules (tied embeddings) are filled in once, for every holder.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch import Tensor, nn
+
+from ..models import find_blocks, parse_dtype
+from .files import CheckpointFileError, SafetensorsFiles
+
+
+def _resolve_dtype(dtype: str | torch.dtype | None, config, files: SafetensorsFiles) -> torch.dtype:
+    """The model dtype ``from_pretrained`` would pick: ``auto`` is the config's ``dtype``,
+    else the first floating tensor's in the checkpoint."""
+    parsed = parse_dtype(dtype)
+    if parsed != "auto":
+        return parsed
+    if getattr(config, "dtype", None) is not None:
+        return parse_dtype(config.dtype)
+    for key in files.keys():
+        t = files.get(key)
+        if t.is_floating_point():
+            return t.dtype
+    return torch.get_default_dtype()
+
+
+def _move_buffers(modules: list[nn.Module], device: torch.device | str) -> None:
+    """Move the buffers held directly by ``modules`` (not their children's)."""
+    for m in modules:
+        for name, buf in m._buffers.items():
+            if buf is not None and buf.device != torch.device(device):
+                m._buffers[name] = buf.to(device)
+
+
+class StreamingModel:
+    """A causal LM whose weights stay in its safetensors checkpoint until asked for.
+
+    ``directory``: a Hugging Face model directory with ``config.json`` and safetensors
+    weights (checked by :meth:`SafetensorsFiles.open`); ``dtype`` as in
+    :func:`nmprune.models.load_model`. ``model`` is the skeleton (use it like a loaded
+    model once the parts a computation needs are loaded); ``blocks_name`` / ``blocks``
+    its decoder blocks.
+    """
+
+    def __init__(self, directory: str | os.PathLike, dtype: str | torch.dtype | None = "auto"):
+        from accelerate import init_empty_weights
+        from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+        self.directory = Path(directory)
+        self.files = SafetensorsFiles.open(self.directory)
+        config = AutoConfig.from_pretrained(self.directory)
+        self.dtype = _resolve_dtype(dtype, config, self.files)
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(config, dtype=self.dtype)
+        model.tie_weights()  # the meta context re-creates parameters, which unties them
+        if (self.directory / "generation_config.json").is_file():
+            model.generation_config = GenerationConfig.from_pretrained(self.directory)
+        self.model = model.eval()
+        self.blocks_name, self.blocks = find_blocks(model)
+        self._holders: dict[str, list[tuple[nn.Module, str]]] = {}
+        self._key: dict[str, str] = {}
+        self._aliases: dict[str, list[str]] = {}
+        first: dict[int, str] = {}
+        for module_name, module in model.named_modules(remove_duplicate=False):
+            for attr, p in module._parameters.items():
+                if p is None:
+                    continue
+                full = f"{module_name}.{attr}" if module_name else attr
+                canonical = first.setdefault(id(p), full)
+                if (module, attr) not in self._holders.setdefault(canonical, []):
+                    self._holders[canonical].append((module, attr))
+                self._aliases.setdefault(canonical, []).append(full)
+                if full in self.files and canonical not in self._key:
+                    self._key[canonical] = full
+        missing = [c for c in self._holders if c not in self._key]
+        if missing:
+            raise CheckpointFileError(f"{self.directory} holds no tensor for parameter {missing[0]!r}; "
+                                      "streaming needs a checkpoint saved by transformers for this "
+                                      "model class (load it whole instead, without offload)")
+        self._canonical_of = {key: canonical for canonical, key in self._key.items()}
+        self._buffer_keys = self._load_persistent_buffers()
+        prefix = f"{self.blocks_name}."
+        self._block_params: list[list[str]] = [[] for _ in self.blocks]
+        self._outside: list[str] = []
+        for canonical, aliases in self._aliases.items():
+            inside = [a for a in aliases if a.startswith(prefix)]
+            if inside:
+                self._block_params[int(inside[0][len(prefix):].split(".", 1)[0])].append(canonical)
+            else:
+                self._outside.append(canonical)
+
+    def _load_persistent_buffers(self) -> list[str]:
+        """Buffers the checkpoint stores (``state_dict`` entries) are read once and kept."""
+        keys = []
+        persistent = set(self.model.state_dict())
+        for module_name, module in self.model.named_modules():
+            for attr, buf in module._buffers.items():
+                full = f"{module_name}.{attr}" if module_name else attr
+                if buf is not None and full in persistent and full in self.files:
+                    value = self.files.get(full)
+                    module._buffers[attr] = value.to(buf.dtype) if value.is_floating_point() else value
+                    keys.append(full)
+        return keys
+
+    # -- sizes and names ------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    def checkpoint_bytes(self) -> int:
+        """Bytes of the checkpoint's tensors as stored."""
+        return self.files.total_bytes()
+
+    def block_keys(self, index: int) -> list[str]:
+        """Checkpoint tensor names of block ``index`` (parameters and stored buffers)."""
+        prefix = f"{self.blocks_name}.{index}."
+        return [self._key[c] for c in self._block_params[index]] + \
+            [k for k in self._buffer_keys if k.startswith(prefix)]
+
+    def outside_keys(self) -> list[str]:
+        """Checkpoint tensor names outside the blocks (embeddings, norms, LM head)."""
+        prefix = f"{self.blocks_name}."
+        return [self._key[c] for c in self._outside] + \
+            [k for k in self._buffer_keys if not k.startswith(prefix)]
+
+    def output_dtype(self, key: str) -> torch.dtype:
+        """The dtype tensor ``key`` has in the model (what a saved model stores)."""
+        return self._find(key).dtype
+
+    def _find(self, key: str) -> Tensor:
+        canonical = self._canonical_of.get(key)
+        if canonical is None:
+            return self.model.get_buffer(key)
+        module, attr = self._holders[canonical][0]
+        return module._parameters[attr]
+
+    def state(self, keys: list[str]) -> dict[str, Tensor]:
+        """The current (loaded) tensors of ``keys``, e.g. a pruned block's, for saving."""
+        out = {}
+        for key in keys:
+            t = self._find(key)
+            if t.is_meta:
+                raise RuntimeError(f"{key} is not loaded")
+            out[key] = t
+        return out
+
+    # -- materialising --------------------------------------------------------------------
+
+    def _load(self, canonicals: list[str], device: torch.device | str) -> None:
+        for canonical in canonicals:
+            holders = self._holders[canonical]
+            old = holders[0][0]._parameters[holders[0][1]]
+            value = self.files.get(self._key[canonical]).to(device=device, dtype=old.dtype)
+            new = nn.Parameter(value, requires_grad=False)
+            for module, attr in holders:
+                module._parameters[attr] = new
+
+    def _release(self, canonicals: list[str]) -> None:
+        for canonical in canonicals:
+            holders = self._holders[canonical]
+            old = holders[0][0]._parameters[holders[0][1]]
+            new = nn.Parameter(torch.empty(old.shape, dtype=old.dtype, device="meta"), requires_grad=False)
+            for module, attr in holders:
+                module._parameters[attr] = new
+
+    def load_block(self, index: int, device: torch.device | str = "cpu") -> nn.Module:
+        """Read block ``index``'s parameters onto ``device``; returns the block."""
+        self._load(self._block_params[index], device)
+        _move_buffers(list(self.blocks[index].modules()), device)
+        return self.blocks[index]
+
+    def release_block(self, index: int) -> None:
+        """Put block ``index``'s parameters back on the meta device."""
+        self._release(self._block_params[index])
+        _move_buffers(list(self.blocks[index].modules()), "cpu")
+
+    def load_outside(self, device: torch.device | str = "cpu") -> None:
+        """Read every parameter outside the blocks (embeddings, final norm, LM head)."""
+        self._load(self._outside, device)
+        _move_buffers(self._outside_modules(), device)
+
+    def release_outside(self) -> None:
+        """Put the parameters outside the blocks back on the meta device."""
+        self._release(self._outside)
+        _move_buffers(self._outside_modules(), "cpu")
+
+    def _outside_modules(self) -> list[nn.Module]:
+        prefix = f"{self.blocks_name}."
+        return [m for n, m in self.model.named_modules()
+                if n != self.blocks_name and not n.startswith(prefix)]
+
+    @contextmanager
+    def block(self, index: int, device: torch.device | str = "cpu") -> Iterator[nn.Module]:
+        """Block ``index`` loaded for the ``with`` body."""
+        try:
+            yield self.load_block(index, device)
+        finally:
+            self.release_block(index)
+
+    @contextmanager
+    def outside(self, device: torch.device | str = "cpu") -> Iterator[nn.Module]:
+        """The modules outside the blocks loaded for the ``with`` body; yields the model."""
+        try:
+            self.load_outside(device)
+            yield self.model
+        finally:
+            self.release_outside()
