@@ -1,0 +1,138 @@
+"""Streaming from safetensors checkpoints (nmprune.streaming): up-front checks of the files,
+the meta-device skeleton, the sharded writer and block-by-block perplexity, on tiny models
+of several families saved like hub checkpoints (one file and sharded with an index)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from nmprune.evaluate import perplexity
+from nmprune.models import load_model
+from nmprune.streaming import SafetensorsFiles, ShardedWriter, StreamingModel
+from nmprune.streaming.evaluate import streaming_perplexity
+from nmprune.streaming.files import INDEX
+from test_models_tiny import FAMILIES, VOCAB, tiny_model
+
+
+def _save(path: Path, family: str = "llama", layers: int = 3, shard: str | None = None) -> Path:
+    model = tiny_model(family, layers)
+    model.save_pretrained(path, **({"max_shard_size": shard} if shard else {}))
+    return path
+
+
+def _stream(seed: int = 0, n: int = 100) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory) -> Path:
+    path = _save(tmp_path_factory.mktemp("sharded") / "model", shard="40KB")
+    assert (path / INDEX).is_file() and len(list(path.glob("*.safetensors"))) > 2
+    return path
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_streamed_perplexity_equals_in_memory(family, tmp_path):
+    path = _save(tmp_path / family, family, layers=2)
+    model, _, _ = load_model(path, tokenizer=False)
+    source = StreamingModel(path)
+    ids = _stream()
+    assert streaming_perplexity(source, ids, seqlen=16, batch_size=2, progress=False) == \
+        perplexity(model, ids, seqlen=16, batch_size=2, progress=False)
+    assert all(p.is_meta for p in source.model.parameters())  # everything released again
+
+
+def test_skeleton_holds_no_weights_and_loads_one_block(sharded):
+    source = StreamingModel(sharded)
+    reference = AutoModelForCausalLM.from_pretrained(sharded).state_dict()
+    assert all(p.is_meta for p in source.model.parameters())
+    block = source.load_block(1)
+    loaded = {n for n, p in source.model.named_parameters() if not p.is_meta}
+    assert loaded and all(n.startswith("model.layers.1.") for n in loaded)
+    for name, p in block.named_parameters():
+        assert torch.equal(p, reference[f"model.layers.1.{name}"]), name
+    source.release_block(1)
+    assert all(p.is_meta for p in source.model.parameters())
+
+
+def _copy_through_writer(source: StreamingModel, out: Path) -> Path:
+    writer = ShardedWriter(source, out)
+    for i in range(source.num_blocks):
+        with source.block(i):
+            writer.write_block(i, source.state(source.block_keys(i)))
+    writer.copy_outside()
+    return writer.finish()
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "opt"])
+def test_writer_output_reloads_with_every_tensor_once(family, tmp_path):
+    path = _save(tmp_path / "in", family)
+    out = _copy_through_writer(StreamingModel(path), tmp_path / "out")
+    assert not (tmp_path / "out.saving").exists()
+    # every tensor once: the index parses with duplicate detection and covers each shard's keys
+    files = SafetensorsFiles.open(out)
+    index = json.loads((out / INDEX).read_text())["weight_map"]
+    shards = sorted(set(index.values()))
+    assert sorted(p.name for p in out.glob("*.safetensors")) == shards and len(shards) > 3
+    assert sorted(files.keys()) == sorted(SafetensorsFiles.open(path).keys())
+    a = AutoModelForCausalLM.from_pretrained(path).state_dict()
+    b = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert (out / "config.json").is_file() and (out / "generation_config.json").is_file()
+
+
+def test_writer_casts_to_the_run_dtype(tmp_path):
+    path = _save(tmp_path / "in")
+    out = _copy_through_writer(StreamingModel(path, dtype="bfloat16"), tmp_path / "out")
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    assert reloaded.dtype == torch.bfloat16
+    dense, _, _ = load_model(path, dtype="bfloat16", tokenizer=False)
+    b = reloaded.state_dict()
+    assert all(torch.equal(v, b[k]) for k, v in dense.state_dict().items())
+
+
+def _damage_missing(path: Path) -> Path:
+    victim = sorted(path.glob("model-*.safetensors"))[1]
+    victim.unlink()
+    return victim
+
+
+def _damage_truncated(path: Path) -> Path:
+    victim = sorted(path.glob("model-*.safetensors"))[2]
+    data = victim.read_bytes()
+    victim.write_bytes(data[: len(data) - 64])
+    return victim
+
+
+def _damage_duplicate(path: Path) -> Path:
+    index = path / INDEX
+    text = index.read_text()
+    # name the first tensor a second time, pointing at another shard
+    data = json.loads(text)
+    first, shard = next(iter(data["weight_map"].items()))
+    other = next(s for s in data["weight_map"].values() if s != shard)
+    index.write_text(text.replace('"weight_map": {', f'"weight_map": {{\n    "{first}": "{other}",', 1))
+    return index
+
+
+@pytest.mark.parametrize("damage", [_damage_missing, _damage_truncated, _damage_duplicate])
+def test_bad_checkpoint_is_an_error_naming_the_file(damage, tmp_path):
+    path = _save(tmp_path / "in", shard="40KB")
+    victim = damage(path)
+    with pytest.raises(ValueError, match=victim.name):
+        StreamingModel(path)
+
+
+def test_tensor_in_two_shards_is_an_error(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = _save(tmp_path / "in", shard="40KB")
+    a, b = sorted(path.glob("model-*.safetensors"))[:2]
+    save_file({**load_file(b), **load_file(a)}, str(b), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="both hold tensor"):
+        SafetensorsFiles.open(path)
