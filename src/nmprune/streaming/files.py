@@ -5,8 +5,10 @@ A checkpoint is either ``model.safetensors`` or shards listed by
 ``save_pretrained`` writes. :meth:`SafetensorsFiles.open` checks up front that every
 shard exists and is a complete safetensors file (``safe_open`` parses its header and
 rejects a file shorter than the header says), that the index names each tensor once and
-that each shard holds the tensors the index gives it; reads go through memory-mapped
-``safe_open`` handles, so a tensor costs memory only while the caller holds it.
+that each shard holds the tensors the index gives it. Reads open the shard with
+``safe_open``, whose tensors are views of a private memory map of the file (copy on
+write): a tensor costs memory (and address space) only while the caller holds it, and no
+shard stays mapped after its tensors are dropped.
 """
 
 from __future__ import annotations
@@ -54,7 +56,6 @@ class SafetensorsFiles:
     def __init__(self, directory: Path, weight_map: dict[str, str]):
         self.directory = directory
         self.weight_map = weight_map
-        self._handles: dict[str, object] = {}
         self._meta: dict[str, tuple[tuple[int, ...], str]] = {}
 
     @classmethod
@@ -95,15 +96,14 @@ class SafetensorsFiles:
         from safetensors import safe_open
 
         try:
-            handle = safe_open(str(path), framework="pt")
-            keys = list(handle.keys())
-            for key in keys:
-                piece = handle.get_slice(key)
-                self._meta.setdefault(key, (tuple(piece.get_shape()), piece.get_dtype()))
+            with safe_open(str(path), framework="pt") as handle:
+                keys = list(handle.keys())
+                for key in keys:
+                    piece = handle.get_slice(key)
+                    self._meta.setdefault(key, (tuple(piece.get_shape()), piece.get_dtype()))
         except Exception as e:  # safetensors raises its own error type on damaged files
             raise CheckpointFileError(f"{path} is not a complete safetensors file "
                                       f"(truncated or damaged): {e}") from e
-        self._handles[path.name] = handle
         return keys
 
     # -- queries --------------------------------------------------------------------------
@@ -129,9 +129,22 @@ class SafetensorsFiles:
 
     def get(self, key: str) -> Tensor:
         """Tensor ``key`` read from its shard (CPU, the stored dtype)."""
-        if key not in self.weight_map:
-            raise KeyError(key)
-        return self._handles[self.weight_map[key]].get_tensor(key)
+        return self.read([key])[key]
+
+    def read(self, keys: list[str]) -> dict[str, Tensor]:
+        """Tensors ``keys`` (CPU, stored dtype), opening each shard once."""
+        from safetensors import safe_open
+
+        by_shard: dict[str, list[str]] = {}
+        for key in keys:
+            if key not in self.weight_map:
+                raise KeyError(key)
+            by_shard.setdefault(self.weight_map[key], []).append(key)
+        out = {}
+        for shard, names in by_shard.items():
+            with safe_open(str(self.directory / shard), framework="pt") as handle:
+                out.update((k, handle.get_tensor(k)) for k in names)
+        return {k: out[k] for k in keys}
 
 
 _ITEMSIZE = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2,

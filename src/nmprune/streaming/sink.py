@@ -78,7 +78,7 @@ class ShardedWriter:
         """Copy the tensors outside the blocks from the input checkpoint."""
         for j, keys in enumerate(self.outside_groups):
             self._save(self.shard_names[len(self.block_groups) + j],
-                       {k: self.source.files.get(k) for k in keys})
+                       self.source.files.read(keys))
 
     def finish(self, tokenizer: Any = None, extra_files: dict[str, str] | None = None) -> Path:
         """Write the index, configuration, generation configuration, tokenizer and

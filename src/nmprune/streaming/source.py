@@ -163,10 +163,11 @@ class StreamingModel:
     # -- materialising --------------------------------------------------------------------
 
     def _load(self, canonicals: list[str], device: torch.device | str) -> None:
+        values = self.files.read([self._key[c] for c in canonicals])
         for canonical in canonicals:
             holders = self._holders[canonical]
             old = holders[0][0]._parameters[holders[0][1]]
-            value = self.files.get(self._key[canonical]).to(device=device, dtype=old.dtype)
+            value = values.pop(self._key[canonical]).to(device=device, dtype=old.dtype)
             new = nn.Parameter(value, requires_grad=False)
             for module, attr in holders:
                 module._parameters[attr] = new
