@@ -51,22 +51,22 @@ def test_skeleton_holds_no_weights_and_loads_one_block(sharded):
     source = StreamingModel(sharded)
     reference = AutoModelForCausalLM.from_pretrained(sharded).state_dict()
     assert all(p.is_meta for p in source.model.parameters())
-    block = source.load_block(1)
+    block = source.load(1)
     loaded = {n for n, p in source.model.named_parameters() if not p.is_meta}
     assert loaded and all(n.startswith("model.layers.1.") for n in loaded)
     for name, p in block.named_parameters():
         assert torch.equal(p, reference[f"model.layers.1.{name}"]), name
-    source.release_block(1)
+    source.release(1)
     assert all(p.is_meta for p in source.model.parameters())
 
 
 def _copy_through_writer(source: StreamingModel, out: Path) -> Path:
     writer = ShardedWriter(source, out)
-    for i in range(source.num_blocks):
+    for i in range(len(source)):
         with source.block(i):
-            writer.write_block(i, source.state(source.block_keys(i)))
-    writer.copy_outside()
-    return writer.finish()
+            writer.write(i, {name: m.weight for name, m in source.layers(i).items()})
+    writer.close()
+    return writer.publish()
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "opt"])

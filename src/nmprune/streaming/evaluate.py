@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from ..evaluate import eval_windows, window_nll
-from ..hessian import BlockInputs, _like, _Recorder, capture_block_inputs, run_block
+from ..hessian import BlockInputs, _like, _Recorder, run_block
 from .source import StreamingModel
 
 
@@ -34,9 +34,7 @@ def block_outputs(source: StreamingModel, batches: list[Tensor], device: torch.d
                   progress: bool = False) -> BlockInputs:
     """The last block's outputs for each token batch (``hidden``), with the per-block call
     arguments and the output template of the capture."""
-    with source.outside(device), source.block(0, device):
-        inputs = capture_block_inputs(source.model, source.blocks_name, source.blocks, batches, device,
-                                      place=False)
+    inputs = source.capture(batches, device)
     for i in _progress(range(source.num_blocks), progress, desc="perplexity blocks"):
         with source.block(i, device) as block:
             inputs.hidden = [run_block(block, h, inputs.call(i, h)) for h in inputs.hidden]

@@ -2,13 +2,17 @@
 
 :class:`ShardedWriter` plans the output layout up front from the input checkpoint (the
 same tensors, in the model's dtype): one safetensors shard per decoder block, written by
-:meth:`ShardedWriter.write_block` as soon as the block is final, and the tensors outside
+:meth:`ShardedWriter.write` as soon as the block is final (its pruned layer weights as
+given, its other tensors such as norms and biases copied from the input checkpoint; a
+block sink for :func:`nmprune.pipeline.prune_model`), and the tensors outside
 the blocks (embeddings, norms, LM head) copied from the input checkpoint tensor by tensor
 into shards of at most one block's size (a larger tensor gets a shard of its own). Shards
 are named ``model-NNNNN-of-NNNNN.safetensors`` and listed by a standard
 ``model.safetensors.index.json``, so the directory loads with ``from_pretrained``.
-Everything goes into ``OUT.saving`` and appears under ``OUT`` by one rename at
-:meth:`ShardedWriter.finish`, as :func:`nmprune.models.save_pretrained_atomic` does.
+Everything goes into ``OUT.saving`` (:meth:`ShardedWriter.close` completes it as a model
+directory that can be read back, e.g. to evaluate it) and appears under ``OUT`` by one
+rename at :meth:`ShardedWriter.publish`, as :func:`nmprune.models.save_pretrained_atomic`
+does.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 from torch import Tensor
@@ -66,23 +71,29 @@ class ShardedWriter:
                    for k, v in tensors.items()}, str(self.tmp / shard), metadata={"format": "pt"})
         self.written.add(shard)
 
-    def write_block(self, index: int, tensors: dict[str, Tensor]) -> None:
-        """Write block ``index`` (all its tensors by checkpoint name, e.g. from
-        :meth:`StreamingModel.state`) into its shard."""
-        keys = self.block_groups[index]
-        if set(tensors) != set(keys):
-            raise ValueError(f"block {index} has tensors {sorted(keys)}, got {sorted(tensors)}")
-        self._save(self.shard_names[index], tensors)
+    def write(self, index: int, weights: Mapping[str, Tensor]) -> None:
+        """Write block ``index`` into its shard: ``weights`` maps every prunable layer's
+        full module name to its weight as the layer stores it; the block's other tensors
+        come from the input checkpoint."""
+        layers = self.source.layers(index)
+        missing = [name for name in layers if name not in weights]
+        if missing:
+            raise ValueError(f"block {index} is missing the weights of {', '.join(missing[:3])}")
+        given = {self.source.weight_key(name): weights[name] for name in layers}
+        tensors = self.source.files.read([k for k in self.block_groups[index] if k not in given])
+        self._save(self.shard_names[index], {**tensors, **given})
 
-    def copy_outside(self) -> None:
+    def _copy_outside(self) -> None:
         """Copy the tensors outside the blocks from the input checkpoint."""
         for j, keys in enumerate(self.outside_groups):
             self._save(self.shard_names[len(self.block_groups) + j],
                        self.source.files.read(keys))
 
-    def finish(self, tokenizer: Any = None, extra_files: dict[str, str] | None = None) -> Path:
-        """Write the index, configuration, generation configuration, tokenizer and
-        ``extra_files`` (name -> text), then rename the directory to ``out``."""
+    def close(self, tokenizer: Any = None) -> Path:
+        """Copy the tensors outside the blocks and write the index, configuration,
+        generation configuration and tokenizer: ``OUT.saving`` is a complete model
+        directory. Every block must have been written."""
+        self._copy_outside()
         missing = [s for s in self.shard_names if s not in self.written]
         if missing:
             raise RuntimeError(f"shard {missing[0]} was never written")
@@ -96,6 +107,10 @@ class ShardedWriter:
             model.generation_config.save_pretrained(self.tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(self.tmp)
+        return self.tmp
+
+    def publish(self, extra_files: dict[str, str] | None = None) -> Path:
+        """Add ``extra_files`` (name -> text) and rename the directory to ``out``."""
         for name, text in (extra_files or {}).items():
             (self.tmp / name).write_text(text)
         return publish_atomic(self.tmp, self.out)

@@ -3,11 +3,12 @@
 :class:`StreamingModel` builds the causal LM from its configuration under accelerate's
 ``init_empty_weights`` (parameters on the meta device, no memory; buffers such as rotary
 tables are computed as usual) and fills parameters in from the checkpoint only while they
-are needed: one decoder block at a time (:meth:`load_block` / :meth:`release_block`, a
-per-block API, so a process reads only the blocks it works on), and the modules outside
-the blocks (embeddings, final norm, LM head: :meth:`load_outside`) for the input capture
-and the evaluation's head. Releasing puts the parameters back on the meta device.
-Parameters shared between modules (tied embeddings) are filled in once, for every holder.
+are needed: one decoder block at a time (:meth:`load` / :meth:`release`, a per-block API,
+so a process reads only the blocks it works on), and the modules outside the blocks
+(embeddings, final norm, LM head: :meth:`load_outside`) for the input capture and the
+evaluation's head. Releasing puts the parameters back on the meta device. Parameters
+shared between modules (tied embeddings) are filled in once, for every holder. It is a
+block source for :func:`nmprune.pipeline.prune_model` like the in-memory one.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from typing import Iterator
 import torch
 from torch import Tensor, nn
 
-from ..models import find_blocks, parse_dtype
+from ..hessian import BlockInputs, capture_block_inputs
+from ..models import find_blocks, find_linears, parse_dtype, weight_matrix
 from .files import CheckpointFileError, SafetensorsFiles
 
 
@@ -101,8 +103,13 @@ class StreamingModel:
             inside = [a for a in aliases if a.startswith(prefix)]
             if inside:
                 self._block_params[int(inside[0][len(prefix):].split(".", 1)[0])].append(canonical)
-            else:
+            if len(inside) < len(aliases):
                 self._outside.append(canonical)
+        self._alias_of = {alias: c for c, aliases in self._aliases.items() for alias in aliases}
+        tied = set(self._outside)  # a block layer whose weight also lives outside stays dense
+        self._layers = [{f"{self.blocks_name}.{i}.{sub}": m for sub, m in find_linears(b).items()
+                         if self._alias_of[f"{self.blocks_name}.{i}.{sub}.weight"] not in tied}
+                        for i, b in enumerate(self.blocks)]
 
     def _load_persistent_buffers(self) -> list[str]:
         """Buffers the checkpoint stores (``state_dict`` entries) are read once and kept."""
@@ -117,11 +124,39 @@ class StreamingModel:
                     keys.append(full)
         return keys
 
-    # -- sizes and names ------------------------------------------------------------------
+    # -- the block source interface ---------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self.blocks)
 
     @property
     def num_blocks(self) -> int:
         return len(self.blocks)
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the input embedding: token ids must lie below this."""
+        return self.model.get_input_embeddings().weight.shape[0]
+
+    def layers(self, index: int) -> dict[str, nn.Module]:
+        """The prunable layers of block ``index`` by full name (weights on the meta device
+        unless the block is loaded)."""
+        return self._layers[index]
+
+    def layer_shapes(self) -> dict[str, tuple[int, int]]:
+        """``(d_out, d_in)`` of every prunable layer of every block, by full name."""
+        return {name: tuple(weight_matrix(m).shape) for layers in self._layers
+                for name, m in layers.items()}
+
+    def capture(self, batches, device: torch.device, keep_hidden: bool = True) -> BlockInputs:
+        """Hidden states entering block 0 and every block's call arguments
+        (:func:`capture_block_inputs`), with the modules outside the blocks and block 0
+        loaded for the capture only."""
+        with self.outside(device), self.block(0, device):
+            return capture_block_inputs(self.model, self.blocks_name, self.blocks, list(batches),
+                                        device, keep_hidden=keep_hidden, place=False)
+
+    # -- sizes and names ------------------------------------------------------------------
 
     def checkpoint_bytes(self) -> int:
         """Bytes of the checkpoint's tensors as stored."""
@@ -141,24 +176,15 @@ class StreamingModel:
 
     def output_dtype(self, key: str) -> torch.dtype:
         """The dtype tensor ``key`` has in the model (what a saved model stores)."""
-        return self._find(key).dtype
-
-    def _find(self, key: str) -> Tensor:
         canonical = self._canonical_of.get(key)
         if canonical is None:
-            return self.model.get_buffer(key)
+            return self.model.get_buffer(key).dtype
         module, attr = self._holders[canonical][0]
-        return module._parameters[attr]
+        return module._parameters[attr].dtype
 
-    def state(self, keys: list[str]) -> dict[str, Tensor]:
-        """The current (loaded) tensors of ``keys``, e.g. a pruned block's, for saving."""
-        out = {}
-        for key in keys:
-            t = self._find(key)
-            if t.is_meta:
-                raise RuntimeError(f"{key} is not loaded")
-            out[key] = t
-        return out
+    def weight_key(self, layer: str) -> str:
+        """The checkpoint tensor name of layer ``layer``'s weight (full module name)."""
+        return self._key[self._alias_of[f"{layer}.weight"]]
 
     # -- materialising --------------------------------------------------------------------
 
@@ -180,13 +206,13 @@ class StreamingModel:
             for module, attr in holders:
                 module._parameters[attr] = new
 
-    def load_block(self, index: int, device: torch.device | str = "cpu") -> nn.Module:
+    def load(self, index: int, device: torch.device | str = "cpu") -> nn.Module:
         """Read block ``index``'s parameters onto ``device``; returns the block."""
         self._load(self._block_params[index], device)
         _move_buffers(list(self.blocks[index].modules()), device)
         return self.blocks[index]
 
-    def release_block(self, index: int) -> None:
+    def release(self, index: int) -> None:
         """Put block ``index``'s parameters back on the meta device."""
         self._release(self._block_params[index])
         _move_buffers(list(self.blocks[index].modules()), "cpu")
@@ -210,9 +236,9 @@ class StreamingModel:
     def block(self, index: int, device: torch.device | str = "cpu") -> Iterator[nn.Module]:
         """Block ``index`` loaded for the ``with`` body."""
         try:
-            yield self.load_block(index, device)
+            yield self.load(index, device)
         finally:
-            self.release_block(index)
+            self.release(index)
 
     @contextmanager
     def outside(self, device: torch.device | str = "cpu") -> Iterator[nn.Module]:
