@@ -1,0 +1,163 @@
+"""Peak memory of streamed pruning (``nmprune prune --offload``) against the checkpoint size.
+
+Builds random-weight Llama-architecture checkpoints (hidden 1024, intermediate 4096, 16
+heads, float32, tied embeddings, the packaged SmolLM2 tokenizer; safetensors shards of at
+most 200 MB with an index) with ``BLOCKS`` decoder blocks each, prunes each with every
+``METHOD`` (small calibration: 8 x 128 tokens of the packaged wiki text; dense and pruned
+perplexity on 2048 held-out tokens, streamed too) and records the peak resident set of
+the run (``wait4`` of the child: exact, like ``/usr/bin/time -v``) and of a bare
+``python -c "import torch, transformers, nmprune"``. Targets (issue 20): the run's peak
+above the bare one is at most 25% of the checkpoint and does not grow with the block count.
+Then the largest run repeats under ``prlimit --as=LIMIT`` (a hard cap on the address space,
+so on every byte of memory, mapped files included) with LIMIT below the checkpoint's size,
+and, as a control, the in-memory path (without ``--offload``) under the same cap.
+
+    flock /tmp/nmprune-bench.lock python benchmarks/memory.py [--blocks 24 48] [--methods wanda sparsegpt]
+
+Writes ``benchmarks/results/memory.{json,md}``; the generated checkpoints and outputs
+under ``runs/memory_bench`` are deleted at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from _machine import cpu_description
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+WORK = ROOT / "runs" / "memory_bench"
+HIDDEN, INTERMEDIATE, HEADS = 1024, 4096, 16
+TARGET_FRACTION = 0.25
+MB = 1 << 20
+
+BUILD = r"""
+import sys, torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from nmprune.models import packaged_model
+src = packaged_model()
+tok = AutoTokenizer.from_pretrained(src.path, gguf_file=src.gguf_file)
+config = LlamaConfig(vocab_size=len(tok), hidden_size={hidden}, intermediate_size={inter},
+                     num_hidden_layers={blocks}, num_attention_heads={heads},
+                     num_key_value_heads={heads}, max_position_embeddings=2048,
+                     tie_word_embeddings=True, dtype="float32")
+torch.manual_seed(0)
+model = LlamaForCausalLM(config)
+model.save_pretrained(sys.argv[1], max_shard_size="200MB")
+tok.save_pretrained(sys.argv[1])
+"""
+
+
+def measured(cmd: list[str]) -> dict:
+    """Run ``cmd`` and take its own peak RSS from ``wait4``."""
+    start = time.perf_counter()
+    with open(WORK / "stdout.txt", "w") as out, open(WORK / "stderr.txt", "w") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err)
+        _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return {"cmd": " ".join(cmd).replace(str(ROOT) + "/", ""), "rc": proc.returncode,
+            "seconds": time.perf_counter() - start, "peak_rss_bytes": usage.ru_maxrss * 1024,
+            "stdout_tail": (WORK / "stdout.txt").read_text()[-1500:],
+            "stderr_tail": (WORK / "stderr.txt").read_text()[-1500:]}
+
+
+def checkpoint_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+
+
+def prune_cmd(model: Path, out: Path, method: str, offload: bool = True) -> list[str]:
+    return ["nmprune", "prune", "--model", str(model), "--out", str(out), "--method", method,
+            "--refine", "none", "--nsamples", "8", "--seqlen", "128", "--eval-seqlen", "128",
+            "--eval-max-tokens", "2048", "--quiet", *(["--offload"] if offload else [])]
+
+
+def main(blocks: list[int], methods: list[str]) -> None:
+    shutil.rmtree(WORK, ignore_errors=True)
+    WORK.mkdir(parents=True)
+    load = os.getloadavg()
+    bare = measured([sys.executable, "-c", "import torch, transformers, nmprune"])
+    runs, sizes = [], {}
+    try:
+        for n in blocks:
+            model = WORK / f"llama-{n}"
+            build = BUILD.format(hidden=HIDDEN, inter=INTERMEDIATE, blocks=n, heads=HEADS)
+            subprocess.run([sys.executable, "-c", build, str(model)], check=True)
+            sizes[n] = checkpoint_bytes(model)
+            for method in methods:
+                out = WORK / f"out-{n}-{method}"
+                r = measured(prune_cmd(model, out, method))
+                if r["rc"] != 0:
+                    raise RuntimeError(f"{r['cmd']} failed:\n{r['stderr_tail']}")
+                report = json.loads((out / "nmprune_report.json").read_text())
+                r.update(blocks=n, method=method, checkpoint_bytes=sizes[n],
+                         above_bare_bytes=r["peak_rss_bytes"] - bare["peak_rss_bytes"],
+                         perplexity=report["perplexity"], stage_seconds=report["seconds"],
+                         output_bytes=checkpoint_bytes(out))
+                r["fraction_of_checkpoint"] = r["above_bare_bytes"] / sizes[n]
+                runs.append(r)
+                shutil.rmtree(out)
+            if n != max(blocks):
+                shutil.rmtree(model)
+        largest = WORK / f"llama-{max(blocks)}"
+        limit = int(0.75 * sizes[max(blocks)]) // MB * MB
+        capped = measured(["prlimit", f"--as={limit}", *prune_cmd(largest, WORK / "out-capped", methods[0])])
+        capped.update(limit_bytes=limit, blocks=max(blocks), method=methods[0])
+        control = measured(["prlimit", f"--as={limit}",
+                            *prune_cmd(largest, WORK / "out-control", methods[0], offload=False)])
+        control.update(limit_bytes=limit, blocks=max(blocks), method=methods[0])
+    finally:
+        shutil.rmtree(WORK, ignore_errors=True)
+
+    worst = {n: max(r["above_bare_bytes"] for r in runs if r["blocks"] == n) for n in blocks}
+    growth = worst[max(blocks)] / worst[min(blocks)] if worst[min(blocks)] > 0 else None
+    res = {"bare": bare, "runs": runs, "capped": capped, "control_in_memory": control,
+           "target_fraction": TARGET_FRACTION,
+           "fraction_ok": all(r["fraction_of_checkpoint"] <= TARGET_FRACTION for r in runs),
+           "growth_largest_over_smallest": growth, "capped_ok": capped["rc"] == 0,
+           "cpus": os.cpu_count(), "cpu": cpu_description(), "load_average_start": load,
+           "load_average_end": os.getloadavg(),
+           "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                    capture_output=True, text=True).stdout.strip()}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "memory.json").write_text(json.dumps(res, indent=1))
+    lines = ["# Peak memory of streamed pruning (`nmprune prune --offload`)", "",
+             f"Random-weight Llama checkpoints (hidden {HIDDEN}, intermediate {INTERMEDIATE}, float32, "
+             f"tied embeddings, SmolLM2 tokenizer, 200 MB shards), calibration 8 x 128 tokens, "
+             f"dense and pruned perplexity on 2048 tokens (windows of 128), all streamed. "
+             f"Commit {res['commit']}, {res['cpu']['model']} ({os.cpu_count()} cores, shared with "
+             f"other agents: load average {load[0]:.1f} at the start, {res['load_average_end'][0]:.1f} "
+             f"at the end). Peak RSS from `wait4` of each run; bare "
+             f"`python -c \"import torch, transformers, nmprune\"`: {bare['peak_rss_bytes'] / MB:.0f} MiB.", "",
+             "| blocks | checkpoint | method | peak RSS | above bare | / checkpoint (target <= 25%) | wall |",
+             "|---:|---:|---|---:|---:|---:|---:|"]
+    for r in runs:
+        lines.append(f"| {r['blocks']} | {r['checkpoint_bytes'] / MB:.0f} MiB | {r['method']} | "
+                     f"{r['peak_rss_bytes'] / MB:.0f} MiB | {r['above_bare_bytes'] / MB:.0f} MiB | "
+                     f"{100 * r['fraction_of_checkpoint']:.1f}% | {r['seconds']:.0f} s |")
+    lines += ["", f"Largest peak above bare, {max(blocks)} blocks over {min(blocks)} blocks: "
+              f"{growth:.2f}x (checkpoint {sizes[max(blocks)] / sizes[min(blocks)]:.1f}x).", "",
+              f"Under `prlimit --as={capped['limit_bytes']}` ({capped['limit_bytes'] / MB:.0f} MiB of "
+              f"address space, {100 * capped['limit_bytes'] / sizes[max(blocks)]:.0f}% of the "
+              f"{max(blocks)}-block checkpoint): the streamed {capped['method']} run "
+              f"{'passes' if capped['rc'] == 0 else 'FAILS (exit ' + str(capped['rc']) + ')'} "
+              f"(peak RSS {capped['peak_rss_bytes'] / MB:.0f} MiB, {capped['seconds']:.0f} s); the same "
+              f"run without `--offload` {'fails as expected' if control['rc'] != 0 else 'passes too'} "
+              f"(exit {control['rc']}). `systemd-run --scope -p MemoryMax=` does not work here "
+              "(no systemd as PID 1).", ""]
+    (RESULTS / "memory.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--blocks", type=int, nargs="+", default=[24, 48])
+    parser.add_argument("--methods", nargs="+", default=["wanda", "sparsegpt"])
+    args = parser.parse_args()
+    main(args.blocks, args.methods)
