@@ -68,6 +68,37 @@ def measured(cmd: list[str]) -> dict:
             "stderr_tail": (WORK / "stderr.txt").read_text()[-1500:]}
 
 
+# Llama-3.1-8B and Llama-3.1-70B shapes (their config.json): hidden, intermediate, blocks,
+# query heads, key/value heads, head dim, vocabulary, tied embeddings
+SHAPES = {"8B": (4096, 14336, 32, 32, 8, 128, 128256, False),
+          "70B": (8192, 28672, 80, 64, 8, 128, 128256, False)}
+
+
+def memory_plan(name: str, dtype_bytes: int = 2, nsamples: int = 64, seqlen: int = 512,
+                batch_size: int = 2) -> dict[str, int]:
+    """Bytes a streamed run holds, from a Llama model's shapes: one block's weights (run
+    dtype), its float32 Hessians (one per distinct layer input: q/k/v share one, gate/up
+    one; all are held while the block's statistics are collected), the largest layer's
+    solver copies (float32 weight, pruned result and dampened Hessian), the calibration
+    hidden states (run dtype, one set), the MLP activations of one batch, and the modules
+    outside the blocks (embeddings and LM head) loaded for the capture and the evaluation
+    head."""
+    h, f, _, nq, nkv, hd, vocab, tied = SHAPES[name]
+    layers = {"q": (nq * hd, h), "k": (nkv * hd, h), "v": (nkv * hd, h), "o": (h, nq * hd),
+              "gate": (f, h), "up": (f, h), "down": (h, f)}
+    weights = sum(a * b for a, b in layers.values()) * dtype_bytes + 2 * h * dtype_bytes  # + 2 norms
+    hessians = 4 * (h * h + (nq * hd) ** 2 + h * h + f * f)
+    solver = 4 * (2 * h * f + f * f)
+    hidden = nsamples * seqlen * h * dtype_bytes
+    mlp = 3 * batch_size * seqlen * f * dtype_bytes
+    outside = vocab * h * dtype_bytes * (1 if tied else 2)
+    return {"block_weights": weights, "hessians": hessians, "solver_largest_layer": solver,
+            "calibration_hidden": hidden, "mlp_activations_one_batch": mlp,
+            "embeddings_and_head": outside,
+            "block_phase": weights + hessians + solver + hidden + mlp,
+            "capture_phase": outside + weights + hidden}
+
+
 def checkpoint_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.glob("*.safetensors"))
 
@@ -76,6 +107,19 @@ def prune_cmd(model: Path, out: Path, method: str, offload: bool = True) -> list
     return ["nmprune", "prune", "--model", str(model), "--out", str(out), "--method", method,
             "--refine", "none", "--nsamples", "8", "--seqlen", "128", "--eval-seqlen", "128",
             "--eval-max-tokens", "2048", "--quiet", *(["--offload"] if offload else [])]
+
+
+def plan_lines() -> list[str]:
+    """The memory plan of a streamed bfloat16 run of an 8B and a 70B Llama (default
+    calibration 64 x 512, batch 2) as Markdown."""
+    gb = float(1 << 30)
+    plans = {name: memory_plan(name) for name in SHAPES}
+    lines = ["## Memory plan of a streamed bfloat16 run (from the shapes; 64 x 512 calibration tokens)", "",
+             "| GiB | " + " | ".join(f"Llama {n}" for n in plans) + " |",
+             "|---|" + "---:|" * len(plans)]
+    for key in next(iter(plans.values())):
+        lines.append(f"| {key.replace('_', ' ')} | " + " | ".join(f"{p[key] / gb:.2f}" for p in plans.values()) + " |")
+    return lines + [""]
 
 
 def main(blocks: list[int], methods: list[str]) -> None:
@@ -151,6 +195,7 @@ def main(blocks: list[int], methods: list[str]) -> None:
               f"run without `--offload` {'fails as expected' if control['rc'] != 0 else 'passes too'} "
               f"(exit {control['rc']}). `systemd-run --scope -p MemoryMax=` does not work here "
               "(no systemd as PID 1).", ""]
+    lines += plan_lines()
     (RESULTS / "memory.md").write_text("\n".join(lines))
     print("\n".join(lines))
 
