@@ -1,9 +1,9 @@
 """The CPU a benchmark ran on, for its results.
 
-The machine behind a session changes: the same code read 10.4 ms for the 1536x576 prox on one
-EPYC and 7.3 ms on another (LLVM target ``znver5``), while torch's matmul read ~10 ms on both.
-Timings are only comparable between runs on the same CPU, so the benchmarks record it with
-:func:`cpu_description` (the results of a run before session 11 lack it).
+The CPU behind the benchmark machine changes between runs, and numba's kernels and torch's
+matmul do not change speed together from one CPU to another (docs/benchmarks.md). Timings are
+only comparable between runs on the same CPU, so the benchmarks record it with
+:func:`cpu_description`.
 """
 
 from __future__ import annotations

@@ -34,7 +34,8 @@ from _problems import correlated_layer  # noqa: E402
 
 from nmprune.loss import local_loss  # noqa: E402
 from nmprune.prox import prox_2of4  # noqa: E402
-from nmprune.prune import prune_layer  # noqa: E402
+from nmprune.plan import resolve_plan  # noqa: E402
+from nmprune.prune import prune_layer, solve  # noqa: E402
 from nmprune.registry import get_refiner  # noqa: E402
 
 PAPER = {"lambda0": 0.01, "beta": 1.01, "lambda_adapt": False, "solver": "gd",
@@ -111,9 +112,10 @@ def reference_sparsegpt(w: torch.Tensor, h: torch.Tensor, prune_n: int, prune_m:
 def part_a(name, d_out, d_in, rows, methods, results):
     w_full, h, mean = correlated_layer(d_out, d_in, seed=d_out)
     w = w_full[:rows]
+    available = {"input_mean": mean}  # the statistics a method may declare
     for method in methods:
-        opts = {"input_mean": mean} if method == "dsnot" else {}
-        res = prune_layer(w, h, method=method, **opts)
+        plan = resolve_plan(method, None, "2:4", {}, 0.0)
+        res = solve(w, h, plan, {s: available[s] for s in plan.statistics})
         entry = {"part": "A", "shape": name, "d_out": d_out, "d_in": d_in, "rows": rows,
                  "method": method, "loss_method": res.loss_method, "seconds_method": res.seconds_method}
         for refine, ropts in (("gd", {}), ("exact", {})):
@@ -222,7 +224,7 @@ def main(parts: str = "ABC") -> None:
     out = Path(__file__).parent / "results"
     out.mkdir(exist_ok=True)
     # compile (or load from numba's cache) the 2:4 prox kernels before anything is timed: with
-    # a cold cache the first prox row read 53.5 s instead of ~1 s
+    # a cold cache the first prox row would include about a minute of compiling
     prox_2of4(torch.randn(64, 4), 0.1)
     results: list[dict] = []
     if "A" in parts:

@@ -47,12 +47,14 @@ def main(extra: list[str]) -> None:
     start = time.perf_counter()
     subprocess.run(cmd, check=True)
     wall = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    peak = usage.ru_maxrss * 1024
     report = json.loads((out / "nmprune_report.json").read_text())
     model_bytes = (out / "model.safetensors").stat().st_size
     hess = hessian_bytes(report)
     bound = 2 * model_bytes + hess
-    res = {"command": " ".join(cmd), "wall_seconds": wall, "limit_seconds": LIMIT_SECONDS,
+    res = {"command": " ".join(cmd), "wall_seconds": wall, "cpu_seconds": usage.ru_utime + usage.ru_stime,
+           "limit_seconds": LIMIT_SECONDS,
            "time_ok": wall <= LIMIT_SECONDS, "peak_rss_bytes": peak, "model_bytes": model_bytes,
            "hessian_bytes": hess, "memory_bound_bytes": bound, "memory_ok": peak < bound,
            "stage_seconds": report["seconds"], "perplexity": report["perplexity"],
@@ -67,7 +69,7 @@ def main(extra: list[str]) -> None:
              f"Packaged SmolLM2-135M-Instruct, default settings ({res['method']} + {res['refine']}), "
              f"this 2-core CPU ({res['cpu']['model']}, LLVM target {res['cpu']['llvm_target']}); load average {load[0]:.1f} at the start, {res['load_average_end'][0]:.1f} at the end.", "",
              "| target | measured | limit | met |", "|---|---|---|---|",
-             f"| wall time | {wall / 60:.1f} min | {LIMIT_SECONDS / 60:.0f} min | {'yes' if res['time_ok'] else 'NO'} |",
+             f"| wall time | {wall / 60:.1f} min ({res['cpu_seconds'] / 60:.1f} CPU min) | {LIMIT_SECONDS / 60:.0f} min | {'yes' if res['time_ok'] else 'NO'} |",
              f"| peak RSS | {peak / mb:.0f} MiB | {bound / mb:.0f} MiB = 2 x model {model_bytes / mb:.0f} MiB "
              f"+ Hessians {hess / mb:.0f} MiB | {'yes' if res['memory_ok'] else 'NO'} |", "",
              "| stage | seconds |", "|---|---|"]

@@ -29,7 +29,8 @@ skipped (``--force`` redoes them), so an interrupted run resumes. At the end (an
 ``--report-only``) ``benchmarks/paper_table_report.py`` rebuilds
 ``benchmarks/results/RESULTS.md`` and the PNG plots from all JSONs present.
 
-Run (88 minutes for everything, Hessians included, on the 2-core CPU; see RESULTS.md):
+Run (about 1.5 hours for everything, Hessians included, on the 2-core CPU; the latest
+timings are in docs/benchmarks.md):
 
     flock /tmp/nmprune-bench.lock python benchmarks/paper_table.py
     python benchmarks/paper_table.py --only wanda sparsegpt   # a subset of the groups
@@ -198,10 +199,10 @@ class Bench:
         self.stats, self.seconds_calibration, self.calibration_cached = self._hessians(recalibrate)
 
     def _hessians(self, recalibrate: bool):
-        """All layers' :class:`nmprune.hessian.InputStats` from one dense calibration pass, its
+        """All layers' :class:`nmprune.statistics.InputStats` from one dense calibration pass, its
         seconds and whether they came from the cache (``recalibrate`` ignores the cache and
         overwrites it)."""
-        from nmprune.hessian import InputStats
+        from nmprune.statistics import InputStats
 
         path = self.cfg.cache / "hessians.pt"
         if path.exists() and not recalibrate:
@@ -255,17 +256,18 @@ class Pass:
 
 
 def method_pass(bench: Bench, method: str, options: dict[str, Any]) -> Pass:
-    """Prune every layer with ``method`` (no refinement) on its cached dense Hessian."""
-    from nmprune.prune import prune_layer
-    from nmprune.registry import get_method
+    """Prune every layer with ``method`` (no refinement) on its cached dense Hessian, with the
+    input statistics the method declares (as the pipeline passes them)."""
+    from nmprune.plan import resolve_plan
+    from nmprune.prune import solve
+    from nmprune.statistics import statistic_values
 
-    wants_mean = "input_mean" in get_method(method).option_names()
+    plan = resolve_plan(method, None, PATTERN, options, 0.0)
     out = Pass({}, {}, {}, {}, os.getloadavg()[0])
     for name, w in bench.dense.items():
-        opts = dict(options, input_mean=bench.stats[name].mean()) if wants_mean else options
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
-            r = prune_layer(w, bench.hessian(name), method=method, pattern=PATTERN, **opts)
+            r = solve(w, bench.hessian(name), plan, statistic_values(plan.statistics, bench.stats[name]))
         out.weights[name], out.masks[name] = r.weight, r.mask
         out.loss[name], out.seconds[name] = r.loss_method, r.seconds_method
     return out

@@ -32,7 +32,7 @@ def test_yaml_then_flags(tmp_path):
     assert c.eval == ["austen", "wiki"] and c.out == "o"
     assert _config(["--config", str(y), "--no-eval"]).eval == []
     assert _config([]).prune.method == "prox" and _config([]).eval == ["wiki"]
-    assert _config(["--refine", "none"]).prune.refine is None
+    assert _config(["--refine", "none"]).prune.planner().default.refiner is None
 
 
 def test_bad_settings_are_clear_errors(tmp_path, capsys):

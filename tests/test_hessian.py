@@ -6,13 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nmprune.hessian import (
-    HessianCollector,
-    accumulate,
-    capture_block_inputs,
-    new_stats,
-    run_block,
-)
+from nmprune.block_runner import capture_block_inputs, run_block
+from nmprune.statistics import HessianCollector, accumulate, new_stats
 from nmprune.models import find_blocks, find_linears
 from test_models_tiny import FAMILIES, tiny_model, token_batch
 

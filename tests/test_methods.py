@@ -122,11 +122,11 @@ def test_dsnot_reduces_mean_output_shift_and_falls_back_to_wanda():
 
 def test_exact_refiner_rejects_bad_options():
     w, h = correlated(4, 16, seed=0)
-    with pytest.raises(ValueError, match="tol must be non-negative"):
+    with pytest.raises(ValueError, match="option 'refine_tol' of refiner 'exact' must be float >= 0"):
         prune_layer(w, h, method="wanda", refine="exact", refine_tol=-1.0)
     with pytest.raises(ValueError, match="blocksize must be a positive multiple of M=4"):
         prune_layer(w, h, method="sparsegpt", blocksize=6)
-    with pytest.raises(ValueError, match="beta must be > 1"):
+    with pytest.raises(ValueError, match="option 'beta' of method 'prox' must be float > 1"):
         prune_layer(w, h, method="prox", beta=1.0)
     assert get_refiner("exact").fn(w * 0, w, h, torch.zeros_like(w, dtype=torch.bool)).abs().sum() == 0
 

@@ -105,7 +105,7 @@ def test_bad_inputs_raise_value_errors_naming_the_problem():
         prune_matrix(w[0], h, method="wanda")
     with pytest.raises(ValueError, match="floating-point"):
         prune_matrix(w.to(torch.int64), h, method="wanda")
-    with pytest.raises(ValueError, match="steps must be a non-negative integer"):
+    with pytest.raises(ValueError, match="option 'refine_steps' of refiner 'gd' must be int >= 0"):
         prune_matrix(w, h, method="wanda", refine="gd", refine_steps=-1)
 
 

@@ -2,7 +2,6 @@ import pytest
 import torch
 
 from nmprune.pattern import NMPattern, count_dense_cells, from_cells, is_nm_sparse, parse_pattern, to_cells, topn_mask
-from nmprune.registry import Registered, split_options
 
 
 @pytest.mark.parametrize("text,n,m", [("2:4", 2, 4), (" 4:8 ", 4, 8), ("1:4", 1, 4)])
@@ -27,21 +26,6 @@ def test_topn_mask_keeps_largest_and_breaks_ties_by_index():
 def test_topn_mask_rejects_indivisible_dim():
     with pytest.raises(ValueError, match="not divisible by M=4"):
         topn_mask(torch.ones(2, 6), NMPattern(2, 4))
-
-
-def test_split_options_routes_and_rejects():
-    def method(w, h, p, *, alpha=1.0):
-        return w
-
-    def refiner(w, ws, h, mask, *, steps=10):
-        return w
-
-    m, r = Registered("m", method, ""), Registered("r", refiner, "")
-    assert split_options({"alpha": 2, "refine_steps": 3}, m, r) == ({"alpha": 2}, {"steps": 3})
-    with pytest.raises(ValueError, match="unknown option 'beta'"):
-        split_options({"beta": 2}, m, r)
-    with pytest.raises(ValueError, match="unknown option 'refine_steps'"):
-        split_options({"refine_steps": 2}, m, None)
 
 
 def test_methods_function_survives_importing_the_algorithms_package():

@@ -22,7 +22,8 @@ from test_models_tiny import FAMILIES, tiny_model, token_batch
 RECORDED: list[dict] = []
 
 
-@register_method("test-record", description="test only: Wanda's mask, records H and the input mean")
+@register_method("test-record", description="test only: Wanda's mask, records H and the input mean",
+                 statistics=("input_mean",))
 def _record(w, h, pattern, *, input_mean=None, scale: float = 1.0):
     RECORDED.append({"h": h.clone(), "mean": None if input_mean is None else input_mean.clone()})
     return w * topn_mask(w.abs() * h.diagonal().clamp_min(0).sqrt(), pattern)

@@ -7,7 +7,7 @@ import torch
 from nmprune.algorithms.refine_exact import pick_preconditioner, pick_solver
 from nmprune.loss import local_loss
 from nmprune.pattern import NMPattern
-from nmprune.prune import full_mask
+from nmprune.prune import full_mask, prune_layer
 from nmprune.registry import get_method, get_refiner
 from refine_oracle import masked_optimum
 
@@ -123,8 +123,8 @@ def test_auto_picks_by_flop_estimate_and_bad_solver_raises():
     assert torch.equal(refine_exact(w * 0, w, h, mask, max_iter=0), w * 0)
     best = loss64(masked_optimum(w, h, mask), w, h)
     assert loss64(refine_exact(w * 0, w, h, mask, solver="direct", max_iter=0), w, h) == pytest.approx(best, rel=1e-8)
-    with pytest.raises(ValueError, match="solver must be one of auto, direct, pcg, got 'lu'"):
-        refine_exact(w, w, h, mask, solver="lu")
+    with pytest.raises(ValueError, match="'refine_solver' of refiner 'exact' must be 'auto' or 'direct' or 'pcg', got 'lu'"):
+        prune_layer(w, h, method="wanda", refine="exact", refine_solver="lu")
 
 
 def test_auto_preconditioner_inverts_h_only_when_it_pays_and_bad_name_raises():
@@ -132,8 +132,8 @@ def test_auto_preconditioner_inverts_h_only_when_it_pays_and_bad_name_raises():
     assert pick_preconditioner(1536, 576) == "inverse"
     assert pick_preconditioner(16, 4096) == "jacobi"  # a few rows of a wide layer
     w, h = cases()[0][1:]
-    with pytest.raises(ValueError, match="preconditioner must be one of auto, jacobi, inverse, got 'ilu'"):
-        refine_exact(w, w, h, wanda_mask(w, h), preconditioner="ilu")
+    with pytest.raises(ValueError, match="'refine_preconditioner' of refiner 'exact' must be 'auto' or 'jacobi' or 'inverse', got 'ilu'"):
+        prune_layer(w, h, method="wanda", refine="exact", refine_preconditioner="ilu")
 
 
 def test_inverse_preconditioner_on_an_indefinite_hessian_falls_back_and_never_worsens():

@@ -2,14 +2,13 @@
 
 glibc keeps freed heap memory for reuse, and its mmap threshold grows each time a large block
 is freed, so later large tensors come from the heap and fragment it: on the packaged model the
-resident set grew by about 100 MB per decoder block (1.87 GB peak for the main job).
-:func:`prefer_mmap` (called by the CLI) pins the threshold at 32 MiB, so the large activation
-tensors are always mapped and unmapped directly while the many small temporaries of the layer
-solvers keep reusing the heap (a 1 MiB threshold gave the same peak but made the run ~45%
-slower through page faults); :func:`release_memory` (after loading, evaluating, every block
-and, without the garbage collection, every layer) returns the free heap pages. Together they
-brought that peak to about 1.4 GB; the per-layer trim took the layer solvers' temporaries
-(which grew the heap by 70-80 MB over a block's MLP layers) off it.
+resident set grows by about 100 MB per decoder block. :func:`prefer_mmap` (called by the CLI)
+pins the threshold at 32 MiB, so the large activation tensors are always mapped and unmapped
+directly while the many small temporaries of the layer solvers keep reusing the heap (a
+1 MiB threshold gives the same peak but makes the run slower through page faults);
+:func:`release_memory` (after loading, evaluating, every block and, without the garbage
+collection, every layer) returns the free heap pages, the layer solvers' temporaries
+included. Measured in docs/pipeline.md#measured-packaged-smollm2-135m-instruct-this-2-core-cpu.
 """
 
 from __future__ import annotations

@@ -97,7 +97,7 @@ def run_prune(config: RunConfig, *, progress: bool = True, on_block_done=None) -
     from .checkpoint import Checkpoint
     from .evaluate import perplexity_table
     from .models import load_model, save_pretrained_atomic
-    from .pipeline import prune_model, validate_plans
+    from .pipeline import prune_model
 
     if not config.out:
         raise ValueError("--out DIR is required (where the pruned model is saved)")
@@ -105,7 +105,7 @@ def run_prune(config: RunConfig, *, progress: bool = True, on_block_done=None) -
     if out.exists():
         raise ValueError(f"{out} already exists; choose another --out or delete it")
     check_datasets(config.eval)
-    validate_plans(config.prune)
+    config.prune.planner()  # every method, refiner, pattern and option, before the model loads
     ckpt_dir = Path(config.checkpoint_dir or f"{out}.checkpoint")
     timings: dict[str, float] = {}
     t0 = time.perf_counter()

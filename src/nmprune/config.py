@@ -6,37 +6,24 @@ A YAML file holds the same flat keys as the command line (``method``, ``refine``
 
 from __future__ import annotations
 
-import fnmatch
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from ._checks import check_non_negative
-from .pattern import parse_pattern
+from .plan import Planner
 
 HESSIAN_INPUTS = ("dense", "pruned")
 HESSIAN_DTYPES = ("float32", "float64")
-SKIP = "skip"
-
-
-@dataclass(frozen=True)
-class LayerPlan:
-    """What to do with one layer: method, refiner, pattern, solver options and the Hessian
-    dampening (:func:`nmprune.prune.dampen`)."""
-
-    method: str
-    refine: str | None
-    pattern: str
-    options: dict[str, Any]
-    damp: float = 0.0
 
 
 @dataclass
 class PruneSettings:
     """Everything that decides the pruned weights (and so the resume hash).
 
+    ``method``, ``refine``, ``pattern``, ``options``, ``overrides``, ``damp`` and ``strict``
+    are parsed and validated by :meth:`planner` (:mod:`nmprune.plan`), the others here.
     ``overrides`` maps layer-name globs (``fnmatch``, e.g. ``"*.mlp.down_proj"``) to
     ``"skip"`` or to a dict with any of ``method``, ``refine``, ``pattern``, ``options``.
     An override naming another method starts from empty options; otherwise its options
@@ -62,9 +49,6 @@ class PruneSettings:
     strict: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.refine, str) and self.refine.lower() in ("", "none", "null"):
-            self.refine = None
-        self.pattern = str(parse_pattern(self.pattern))
         for key in ("nsamples", "seqlen", "batch_size"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -75,37 +59,15 @@ class PruneSettings:
         if self.hessian_dtype not in HESSIAN_DTYPES:
             raise ValueError(f"hessian_dtype must be one of {', '.join(HESSIAN_DTYPES)}, "
                              f"got {self.hessian_dtype!r}")
-        self.damp = check_non_negative("damp", self.damp)
-        if not isinstance(self.options, dict):
-            raise ValueError(f"options must be a mapping, got {self.options!r}")
-        if not isinstance(self.overrides, dict):
-            raise ValueError(f"overrides must map layer-name globs to settings, got {self.overrides!r}")
-        for glob, value in self.overrides.items():
-            if value == SKIP:
-                continue
-            if not isinstance(value, dict) or set(value) - {"method", "refine", "pattern", "options"}:
-                raise ValueError(f"override {glob!r} must be 'skip' or a mapping with keys method, "
-                                 f"refine, pattern, options; got {value!r}")
 
-    def _override_plan(self, value: dict[str, Any]) -> LayerPlan:
-        method = value.get("method", self.method)
-        base = dict(self.options) if method == self.method else {}
-        refine = value.get("refine", self.refine)
-        refine = None if isinstance(refine, str) and refine.lower() in ("none", "") else refine
-        return LayerPlan(method, refine, str(parse_pattern(value.get("pattern", self.pattern))),
-                         {**base, **value.get("options", {})}, self.damp)
-
-    def plan(self, layer_name: str) -> LayerPlan | None:
-        """The plan for a layer (by its full module name), ``None`` when it is skipped."""
-        for glob, value in self.overrides.items():
-            if fnmatch.fnmatchcase(layer_name, glob):
-                return None if value == SKIP else self._override_plan(value)
-        return LayerPlan(self.method, self.refine, self.pattern, dict(self.options), self.damp)
-
-    def all_plans(self) -> list[LayerPlan]:
-        """The global plan and the plan of every override (to validate them all up front)."""
-        return [LayerPlan(self.method, self.refine, self.pattern, dict(self.options), self.damp)] + [
-            self._override_plan(v) for v in self.overrides.values() if v != SKIP]
+    def planner(self) -> Planner:
+        """The layer plans of these settings, parsed and validated on first use and kept
+        while the settings stay the same."""
+        key = self.fingerprint()
+        cached = self.__dict__.get("_planner")
+        if cached is None or cached[0] != key:
+            self.__dict__["_planner"] = cached = (key, Planner(self))
+        return cached[1]
 
     def fingerprint(self) -> str:
         """A stable hash of the settings (checkpoints only resume under the same one)."""

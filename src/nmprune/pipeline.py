@@ -1,39 +1,41 @@
 """Prune a whole causal LM block by block: :func:`prune_model`.
 
-For each decoder block (paper Section ``sec:llm_experiments``): run the calibration
-hidden states through it with hooks collecting every linear layer's Hessian
-``H = X X^T / n`` (:mod:`nmprune.hessian`), prune each layer to N:M with its planned
-method and refiner (:func:`nmprune.prune.prune_layer`), then pass the hidden states on to
-the next block: the dense block's outputs (``hessian_inputs="dense"``, the paper's
-default, every layer's Hessian comes from the unpruned model) or the pruned block's
-(``"pruned"``, Appendix ``app:use_unpruned_inputs``). Only the current block sits on the
-compute device. With a checkpoint, progress is saved after every block and a rerun resumes.
+For each decoder block (paper Section ``sec:llm_experiments``) the stages run in order:
 
-This module only orchestrates; it writes no files except through the checkpoint.
+1. block source (:mod:`nmprune.source`): the block's modules on the compute device;
+2. statistics (:mod:`nmprune.statistics`): every layer's input sums from this process's
+   calibration batches, reduced across processes by the executor;
+3. plans (:mod:`nmprune.plan`): made once for all layers before the first block;
+4. solver (:mod:`nmprune.executor`): each layer pruned to N:M with its plan, written into the
+   block as soon as it is done;
+5. the hidden states move on to the next block: the dense block's outputs
+   (``hessian_inputs="dense"``, the paper's default, every layer's Hessian comes from the
+   unpruned model) or the pruned block's (``"pruned"``, Appendix ``app:use_unpruned_inputs``);
+6. sink (:mod:`nmprune.sink`) and checkpoint: the finished block is kept, and progress saved
+   so that a rerun resumes after it.
+
+This module only wires the stages; it writes no files except through the checkpoint.
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
-import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
 
-from .checkpoint import Checkpoint
-from .config import LayerPlan, PruneSettings
 from ._memory import release_memory
-from .hessian import HessianCollector, InputStats, capture_block_inputs, run_block
-from .loss import local_loss
-from .models import find_blocks, find_linears, set_weight_matrix, shared_weight_ptrs, weight_matrix
-from .pattern import parse_pattern
-from .registry import get_method, get_refiner, split_options
-
-INPUT_MEAN = "input_mean"
-
+from .checkpoint import Checkpoint, CheckpointError
+from .config import PruneSettings
+from .executor import LayerJob, LocalExecutor
+from .models import set_weight_matrix, weight_matrix
+from .plan import LayerPlan
+from .sink import ModelSink
+from .source import ModelBlocks
+from .statistics import CalibrationStatistics, InputStats, PrecomputedStatistics
 
 @dataclass
 class PruneReport:
@@ -48,69 +50,7 @@ class PruneReport:
         return asdict(self)
 
 
-def validate_plans(settings: PruneSettings) -> None:
-    """Check every method, refiner, pattern and option (global and overrides) up front."""
-    for plan in settings.all_plans():
-        method = get_method(plan.method)
-        refiner = get_refiner(plan.refine) if plan.refine is not None else None
-        if INPUT_MEAN in plan.options:
-            raise ValueError(f"option {INPUT_MEAN!r} is computed from the calibration data; "
-                             "do not set it")
-        split_options(plan.options, method, refiner)
-        if not method.supports(parse_pattern(plan.pattern)):
-            raise ValueError(f"method {plan.method!r} does not support pattern {plan.pattern}")
-
-
-def _layer_names(blocks_name: str, index: int, layers: dict[str, nn.Module]) -> dict[str, str]:
-    return {sub: f"{blocks_name}.{index}.{sub}" for sub in layers}
-
-
-def _plans_for_block(settings: PruneSettings, blocks_name: str, index: int,
-                     layers: dict[str, nn.Module]) -> dict[str, LayerPlan | None]:
-    plans: dict[str, LayerPlan | None] = {}
-    for sub, full in _layer_names(blocks_name, index, layers).items():
-        plan = settings.plan(full)
-        d_in = weight_matrix(layers[sub]).shape[1]
-        if plan is not None and d_in % parse_pattern(plan.pattern).m:
-            message = (f"layer {full} has d_in={d_in}, not divisible by M="
-                       f"{parse_pattern(plan.pattern).m}")
-            if settings.strict:
-                raise ValueError(message + "; skip it with an override or run without strict")
-            warnings.warn(message + "; it stays dense", stacklevel=3)
-            plan = None
-        plans[sub] = plan
-    return plans
-
-
-def prune_one(w: Tensor, h: Tensor, plan: LayerPlan, input_mean: Tensor | None) -> tuple[Tensor, dict[str, Any]]:
-    """Prune one weight matrix ``(d_out, d_in)`` with ``plan``; returns the pruned matrix
-    (float, on ``h``'s device) and its record: local losses (paper eq. ``squared_loss``)
-    after the method and after refinement, relative to Wanda's with the same dampening, all
-    on the undamped ``H``."""
-    from .prune import prune_layer, prune_matrix
-
-    w32 = w.detach().to(device=h.device, dtype=h.dtype, copy=True)
-    options = dict(plan.options)
-    if input_mean is not None and INPUT_MEAN in get_method(plan.method).option_names():
-        options[INPUT_MEAN] = input_mean
-    result = prune_layer(w32, h, method=plan.method, pattern=plan.pattern, refine=plan.refine,
-                         damp=plan.damp, **options)
-    start = time.perf_counter()
-    loss_wanda = local_loss(prune_matrix(w32, h, "wanda", plan.pattern, damp=plan.damp), w32, h)
-    seconds_wanda = time.perf_counter() - start
-    final = result.loss_refined if result.loss_refined is not None else result.loss_method
-    record = {
-        "method": plan.method, "refine": plan.refine, "pattern": plan.pattern, "damp": plan.damp,
-        "loss_method": result.loss_method, "loss_refined": result.loss_refined,
-        "loss_wanda": loss_wanda,
-        "loss_vs_wanda": final / loss_wanda if loss_wanda > 0 else None,
-        "seconds_method": result.seconds_method, "seconds_refine": result.seconds_refine,
-        "seconds_wanda_reference": seconds_wanda,
-    }
-    return result.weight, record
-
-
-def _calibration(model: nn.Module, tokenizer: Any, settings: PruneSettings,
+def _calibration(vocab: int, tokenizer: Any, settings: PruneSettings,
                  calibration: Tensor | None) -> Tensor:
     if calibration is None:
         if tokenizer is None:
@@ -122,7 +62,6 @@ def _calibration(model: nn.Module, tokenizer: Any, settings: PruneSettings,
                                         seqlen=settings.seqlen, seed=settings.seed)
     if not isinstance(calibration, Tensor) or calibration.ndim != 2 or calibration.dtype != torch.long:
         raise ValueError("calibration must be a LongTensor of token ids with shape (nsamples, seqlen)")
-    vocab = model.get_input_embeddings().weight.shape[0]
     if calibration.numel() and (int(calibration.min()) < 0 or int(calibration.max()) >= vocab):
         raise ValueError(f"calibration token ids must lie in [0, {vocab}) (the model's vocabulary)")
     return calibration
@@ -138,11 +77,12 @@ def _progress(iterable, progress: bool, **kwargs):
     return tqdm(iterable, disable=not progress, **kwargs)
 
 
-def prune_model(model: nn.Module, tokenizer: Any = None, settings: PruneSettings | None = None, *,
+def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneSettings | None = None, *,
                 calibration: Tensor | None = None, device: str | torch.device | None = None,
                 checkpoint: Checkpoint | None = None, progress: bool = True,
                 on_block_done: Callable[[int], None] | None = None,
-                hessians: dict[str, InputStats] | None = None, **setting_kwargs: Any) -> PruneReport:
+                hessians: dict[str, InputStats] | None = None, source=None, sink=None,
+                **setting_kwargs: Any) -> PruneReport:
     """Prune every linear layer inside ``model``'s decoder blocks to N:M, in place.
 
     ``settings`` (or the same fields as keyword arguments: ``method``, ``refine``,
@@ -155,154 +95,116 @@ def prune_model(model: nn.Module, tokenizer: Any = None, settings: PruneSettings
     block ``i`` is saved. Embeddings, norms, the LM head and tied weights are not touched.
     ``hessians`` (from :func:`collect_hessians`, dense inputs only) replaces the calibration
     forward passes, so several methods can be compared on one set of Hessians.
+    ``source`` and ``sink`` replace the in-memory block source and sink built from ``model``
+    (then ``None``): a :class:`nmprune.streaming.StreamingModel` and a
+    :class:`nmprune.streaming.ShardedWriter` prune a model larger than memory.
     """
     if settings is None:
         settings = PruneSettings(**setting_kwargs)
     elif setting_kwargs:
         raise ValueError("give either settings or keyword settings, not both")
-    validate_plans(settings)
+    planner = settings.planner()
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    hdtype = {"float32": torch.float32, "float64": torch.float64}[settings.hessian_dtype]
-    blocks_name, blocks = find_blocks(model)
-    tied = shared_weight_ptrs(model, blocks)
-    block_layers = [find_linears(b, tied) for b in blocks]
-    all_names = [n for i, ls in enumerate(block_layers) for n in _layer_names(blocks_name, i, ls).values()]
-    import fnmatch
-    for glob in settings.overrides:
-        if not any(fnmatch.fnmatchcase(n, glob) for n in all_names):
-            raise ValueError(f"override {glob!r} matches no layer; layer names look like "
-                             f"{', '.join(all_names[:3])}")
-
+    if (model is None) == (source is None):
+        raise ValueError("give either a model or a block source")
+    source = source if source is not None else ModelBlocks(model)
+    plans = planner.plan_layers(source.layer_shapes())
     if hessians is not None and settings.hessian_inputs != "dense":
         raise ValueError("precomputed hessians come from the dense model; they cannot be used "
                          "with hessian_inputs='pruned'")
+    executor = LocalExecutor(device)
+    sink = sink if sink is not None else ModelSink(source)
+
     t_start = time.perf_counter()
     if hessians is None:
-        calibration = _calibration(model, tokenizer, settings, calibration)
-        batches = list(calibration.split(settings.batch_size))
+        calibration = _calibration(source.vocab_size, tokenizer, settings, calibration)
+        batches = executor.shard(calibration.split(settings.batch_size))
         release_memory()  # the tokenised corpus
-    start = 0
     report = PruneReport(settings=asdict(settings))
+    start = 0
     if checkpoint is not None:
         checkpoint.bind("calibration_sha256", _digest(calibration) if hessians is None
-                        else _digest(torch.stack([hessians[n].xtx.trace() for n in all_names
+                        else _digest(torch.stack([hessians[n].xtx.trace() for n in plans
                                                   if n in hessians])))
         start = checkpoint.done_blocks
         report.layers = checkpoint.records
         report.resumed_from_block = start
         for i in range(start):
-            saved = checkpoint.block_weights(i)
-            for sub, module in block_layers[i].items():
-                if sub in saved:
-                    with torch.no_grad():
-                        module.weight.copy_(saved[sub])
+            sink.write(i, _saved_block(checkpoint, i, source.layers(i)))
 
-    was_training = model.training
-    model.eval()
+    was_training = source.model.training
+    source.model.eval()
     try:
         with torch.no_grad():
             if hessians is None:
-                inputs = capture_block_inputs(model, blocks_name, blocks, batches, device,
-                                              keep_hidden=start == 0)
+                inputs = source.capture(batches, device, keep_hidden=start == 0)
                 if start > 0:
                     inputs.hidden = [h.to(device) for h in checkpoint.hidden()]
+                stage = CalibrationStatistics(inputs, getattr(torch, settings.hessian_dtype),
+                                              settings.hessian_inputs == "dense", executor.reduce)
             else:
-                inputs = _PrecomputedInputs(hessians)
+                stage = PrecomputedStatistics(hessians)
             t_capture = time.perf_counter() - t_start
-            bar = _progress(range(start, len(blocks)), progress, desc="pruning blocks",
-                            initial=start, total=len(blocks))
+            bar = _progress(range(start, len(source)), progress, desc="pruning blocks",
+                            initial=start, total=len(source))
             for i in bar:
-                report.layers += _prune_block(i, blocks[i], block_layers[i], blocks_name, settings,
-                                              inputs, device, hdtype, progress)
+                layers = source.layers(i)
+                block = source.load(i, device)
+                report.layers += _prune_block(i, block, layers, plans, stage, executor, progress)
+                stage.advance(i, block)
+                weights = {name: m.weight for name, m in layers.items()}
+                sink.write(i, weights)
                 if checkpoint is not None:
-                    weights = {sub: m.weight for sub, m in block_layers[i].items()}
-                    checkpoint.save_block(i, weights, inputs.hidden,
+                    checkpoint.save_block(i, weights, stage.hidden,
                                           [r for r in report.layers if r["block"] == i])
+                del weights
+                source.release(i)  # a streaming source drops the block's weights here
+                release_memory()
                 if on_block_done is not None:
                     on_block_done(i)
     finally:
-        model.train(was_training)
+        source.model.train(was_training)
     report.seconds = {"capture": t_capture, "total": time.perf_counter() - t_start,
                       "layers": sum(r.get("seconds", 0.0) for r in report.layers)}
     return report
 
 
-def _prune_block(index: int, block: nn.Module, layers: dict[str, nn.Module], blocks_name: str,
-                 settings: PruneSettings, inputs, device: torch.device, hdtype: torch.dtype,
+def _saved_block(checkpoint: Checkpoint, index: int, layers: dict[str, nn.Module]) -> dict[str, Tensor]:
+    """Block ``index``'s weights from ``checkpoint``; a layer missing there is corruption."""
+    saved = checkpoint.block_weights(index)
+    missing = [name for name in layers if name not in saved]
+    if missing:
+        raise CheckpointError(f"the checkpoint in {checkpoint.directory} is corrupt "
+                              f"(block_{index:04d}.safetensors has no tensor {missing[0]}); "
+                              "delete the directory or pass --restart to start over")
+    return saved
+
+
+def _prune_block(index: int, block: nn.Module, layers: dict[str, nn.Module],
+                 plans: dict[str, LayerPlan | None], stage, executor: LocalExecutor,
                  progress: bool) -> list[dict[str, Any]]:
-    """Hessians, pruning and output propagation of one block; ``inputs.hidden`` becomes the
-    next block's input. Returns the block's layer records."""
-    plans = _plans_for_block(settings, blocks_name, index, layers)
-    active = {sub: layers[sub] for sub, p in plans.items() if p is not None}
-    names = _layer_names(blocks_name, index, layers)
-    if isinstance(inputs, _PrecomputedInputs):
-        collector = inputs.for_block(names)
-    else:
-        block.to(device)
-        collector = _block_statistics(block, active, index, inputs, hdtype,
-                                      propagate=settings.hessian_inputs == "dense")
-    records = []
-    for sub, plan in _progress(plans.items(), progress and len(plans) > 1, desc=f"block {index}",
-                               leave=False):
-        w = weight_matrix(layers[sub])
-        record = {"name": names[sub], "block": index, "shape": list(w.shape)}
-        if plan is None:
-            records.append({**record, "method": None, "skipped": True})
-            continue
-        stats = collector.of(sub)
-        start = time.perf_counter()
-        pruned, rec = prune_one(w, stats.hessian().to(device), plan, stats.mean().to(device))
-        set_weight_matrix(layers[sub], pruned)
-        del pruned
+    """Statistics and pruning of one block's layers, each written into its module as soon as
+    it is solved. Returns the block's layer records, in layer order."""
+    active = {name: m for name, m in layers.items() if plans[name] is not None}
+    stats = stage.collect(index, block, active)
+    jobs = [LayerJob(name, index, weight_matrix(m), stats[name], plans[name]) for name, m in active.items()]
+    del stats
+    records = {name: {"name": name, "block": index, "shape": list(weight_matrix(m).shape),
+                      "method": None, "skipped": True} for name, m in layers.items()}
+    started = time.perf_counter()
+
+    def done(job: LayerJob, weight: Tensor, record: dict[str, Any]) -> None:
+        nonlocal started
+        set_weight_matrix(layers[job.name], weight)
+        del weight
         release_memory(collect=False)  # the solvers' temporaries: heap pages back to the system
-        records.append({**record, **rec, "skipped": False, "seconds": time.perf_counter() - start})
-    del collector
-    if isinstance(inputs, _PrecomputedInputs):
-        return records
-    if settings.hessian_inputs != "dense":  # propagate through the pruned block
-        inputs.hidden = [run_block(block, h, inputs.call(index, h)) for h in inputs.hidden]
-    block.to("cpu")
-    release_memory()
-    return records
+        records[job.name] = {**records[job.name], **record, "skipped": False,
+                             "seconds": time.perf_counter() - started}
+        started = time.perf_counter()
 
-
-def _block_statistics(block: nn.Module, layers: dict[str, nn.Module], index: int, inputs,
-                      hdtype: torch.dtype, propagate: bool) -> HessianCollector:
-    """Run ``block`` on every calibration batch with hooks on ``layers``; returns the collector
-    holding each layer's input statistics. With ``propagate`` (dense-input mode) each batch's
-    dense output replaces its input in ``inputs.hidden`` at once (the input is not needed
-    again), so only one set of activations is held."""
-    with HessianCollector(block, layers, hdtype) as collector:
-        for j, h in enumerate(inputs.hidden):
-            out = run_block(block, h, inputs.call(index, h))
-            if propagate:
-                inputs.hidden[j] = out
-    return collector
-
-
-class _PrecomputedInputs:
-    """Stands in for block inputs when :func:`collect_hessians` already gave every layer's
-    statistics: ``for_block`` serves them by sub-layer name."""
-
-    hidden = None  # nothing to propagate or checkpoint
-
-    def __init__(self, hessians: dict[str, InputStats]):
-        self.hessians = hessians
-
-    def for_block(self, names: dict[str, str]) -> "_Lookup":
-        missing = [full for full in names.values() if full not in self.hessians]
-        if missing:
-            raise ValueError(f"hessians has no entry for {', '.join(missing[:3])}; collect them "
-                             "with collect_hessians on this model")
-        return _Lookup({sub: self.hessians[full] for sub, full in names.items()})
-
-
-@dataclass
-class _Lookup:
-    stats: dict[str, InputStats]
-
-    def of(self, sub: str) -> InputStats:
-        return self.stats[sub]
+    executor.solve(jobs, done, lambda it: _progress(it, progress and len(jobs) > 1,
+                                                    desc=f"block {index}", leave=False))
+    return list(records.values())
 
 
 def collect_hessians(model: nn.Module, calibration: Tensor, *, device: str | torch.device | None = None,
@@ -318,25 +220,20 @@ def collect_hessians(model: nn.Module, calibration: Tensor, *, device: str | tor
     if not isinstance(calibration, Tensor) or calibration.ndim != 2 or calibration.dtype != torch.long:
         raise ValueError("calibration must be a LongTensor of token ids with shape (nsamples, seqlen)")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    blocks_name, blocks = find_blocks(model)
-    tied = shared_weight_ptrs(model, blocks)
+    source = ModelBlocks(model)
     result: dict[str, InputStats] = {}
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            inputs = capture_block_inputs(model, blocks_name, blocks, list(calibration.split(batch_size)),
-                                          device)
-            for i in _progress(range(len(blocks)), progress, desc="collecting Hessians"):
-                layers = find_linears(blocks[i], tied)
-                blocks[i].to(device)
-                collector = _block_statistics(blocks[i], layers, i, inputs, dtype, propagate=True)
-                moved: dict[int, InputStats] = {}
-                for sub, full in _layer_names(blocks_name, i, layers).items():
-                    stats = collector.of(sub)
-                    result[full] = moved.setdefault(id(stats), InputStats(stats.xtx.cpu(), stats.xsum.cpu(),
-                                                                          stats.count))
-                blocks[i].to("cpu")
+            inputs = source.capture(calibration.split(batch_size), device)
+            stage = CalibrationStatistics(inputs, dtype, dense_inputs=True, reduce=LocalExecutor(device).reduce)
+            for i in _progress(range(len(source)), progress, desc="collecting Hessians"):
+                stats = stage.collect(i, source.load(i, device), source.layers(i))
+                on_cpu: dict[int, InputStats] = {}
+                for name, s in stats.items():
+                    result[name] = on_cpu.setdefault(id(s), InputStats(s.xtx.cpu(), s.xsum.cpu(), s.count))
+                source.release(i)
     finally:
         model.train(was_training)
     return result

@@ -1,26 +1,30 @@
-"""One entry point for every layer-level N:M pruning method (paper eq. ``n_m_squard_loss``).
+"""The solver call for one layer (paper eq. ``n_m_squard_loss``): :func:`solve`.
 
-``prune_layer(W, H, method, pattern, refine, **options)`` validates its inputs, runs a
-registered method (see :mod:`nmprune.algorithms`) and optionally a registered mask-held
-refiner, and reports the local squared loss (paper eq. ``squared_loss``) after each stage.
-Everything is computed in float32 (float64 when ``W`` or ``H`` is float64) and cast back
-to ``W``'s dtype at the end. Methods and refiners know nothing about models or files.
+``solve(W, H, plan)`` checks the tensors, runs the plan's registered method (see
+:mod:`nmprune.algorithms`) and, if planned, its mask-held refiner, and reports the local
+squared loss (paper eq. ``squared_loss``) after each stage. Everything is computed in float32
+(float64 when ``W`` or ``H`` is float64) and cast back to ``W``'s dtype at the end. The
+public :func:`prune_layer` / :func:`prune_matrix` resolve their settings into a plan
+(:func:`nmprune.plan.resolve_plan`) and call it. Methods and refiners know nothing about
+models or files.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from ._checks import check_float, check_non_negative, check_symmetric
+from ._checks import check_float, check_symmetric
 from ._linalg import wanda_scale
 from .loss import local_loss
-from .pattern import NMPattern, is_nm_sparse, parse_pattern, topn_mask
-from .registry import get_method, get_refiner, split_options
+from .pattern import NMPattern, is_nm_sparse, topn_mask
+from .plan import LayerPlan, resolve_plan
+from .registry import get_method
 
 
 @dataclass
@@ -88,52 +92,64 @@ def dampen(h: Tensor, damp: float) -> Tensor:
     return out
 
 
-def prune_layer(W: Tensor, H: Tensor, method: str = "prox", pattern: str | NMPattern = "2:4",
-                refine: str | None = None, *, damp: float = 0.0, **options: Any) -> LayerResult:
-    """Prune ``W`` (d_out, d_in) to N:M along ``d_in`` minimising ``Tr((W-W*) H (W-W*)^T)``.
+def solve(W: Tensor, H: Tensor, plan: LayerPlan, statistics: Mapping[str, Tensor] | None = None
+          ) -> LayerResult:
+    """Prune ``W`` (d_out, d_in) to ``plan.pattern`` along ``d_in`` minimising
+    ``Tr((W-W*) H (W-W*)^T)`` with the plan's method, then its refiner (if any).
 
-    ``method`` is any name of :func:`nmprune.methods`; ``refine`` (``None``, ``"gd"``,
-    ``"exact"``) then re-optimises the kept weights with the mask held. ``options`` go to
-    the method (its keyword-only parameters) and, prefixed ``refine_``, to the refiner.
-    With ``damp > 0`` the method and the refiner see :func:`dampen` ``(H, damp)`` instead of
-    ``H``; the reported losses are always on ``H`` itself. Raises ValueError naming any bad
-    input or option.
+    ``statistics`` holds input statistics the method declared (``plan.statistics``; one not
+    given takes the method's default).
+    With ``plan.damp > 0`` the method and the refiner see :func:`dampen` ``(H, damp)``
+    instead of ``H``; the reported losses are always on ``H`` itself. Raises ValueError on
+    bad tensors (shapes, dtypes, devices, NaN/Inf, a non-symmetric ``H``).
     """
-    p = parse_pattern(pattern)
+    p = plan.pattern
     _validate(W, H, p)
-    damp = check_non_negative("damp", damp)
-    m = get_method(method)
-    if not m.supports(p):
-        raise ValueError(f"method {method!r} does not support pattern {p}")
-    r = get_refiner(refine) if refine is not None else None
-    m_opts, r_opts = split_options(options, m, r)
-
+    extra = dict(statistics or {})
+    unknown = sorted(set(extra) - set(plan.statistics))
+    if unknown:
+        raise ValueError(f"method {plan.method.name!r} takes no statistic {unknown[0]!r}")
     dtype = _compute_dtype(W, H)
     w_star, h = W.to(dtype), H.to(dtype)
-    h_solve = dampen(h, damp)
+    h_solve = dampen(h, plan.damp)
 
     start = time.perf_counter()
-    w = m.fn(w_star, h_solve, p, **m_opts)
+    w = plan.method.fn(w_star, h_solve, p, **extra, **plan.method_options)
     _sync(w)
     seconds_method = time.perf_counter() - start
     if w.shape != w_star.shape or not is_nm_sparse(w, p):
-        raise RuntimeError(f"method {method!r} did not return an exactly {p} sparse matrix")
+        raise RuntimeError(f"method {plan.method.name!r} did not return an exactly {p} sparse matrix")
     mask = full_mask(w, w_star, h, p)
     loss_method = local_loss(w, w_star, h)
 
     loss_refined, seconds_refine = None, 0.0
-    if r is not None:
+    if plan.refiner is not None:
         start = time.perf_counter()
-        w = r.fn(w, w_star, h_solve, mask, **r_opts)
+        w = plan.refiner.fn(w, w_star, h_solve, mask, **plan.refiner_options)
         _sync(w)
         seconds_refine = time.perf_counter() - start
         if bool((w[~mask] != 0).any()):
-            raise RuntimeError(f"refiner {refine!r} changed weights outside the mask")
+            raise RuntimeError(f"refiner {plan.refiner.name!r} changed weights outside the mask")
         loss_refined = local_loss(w, w_star, h)
 
     return LayerResult(weight=w.to(W.dtype), mask=mask, loss_method=loss_method,
                        loss_refined=loss_refined, seconds_method=seconds_method,
                        seconds_refine=seconds_refine)
+
+
+def prune_layer(W: Tensor, H: Tensor, method: str = "prox", pattern: str | NMPattern = "2:4",
+                refine: str | None = None, *, damp: float = 0.0, **options: Any) -> LayerResult:
+    """:func:`solve` with the plan made from these settings.
+
+    ``method`` is any name of :func:`nmprune.methods`; ``refine`` (``None``, ``"gd"``,
+    ``"exact"``) then re-optimises the kept weights with the mask held. ``options`` go to
+    the method (its keyword-only parameters; the statistics it declares, e.g. DSnoT's
+    ``input_mean``, are given the same way) and, prefixed ``refine_``, to the refiner.
+    Raises ValueError naming any bad input or option.
+    """
+    declared = get_method(method).statistics if isinstance(method, str) else ()
+    statistics = {k: options.pop(k) for k in list(options) if k in declared}
+    return solve(W, H, resolve_plan(method, refine, pattern, options, damp), statistics)
 
 
 def prune_matrix(W: Tensor, H: Tensor, method: str = "prox", pattern: str | NMPattern = "2:4",

@@ -26,12 +26,13 @@ from torch import Tensor
 
 from .._linalg import wanda_scale
 from ..pattern import NMPattern, from_cells, to_cells, topn_mask
-from ..registry import register_method
+from ..registry import NonNegativeFloat, NonNegativeInt, register_method
 
 
-@register_method("dsnot", description="DSnoT: Wanda start + prune-and-grow swaps within cells")
+@register_method("dsnot", description="DSnoT: Wanda start + prune-and-grow swaps within cells",
+                 statistics=("input_mean",))
 def dsnot(w: Tensor, h: Tensor, pattern: NMPattern, *, input_mean: Tensor | None = None,
-          max_cycle_time: int = 50, update_threshold: float = 0.1,
+          max_cycle_time: NonNegativeInt = 50, update_threshold: NonNegativeFloat = 0.1,
           pow_of_var_regrowing: float = 1.0) -> Tensor:
     """DSnoT N:M pruning; defaults are the reference's recommended settings
     (``max_cycle_time=50, update_threshold=0.1, pow_of_var_regrowing=1``)."""
@@ -44,8 +45,6 @@ def dsnot(w: Tensor, h: Tensor, pattern: NMPattern, *, input_mean: Tensor | None
         if not bool(torch.isfinite(input_mean).all()):
             raise ValueError("input_mean contains NaN or Inf")
         mean = input_mean.to(w.dtype).to(w.device)
-    if not isinstance(max_cycle_time, int) or max_cycle_time < 0:
-        raise ValueError(f"max_cycle_time must be a non-negative integer, got {max_cycle_time!r}")
     wanda_score = w.abs() * wanda_scale(h)
     keep = topn_mask(wanda_score, pattern)
     if d_out == 0 or d_in == 0 or max_cycle_time == 0:

@@ -16,11 +16,12 @@ weights) when ``lambda_adapt`` is set (eq. ``lambda_adapt``). It stops when ``W`
 Paper-faithful settings: ``lambda0=0.01, beta=1.01, lambda_adapt=False, solver="gd",
 accelerate=False, finish=0.0, gradient_precision="full"`` (``shrink_momentum`` then plays no
 role; the 70B-model setting is ``lambda0=1e-3, beta=1.005, lambda_adapt=True``). Our defaults
-(see docs/methods.md for the measurements) trade the slow schedule for a scale-adaptive faster
-one, accelerate it, and finish early: once at most a fraction ``finish`` of the cells is still
-not N:M, those cells are projected onto N:M (their N largest magnitudes kept) -- a mask-held
-refiner then re-optimises all kept weights. ``max_iter`` guards the loop: reaching it projects
-the remaining cells the same way and emits a RuntimeWarning saying how many cells were projected.
+(measured in docs/methods.md#the-proximal-loop-srcnmprunealgorithmsproxpy) trade the slow
+schedule for a scale-adaptive faster one, accelerate it, and finish early: once at most a
+fraction ``finish`` of the cells is still not N:M, those cells are projected onto N:M (their
+N largest magnitudes kept) -- a mask-held refiner then re-optimises all kept weights.
+``max_iter`` guards the loop: reaching it projects the remaining cells the same way and emits
+a RuntimeWarning saying how many cells were projected.
 
 ``accelerate=True`` extrapolates the gradient point as FISTA does (Beck & Teboulle), with FISTA's
 coefficient ``c_k`` but one change, ``shrink_momentum`` (``rho``): the last step splits into the
@@ -35,13 +36,9 @@ prox step, and the gradient pulls an overshoot back only at the rate ``eta * 2 g
 direction's curvature ``gamma``. ``"auto"`` (the ``prox`` default) sets ``rho = min(1, 4
 gamma_mean / gamma_max)`` (``gamma_mean = tr(H)/d``, 1 in the scaled coordinates): classical
 FISTA where the step is large against the average curvature, less extrapolated shrinkage where
-a few large eigenvalues force a short step. Measured (docs/methods.md, + exact refinement): on
-21 SmolLM2 layers (``rho`` 0.03-0.23) the loss was lower than with classical FISTA on 19
-(total of three blocks -0.2% / -2.1% / -0.6%; +0.03% at worst), on four synthetic correlated
-layers (``rho`` 0.005-0.04) 3.4-4.0% lower, and the paper's synthetic sweep (``gamma_max``
-2.3-3.9) keeps ``rho = 1``, which is best there (``rho = 0.2`` was 1.6-3.6% worse). The
-damped path is slower: ~23% more iterations on those SmolLM2 layers; with ``beta=1.07`` it
-takes the classical loop's time there at about its loss, and keeps the synthetic gains.
+a few large eigenvalues force a short step. It lowers the loss on real and synthetic layers
+at the cost of more iterations (measured in docs/methods.md#measurements, "The extrapolated
+shrinkage").
 
 ``gradient_precision="bfloat16"`` computes the product ``(Y - W*) H`` of the gradient step in
 bfloat16 (the difference formed in the working precision first, so only the gradient itself
@@ -50,14 +47,14 @@ float32). ``"auto"`` (the ``prox`` default) does so for float32 work with at lea
 ``BF16_MIN_ROWS`` rows (fewer make the product a matrix-vector-like one that bfloat16 does not
 speed up) where the hardware has native bfloat16 products (CUDA devices that support bfloat16,
 CPUs with AVX512-BF16 or AMX), and keeps full precision otherwise; ``"full"`` always keeps
-it. On SmolLM2 layers the loss after exact refinement moved by at most 0.003% and the loop
-took 18-30% less time (docs/methods.md).
+it. The loss after exact refinement barely moves and the loop runs faster (measured in
+docs/methods.md#the-proximal-loop-srcnmprunealgorithmsproxpy).
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Callable
+from typing import Annotated, Callable, Literal
 
 import torch
 from torch import Tensor
@@ -66,9 +63,12 @@ from .._linalg import column_scale, gd_step_size, rescale
 from ..pattern import NMPattern, count_dense_cells, from_cells, to_cells, topn_mask
 from ..prox import prox_2of4, prox_l0, prox_l1, prox_l2, prox_nm
 from ..prox.two_four import SOLVERS
-from ..registry import register_method
+from ..registry import NonNegativeInt, PositiveFloat, Range, register_method
 
 CellProx = Callable[[Tensor, Tensor], Tensor]  # (cells (..., M), lambda per cell) -> cells
+Growth = Annotated[float, Range(1, low_open=True)]  # beta: lambda must grow
+Finish = Annotated[float, Range(0, 1, high_open=True)]  # fraction of cells left to project
+Momentum = Annotated[float, Range(0, 1)]  # shrink_momentum rho
 
 
 def prox_gradient(w_star: Tensor, h: Tensor, pattern: NMPattern, cell_prox: CellProx, *,
@@ -77,17 +77,6 @@ def prox_gradient(w_star: Tensor, h: Tensor, pattern: NMPattern, cell_prox: Cell
                   gradient_precision: str = "full") -> Tensor:
     """Algorithm ``alg:prox_e2e`` for any cell-wise prox; returns an N:M matrix in the original
     (unscaled) coordinates. See the module docstring for the options."""
-    if not lambda0 > 0:
-        raise ValueError(f"lambda0 must be positive, got {lambda0!r}")
-    if not beta > 1:
-        raise ValueError(f"beta must be > 1, got {beta!r}")
-    if not isinstance(max_iter, int) or max_iter < 0:
-        raise ValueError(f"max_iter must be a non-negative integer, got {max_iter!r}")
-    if not 0 <= finish < 1:
-        raise ValueError(f"finish must be in [0, 1), got {finish!r}")
-    if shrink_momentum != "auto" and not (isinstance(shrink_momentum, (int, float))
-                                          and 0 <= shrink_momentum <= 1):
-        raise ValueError(f"shrink_momentum must be 'auto' or in [0, 1], got {shrink_momentum!r}")
     low = _gradient_dtype(gradient_precision, w_star)
     s = column_scale(h)
     w_star, h = rescale(w_star, h, s)
@@ -139,7 +128,8 @@ def prox_gradient(w_star: Tensor, h: Tensor, pattern: NMPattern, cell_prox: Cell
     return w / s
 
 
-SHRINK_MOMENTUM_GAIN = 4.0  # rho = min(1, gain * mean eigenvalue / gamma_max); fits 4-8 alike
+# rho = min(1, gain * mean eigenvalue / gamma_max); 4 and 8 fit alike (docs/methods.md#measurements)
+SHRINK_MOMENTUM_GAIN = 4.0
 
 
 def auto_shrink_momentum(h: Tensor, eta: float) -> float:
@@ -152,13 +142,12 @@ def auto_shrink_momentum(h: Tensor, eta: float) -> float:
 
 
 GRADIENT_PRECISIONS = ("auto", "full", "bfloat16")
-BF16_MIN_ROWS = 64  # this CPU: 16 rows x 576 no faster in bfloat16, 64 rows 1.7x faster
+# fewer rows are not faster in bfloat16 (docs/methods.md#the-proximal-loop-srcnmprunealgorithmsproxpy)
+BF16_MIN_ROWS = 64
 
 
 def _gradient_dtype(precision: str, w: Tensor) -> torch.dtype | None:
     """The dtype of the gradient product for ``gradient_precision`` (None: the working dtype)."""
-    if precision not in GRADIENT_PRECISIONS:
-        raise ValueError(f"gradient_precision must be one of {GRADIENT_PRECISIONS}, got {precision!r}")
     if precision == "bfloat16":
         return torch.bfloat16
     if precision == "full" or w.dtype != torch.float32 or w.shape[0] < BF16_MIN_ROWS:
@@ -174,16 +163,15 @@ def _gradient_dtype(precision: str, w: Tensor) -> torch.dtype | None:
 def _exact_prox(pattern: NMPattern, solver: str) -> CellProx:
     if (pattern.n, pattern.m) == (2, 4):
         return lambda z, lam: prox_2of4(z, lam, solver=solver)
-    if solver not in SOLVERS:
-        raise ValueError(f"solver must be one of {SOLVERS}, got {solver!r}")
     return lambda z, lam: prox_nm(z, lam, pattern.n)  # the solver choice concerns 2:4 only
 
 
 @register_method("prox", description="proximal gradient with the exact N:M prox (paper Alg. prox_e2e)")
-def prox(w: Tensor, h: Tensor, pattern: NMPattern, *, lambda0: float = 0.001, beta: float = 1.05,
-         lambda_adapt: bool = True, solver: str = "reduced", max_iter: int = 5000,
-         finish: float = 0.005, accelerate: bool = True, shrink_momentum: float | str = "auto",
-         gradient_precision: str = "auto") -> Tensor:
+def prox(w: Tensor, h: Tensor, pattern: NMPattern, *, lambda0: PositiveFloat = 0.001,
+         beta: Growth = 1.05, lambda_adapt: bool = True, solver: Literal[SOLVERS] = "reduced",
+         max_iter: NonNegativeInt = 5000, finish: Finish = 0.005, accelerate: bool = True,
+         shrink_momentum: Momentum | Literal["auto"] = "auto",
+         gradient_precision: Literal[GRADIENT_PRECISIONS] = "auto") -> Tensor:
     """Prox pruner with the regulariser ``r_{N:M}`` (eq. ``regularizer_nm``). ``solver`` picks
     the 2:4 prox solver (``prox_2of4``); other patterns always use ``prox_nm``."""
     return prox_gradient(w, h, pattern, _exact_prox(pattern, solver), lambda0=lambda0, beta=beta,
@@ -193,10 +181,10 @@ def prox(w: Tensor, h: Tensor, pattern: NMPattern, *, lambda0: float = 0.001, be
 
 
 def _register_simple(name: str, cell_prox: Callable[..., Tensor], eq: str) -> None:
-    def method(w: Tensor, h: Tensor, pattern: NMPattern, *, lambda0: float = 0.01,
-               beta: float = 1.01, lambda_adapt: bool = False, max_iter: int = 5000,
-               finish: float = 0.0, accelerate: bool = False, shrink_momentum: float = 1.0,
-               gradient_precision: str = "full") -> Tensor:
+    def method(w: Tensor, h: Tensor, pattern: NMPattern, *, lambda0: PositiveFloat = 0.01,
+               beta: Growth = 1.01, lambda_adapt: bool = False, max_iter: NonNegativeInt = 5000,
+               finish: Finish = 0.0, accelerate: bool = False, shrink_momentum: Momentum = 1.0,
+               gradient_precision: Literal[GRADIENT_PRECISIONS] = "full") -> Tensor:
         return prox_gradient(w, h, pattern, lambda z, lam: cell_prox(z, lam, pattern.n),
                              lambda0=lambda0, beta=beta, lambda_adapt=lambda_adapt,
                              max_iter=max_iter, finish=finish, accelerate=accelerate,

@@ -17,9 +17,9 @@ gradient ``2 M . (W H - W* H)`` vanishes). Two solvers, chosen by a flop estimat
   ``inverse`` preconditioner. Preconditioners: ``jacobi`` (``diag H``, the Wanda scaling) or
   ``inverse``, the kept block of the inverse Hessian, ``M^-1 = P (H + delta)^-1 P`` for each
   row's mask ``P`` -- the inverse of the Schur complement of the pruned block, which is
-  ``H_SS`` less what the pruned inputs explain. On real SmolLM2 layers it cut the iterations
-  to a given gap 3.5-4x (36 -> 9 at 1e-6 on a q_proj), for one ``d_in^3`` inversion per
-  call.
+  ``H_SS`` less what the pruned inputs explain. On real layers, whose kept block differs
+  little from that Schur complement, it needs 3.5-4x fewer iterations to a given gap, for one
+  ``d_in^3`` inversion per call (measured in docs/methods.md#refiners).
 
 The system is always consistent (its right side lies in the range of ``H_SS``), so singular
 ``H`` and dead inputs need no damping for CG: it converges to a minimiser, and directions with
@@ -31,19 +31,19 @@ the null directions.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Literal
 
 import torch
 from torch import Tensor
 
 from .._linalg import column_scale
-from ..registry import register_refiner
+from ..registry import NonNegativeFloat, NonNegativeInt, PositiveInt, register_refiner
 
 SOLVERS = ("auto", "direct", "pcg")
 PRECONDITIONERS = ("auto", "jacobi", "inverse")
 _RIDGE_GROWTH = 10.0
 _INVERSE_RIDGE = 1e-4  # delta of the inverse preconditioner, relative to the unit diagonal
-_ITERATIONS_SAVED = 10  # products the inverse preconditioner saves, net (measured: 11-18)
+_ITERATIONS_SAVED = 10  # products the inverse preconditioner saves, net (docs/methods.md#refiners)
 
 
 def _loss(w: Tensor, w_star: Tensor, wh: Tensor, target: Tensor) -> float:
@@ -69,8 +69,8 @@ def inverse_flops(d_in: int) -> float:
 
 def pick_preconditioner(d_out: int, d_in: int) -> str:
     """``"inverse"`` when its inversion costs less than the products it saves (it doubles
-    the cost of an iteration and needs about a quarter of the iterations: on real layers
-    11-18 products fewer to a gap of 1e-6, counted as ``_ITERATIONS_SAVED``), else
+    the cost of an iteration and needs about a quarter of the iterations, counted as
+    ``_ITERATIONS_SAVED`` products saved), else
     ``"jacobi"`` (a few rows of a wide layer)."""
     return "inverse" if inverse_flops(d_in) < pcg_flops(d_out, d_in, _ITERATIONS_SAVED) else "jacobi"
 
@@ -222,9 +222,10 @@ def _pcg(w: Tensor, w_star: Tensor, h: Tensor, keep: Tensor, target: Tensor, *, 
 
 @register_refiner("exact", description="minimiser of the local loss with the mask held "
                                        "(batched Cholesky or PCG)")
-def refine_exact(w: Tensor, w_star: Tensor, h: Tensor, mask: Tensor, *, solver: str = "pcg",
-                 preconditioner: str = "auto", tol: float = 1e-8, max_iter: int = 600,
-                 restart: int = 25) -> Tensor:
+def refine_exact(w: Tensor, w_star: Tensor, h: Tensor, mask: Tensor, *,
+                 solver: Literal[SOLVERS] = "pcg", preconditioner: Literal[PRECONDITIONERS] = "auto",
+                 tol: NonNegativeFloat = 1e-8, max_iter: NonNegativeInt = 600,
+                 restart: PositiveInt = 25) -> Tensor:
     """Minimise ``Tr((W-W*) H (W-W*)^T)`` over ``W`` zero outside ``mask``, warm-started at ``w``.
 
     The default is ``"pcg"``: on real Hessians it converges in a few dozen iterations and beats
@@ -240,26 +241,14 @@ def refine_exact(w: Tensor, w_star: Tensor, h: Tensor, mask: Tensor, *, solver: 
 
     PCG stops when an iteration lowers the loss by less than ``tol`` times the current loss
     (CG knows each row's decrease: ``alpha_r (p_r . r_r)``), or after ``max_iter`` iterations.
-    The remaining gap is larger than the last decrease: on real SmolLM2 layers (float32,
-    against float64 direct solves) ``tol=1e-6`` left 1.6e-6 to 3.6e-6 of the optimal loss,
-    ``1e-7`` up to 1.2e-6, the default ``1e-8`` below 1e-7, in at most 1.7x the time of 1e-6.
-    Every ``restart`` iterations the residual and the loss are recomputed exactly (no extra
-    product: they come from ``W H``) and CG restarts from them; if rounding made the true
-    loss worse than at the previous restart, the previous iterate is returned. This keeps
+    The remaining gap is larger than the last decrease; the default ``1e-8`` leaves less than
+    1e-7 of the optimal loss on real layers (measured in docs/methods.md#refiners). Every
+    ``restart`` iterations the residual and the loss are recomputed exactly (no extra product:
+    they come from ``W H``) and CG restarts from them; if rounding made the true loss worse
+    than at the previous restart, the previous iterate is returned. This keeps
     float32 reliable on ill-conditioned Hessians. The result's loss never exceeds that of
     ``w`` with the mask applied.
     """
-    if solver not in SOLVERS:
-        raise ValueError(f"solver must be one of {', '.join(SOLVERS)}, got {solver!r}")
-    if not tol >= 0:
-        raise ValueError(f"tol must be non-negative, got {tol!r}")
-    if not isinstance(max_iter, int) or max_iter < 0:
-        raise ValueError(f"max_iter must be a non-negative integer, got {max_iter!r}")
-    if not isinstance(restart, int) or restart < 1:
-        raise ValueError(f"restart must be a positive integer, got {restart!r}")
-    if preconditioner not in PRECONDITIONERS:
-        raise ValueError(f"preconditioner must be one of {', '.join(PRECONDITIONERS)}, "
-                         f"got {preconditioner!r}")
     keep = mask.to(w.dtype)
     w = w * keep
     if w.numel() == 0:

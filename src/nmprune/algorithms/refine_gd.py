@@ -6,12 +6,12 @@ import torch
 from torch import Tensor
 
 from .._linalg import column_scale, gd_step_size, rescale
-from ..registry import register_refiner
+from ..registry import NonNegativeFloat, NonNegativeInt, register_refiner
 
 
 @register_refiner("gd", description="masked gradient descent on the local loss (paper eq. masked_gd)")
-def refine_gd(w: Tensor, w_star: Tensor, h: Tensor, mask: Tensor, *, steps: int = 1000,
-              step_size: float | None = None, scaled: bool = True) -> Tensor:
+def refine_gd(w: Tensor, w_star: Tensor, h: Tensor, mask: Tensor, *, steps: NonNegativeInt = 1000,
+              step_size: NonNegativeFloat | None = None, scaled: bool = True) -> Tensor:
     """``W <- W - eta * 2 M . (W H - W* H)`` for ``steps`` steps, all rows at once.
 
     ``eta`` defaults to ``1 / (2 gamma_max(H))`` (paper Section 3.1), for which the local
@@ -21,10 +21,6 @@ def refine_gd(w: Tensor, w_star: Tensor, h: Tensor, mask: Tensor, *, steps: int 
     the same function, only better conditioned. ``scaled=False`` runs eq. ``masked_gd`` on the
     raw ``H``. Works for singular ``H`` (converges to a minimiser on the mask's support).
     """
-    if not isinstance(steps, int) or steps < 0:
-        raise ValueError(f"steps must be a non-negative integer, got {steps!r}")
-    if step_size is not None and not float(step_size) >= 0.0:
-        raise ValueError(f"step_size must be non-negative, got {step_size!r}")
     s = column_scale(h) if scaled else torch.ones(h.shape[0], dtype=h.dtype, device=h.device)
     w, h = rescale(w, h, s)
     w_star = w_star * s

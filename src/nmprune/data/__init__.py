@@ -18,11 +18,11 @@ import random
 
 from torch import Tensor
 
+from .corpus import Corpus
 from .sources import (
     C4_EVAL_DOCUMENTS,
     NAMED_SOURCES,
     SPLITS,
-    Corpus,
     load_corpus,
     parse_source,
     wiki_split_of,

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 from .rdata import read_lazyload_db
-from .sources import Corpus
+from .corpus import Corpus
 
 AUSTEN_APT = "apt-get install -y r-cran-janeaustenr"
 

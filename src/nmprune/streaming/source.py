@@ -21,7 +21,7 @@ from typing import Iterator
 import torch
 from torch import Tensor, nn
 
-from ..hessian import BlockInputs, capture_block_inputs
+from ..block_runner import BlockInputs, capture_block_inputs
 from ..models import find_blocks, find_linears, parse_dtype, weight_matrix
 from .files import CheckpointFileError, SafetensorsFiles
 

@@ -1,18 +1,10 @@
-"""Layer Hessians ``H = X X^T / n`` from forward hooks, and block-by-block execution.
-
-The local problem of every linear layer (paper eq. ``squared_loss``) needs the Hessian
-``H = X X^T`` of the layer's inputs ``X`` (``d_in x n`` over all calibration tokens); we
-keep it normalised by the token count ``n`` (the minimiser does not change) and also keep
-the mean input (DSnoT uses it). Accumulation is pure tensor code (:func:`accumulate`);
-the hooks only route inputs to it. Layers reading the very same input tensor (q/k/v,
-gate/up) share one accumulator, so each distinct input is multiplied out once.
+"""Running a causal LM one decoder block at a time.
 
 Block inputs are captured with a SparseGPT-style catcher: the decoder blocks are swapped
 for recorders that store the hidden states entering the first block and the keyword
 arguments (attention masks, position embeddings, ...) every block receives, and stop the
-forward pass. The blocks are then run one at a time, so only one block needs to be on the
-compute device (paper Section ``sec:llm_experiments``; Appendix ``app:use_unpruned_inputs``
-for the choice between dense and pruned block inputs).
+forward pass. The blocks are then run one at a time (:func:`run_block`), so only one block
+needs to be on the compute device (paper Section ``sec:llm_experiments``).
 """
 
 from __future__ import annotations
@@ -22,103 +14,6 @@ from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
-
-# ----------------------------------------------------------------------------- accumulation
-
-
-@dataclass
-class InputStats:
-    """Running sums of a layer input: ``sum x x^T``, ``sum x`` and the token count."""
-
-    xtx: Tensor
-    xsum: Tensor
-    count: int = 0
-
-    def hessian(self) -> Tensor:
-        """``H = X X^T / n``."""
-        if self.count == 0:
-            raise ValueError("no inputs were accumulated")
-        return self.xtx / self.count
-
-    def mean(self) -> Tensor:
-        """The mean input vector (``d_in``)."""
-        if self.count == 0:
-            raise ValueError("no inputs were accumulated")
-        return self.xsum / self.count
-
-
-def new_stats(d: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> InputStats:
-    """Empty accumulators for inputs of dimension ``d`` (``dtype`` float32 or float64)."""
-    if dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"Hessians accumulate in float32 or float64, got {dtype}")
-    return InputStats(torch.zeros(d, d, dtype=dtype, device=device),
-                      torch.zeros(d, dtype=dtype, device=device))
-
-
-def accumulate(stats: InputStats, x: Tensor) -> InputStats:
-    """Add the tokens of ``x`` (``(..., d)``) to ``stats`` in place and return it."""
-    d = stats.xsum.shape[0]
-    if x.shape[-1] != d:
-        raise ValueError(f"input of width {x.shape[-1]} does not match accumulator of width {d}")
-    rows = x.detach().reshape(-1, d).to(stats.xtx.dtype)
-    stats.xtx.addmm_(rows.T, rows)
-    stats.xsum.add_(rows.sum(0))
-    stats.count += rows.shape[0]
-    return stats
-
-
-class HessianCollector:
-    """Forward hooks accumulating :class:`InputStats` for the named layers of one block.
-
-    Layers whose hooks receive the identical input tensor object within one forward call
-    of ``block`` (q/k/v after one norm, gate/up) share the accumulator of the first of
-    them. Use as a context manager; hooks are removed on exit.
-    """
-
-    def __init__(self, block: nn.Module, layers: dict[str, nn.Module], dtype: torch.dtype = torch.float32):
-        self.block, self.layers, self.dtype = block, layers, dtype
-        self.stats: dict[str, InputStats] = {}
-        self.leader: dict[str, str] = {}
-        self._seen: list[tuple[Tensor, str]] = []
-        self._handles: list[Any] = []
-
-    def __enter__(self) -> "HessianCollector":
-        self._handles.append(self.block.register_forward_pre_hook(lambda *_: self._seen.clear()))
-        self._handles.append(self.block.register_forward_hook(lambda *_: self._seen.clear()))
-        for name, module in self.layers.items():
-            self._handles.append(module.register_forward_pre_hook(self._hook(name), with_kwargs=True))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        self._seen.clear()
-
-    def _hook(self, name: str) -> Callable:
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            x = args[0] if args else kwargs["input"]
-            found = next((lead for t, lead in self._seen if t is x), None)
-            lead = self.leader.setdefault(name, found or name)
-            if (found or name) != lead:
-                raise RuntimeError(f"layer {name} shared its input with {lead} in an earlier batch "
-                                   "but not in this one")
-            if lead == name and found is None:
-                self._seen.append((x, name))
-                if name not in self.stats:
-                    self.stats[name] = new_stats(x.shape[-1], self.dtype, x.device)
-                accumulate(self.stats[name], x)
-        return hook
-
-    def of(self, name: str) -> InputStats:
-        """The accumulated input statistics of layer ``name``."""
-        if name not in self.leader:
-            raise RuntimeError(f"layer {name} was never called during the forward passes")
-        return self.stats[self.leader[name]]
-
-
-# ----------------------------------------------------------------------------- block inputs
-
 
 class _Stop(Exception):
     """Raised by the recorders to end the model's forward pass early."""

@@ -1,0 +1,82 @@
+"""The solver stage: how a block's layer problems are spread and solved.
+
+An executor decides which calibration batches this process runs (:meth:`shard`), combines
+the layer statistics of all processes before any layer is solved (:meth:`reduce`) and solves
+a block's :class:`LayerJob` s (:meth:`solve`), calling ``done`` with every job's pruned
+weights in job order. :class:`LocalExecutor` does all of it in this process; a multi-process
+executor spreads the same calls over ranks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+from torch import Tensor
+
+from .loss import local_loss
+from .plan import LayerPlan, wanda_reference
+from .prune import solve
+from .statistics import InputStats, statistic_values
+
+T = TypeVar("T")
+
+
+@dataclass
+class LayerJob:
+    """One layer's problem: its dense weights ``(d_out, d_in)``, input statistics and plan."""
+
+    name: str
+    block: int
+    weight: Tensor
+    stats: InputStats
+    plan: LayerPlan
+
+
+def run_job(job: LayerJob, device: torch.device) -> tuple[Tensor, dict[str, Any]]:
+    """Solve ``job`` on ``device``: the pruned matrix (float, on ``device``) and its record:
+    the plan, the local losses (paper eq. ``squared_loss``) after the method and after
+    refinement, and relative to Wanda's with the same pattern and dampening, all on the
+    undamped ``H``, with the seconds each took."""
+    h = job.stats.hessian().to(device)
+    w = job.weight.detach().to(device=device, dtype=h.dtype, copy=True)
+    result = solve(w, h, job.plan, statistic_values(job.plan.statistics, job.stats, device))
+    start = time.perf_counter()
+    loss_wanda = local_loss(solve(w, h, wanda_reference(job.plan.pattern, job.plan.damp)).weight, w, h)
+    seconds_wanda = time.perf_counter() - start
+    final = result.loss_refined if result.loss_refined is not None else result.loss_method
+    record = {
+        **job.plan.describe(),
+        "loss_method": result.loss_method, "loss_refined": result.loss_refined,
+        "loss_wanda": loss_wanda,
+        "loss_vs_wanda": final / loss_wanda if loss_wanda > 0 else None,
+        "seconds_method": result.seconds_method, "seconds_refine": result.seconds_refine,
+        "seconds_wanda_reference": seconds_wanda,
+    }
+    return result.weight, record
+
+
+Done = Callable[[LayerJob, Tensor, dict[str, Any]], None]
+
+
+class LocalExecutor:
+    """Every batch and every layer in this process, on ``device``."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def shard(self, items: Sequence[T]) -> list[T]:
+        """The calibration batches this process runs: all of them."""
+        return list(items)
+
+    def reduce(self, stats: list[InputStats]) -> None:
+        """Statistics of one process are already complete."""
+
+    def solve(self, jobs: Sequence[LayerJob], done: Done, progress: Callable = iter) -> None:
+        """Solve the jobs in order, each handed to ``done`` as soon as it is finished."""
+        for job in progress(jobs):
+            weight, record = run_job(job, self.device)
+            done(job, weight, record)

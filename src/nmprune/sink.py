@@ -1,0 +1,34 @@
+"""The block sink stage: where a finished block's pruned weights go.
+
+A sink receives, block by block, the weights of every prunable layer as the layer stores
+them (``module.weight``), keyed by full module name. :class:`ModelSink` writes them into a
+model held in memory (a no-op for a block pruned in place; a resumed block's weights come
+from the checkpoint); a streaming sink writes safetensors shards instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor
+
+from .source import ModelBlocks
+
+
+class ModelSink:
+    """Writes finished blocks into the model behind ``source``."""
+
+    def __init__(self, source: ModelBlocks):
+        self.source = source
+
+    def write(self, index: int, weights: Mapping[str, Tensor]) -> None:
+        """Give every prunable layer of block ``index`` its weight from ``weights``."""
+        layers = self.source.layers(index)
+        missing = [name for name in layers if name not in weights]
+        if missing:
+            raise ValueError(f"block {index} is missing the weights of {', '.join(missing[:3])}")
+        with torch.no_grad():
+            for name, module in layers.items():
+                if weights[name].data_ptr() != module.weight.data_ptr():
+                    module.weight.copy_(weights[name])

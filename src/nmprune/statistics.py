@@ -1,0 +1,200 @@
+"""Layer input statistics: ``H = X X^T / n`` and what else a method declares it needs.
+
+The local problem of every linear layer (paper eq. ``squared_loss``) needs the Hessian
+``H = X X^T`` of the layer's inputs ``X`` (``d_in x n`` over all calibration tokens); we
+keep it normalised by the token count ``n`` (the minimiser does not change). The running
+sums (``sum x x^T``, ``sum x``, ``n``) are kept rather than means, so that sums from
+several processes add up exactly. Accumulation is pure tensor code (:func:`accumulate`);
+the hooks of :class:`HessianCollector` only route inputs to it. Layers reading the very same
+input tensor (q/k/v, gate/up) share one accumulator, so each distinct input is multiplied
+out once.
+
+A method names the statistics beyond ``H`` it takes when it registers
+(:func:`nmprune.registry.register_method`); :data:`STATISTICS` says how each is computed from
+the sums. The statistics stage of the pipeline is :class:`CalibrationStatistics` (run the
+calibration hidden states through a block with the hooks on) or
+:class:`PrecomputedStatistics` (from :func:`nmprune.pipeline.collect_hessians`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .block_runner import BlockInputs, run_block
+
+
+@dataclass
+class InputStats:
+    """Running sums of a layer input: ``sum x x^T``, ``sum x`` and the token count."""
+
+    xtx: Tensor
+    xsum: Tensor
+    count: int = 0
+
+    def hessian(self) -> Tensor:
+        """``H = X X^T / n``."""
+        if self.count == 0:
+            raise ValueError("no inputs were accumulated")
+        return self.xtx / self.count
+
+    def mean(self) -> Tensor:
+        """The mean input vector (``d_in``)."""
+        if self.count == 0:
+            raise ValueError("no inputs were accumulated")
+        return self.xsum / self.count
+
+
+def new_stats(d: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> InputStats:
+    """Empty accumulators for inputs of dimension ``d`` (``dtype`` float32 or float64)."""
+    if dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"Hessians accumulate in float32 or float64, got {dtype}")
+    return InputStats(torch.zeros(d, d, dtype=dtype, device=device),
+                      torch.zeros(d, dtype=dtype, device=device))
+
+
+def accumulate(stats: InputStats, x: Tensor) -> InputStats:
+    """Add the tokens of ``x`` (``(..., d)``) to ``stats`` in place and return it."""
+    d = stats.xsum.shape[0]
+    if x.shape[-1] != d:
+        raise ValueError(f"input of width {x.shape[-1]} does not match accumulator of width {d}")
+    rows = x.detach().reshape(-1, d).to(stats.xtx.dtype)
+    stats.xtx.addmm_(rows.T, rows)
+    stats.xsum.add_(rows.sum(0))
+    stats.count += rows.shape[0]
+    return stats
+
+
+class HessianCollector:
+    """Forward hooks accumulating :class:`InputStats` for the named layers of one block.
+
+    Layers whose hooks receive the identical input tensor object within one forward call
+    of ``block`` (q/k/v after one norm, gate/up) share the accumulator of the first of
+    them. Use as a context manager; hooks are removed on exit.
+    """
+
+    def __init__(self, block: nn.Module, layers: dict[str, nn.Module], dtype: torch.dtype = torch.float32):
+        self.block, self.layers, self.dtype = block, layers, dtype
+        self.stats: dict[str, InputStats] = {}
+        self.leader: dict[str, str] = {}
+        self._seen: list[tuple[Tensor, str]] = []
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> "HessianCollector":
+        self._handles.append(self.block.register_forward_pre_hook(lambda *_: self._seen.clear()))
+        self._handles.append(self.block.register_forward_hook(lambda *_: self._seen.clear()))
+        for name, module in self.layers.items():
+            self._handles.append(module.register_forward_pre_hook(self._hook(name), with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._seen.clear()
+
+    def _hook(self, name: str) -> Callable:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            x = args[0] if args else kwargs["input"]
+            found = next((lead for t, lead in self._seen if t is x), None)
+            lead = self.leader.setdefault(name, found or name)
+            if (found or name) != lead:
+                raise RuntimeError(f"layer {name} shared its input with {lead} in an earlier batch "
+                                   "but not in this one")
+            if lead == name and found is None:
+                self._seen.append((x, name))
+                if name not in self.stats:
+                    self.stats[name] = new_stats(x.shape[-1], self.dtype, x.device)
+                accumulate(self.stats[name], x)
+        return hook
+
+    def of(self, name: str) -> InputStats:
+        """The accumulated input statistics of layer ``name``."""
+        if name not in self.leader:
+            raise RuntimeError(f"layer {name} was never called during the forward passes")
+        return self.stats[self.leader[name]]
+
+
+STATISTICS: dict[str, Callable[[InputStats], Tensor]] = {
+    "input_mean": InputStats.mean,  # E[x], e.g. DSnoT's expected-output correction
+}
+
+
+def statistic_values(names: Sequence[str], stats: InputStats, device: torch.device | None = None
+                     ) -> dict[str, Tensor]:
+    """The statistics ``names`` (keys of :data:`STATISTICS`) of one layer's inputs."""
+    unknown = [n for n in names if n not in STATISTICS]
+    if unknown:
+        raise ValueError(f"unknown statistic {unknown[0]!r}; known: {', '.join(sorted(STATISTICS))}")
+    return {n: STATISTICS[n](stats).to(device) for n in names}
+
+
+def _unique(stats: Mapping[str, InputStats]) -> list[InputStats]:
+    seen: dict[int, InputStats] = {}
+    for s in stats.values():
+        seen.setdefault(id(s), s)
+    return list(seen.values())
+
+
+class CalibrationStatistics:
+    """The statistics stage from calibration activations.
+
+    ``inputs.hidden`` holds the hidden states entering the current block (this process's
+    share of the calibration batches). :meth:`collect` runs them through a block with
+    :class:`HessianCollector` on its layers and hands the sums to ``reduce`` (identity in one
+    process, an all-reduce across ranks) before anyone reads them. With ``dense_inputs``
+    (the paper's default) each batch's dense output replaces its input at once, so only one
+    set of activations is held; otherwise :meth:`advance` propagates the inputs through the
+    pruned block (Appendix ``app:use_unpruned_inputs``).
+    """
+
+    def __init__(self, inputs: BlockInputs, dtype: torch.dtype, dense_inputs: bool,
+                 reduce: Callable[[list[InputStats]], None]):
+        self.inputs, self.dtype, self.dense_inputs, self.reduce = inputs, dtype, dense_inputs, reduce
+
+    @property
+    def hidden(self) -> list[Tensor]:
+        """The hidden states entering the next block to collect (what a checkpoint saves)."""
+        return self.inputs.hidden
+
+    def collect(self, index: int, block: nn.Module, layers: Mapping[str, nn.Module]) -> dict[str, InputStats]:
+        """Run block ``index`` on every batch; the statistics of ``layers`` by their keys."""
+        with HessianCollector(block, dict(layers), self.dtype) as collector:
+            for j, h in enumerate(self.inputs.hidden):
+                out = run_block(block, h, self.inputs.call(index, h))
+                if self.dense_inputs:
+                    self.inputs.hidden[j] = out
+        stats = {name: collector.of(name) for name in layers}
+        self.reduce(_unique(stats))
+        return stats
+
+    def advance(self, index: int, block: nn.Module) -> None:
+        """After block ``index`` is pruned: its outputs become the next block's inputs
+        (nothing to do with dense inputs, whose outputs :meth:`collect` already kept)."""
+        if not self.dense_inputs:
+            self.inputs.hidden = [run_block(block, h, self.inputs.call(index, h))
+                                  for h in self.inputs.hidden]
+
+
+class PrecomputedStatistics:
+    """The statistics stage from statistics collected beforehand, keyed by full layer name
+    (:func:`nmprune.pipeline.collect_hessians`): no forward passes, nothing to propagate."""
+
+    hidden = None  # nothing for a checkpoint to keep
+
+    def __init__(self, stats: Mapping[str, InputStats]):
+        self.stats = stats
+
+    def collect(self, index: int, block: nn.Module, layers: Mapping[str, nn.Module]) -> dict[str, InputStats]:
+        missing = [name for name in layers if name not in self.stats]
+        if missing:
+            raise ValueError(f"hessians has no entry for {', '.join(missing[:3])}; collect them "
+                             "with collect_hessians on this model")
+        return {name: self.stats[name] for name in layers}
+
+    def advance(self, index: int, block: nn.Module) -> None:
+        return None
