@@ -161,3 +161,96 @@ def test_streamed_pruning_is_bit_identical_to_in_memory(family, hessian_inputs, 
             assert is_nm_sparse(w, "2:4") and (w == 0).sum() == w.numel() // 2, name
     assert streaming_perplexity(StreamingModel(out), ids, seqlen=16, progress=False) == \
         perplexity(model, ids, seqlen=16, progress=False)
+
+
+# ----------------------------------------------------------------------------- command line
+
+@pytest.fixture(scope="module")
+def cli_model(tmp_path_factory):
+    from test_models_tiny import save_tiny_model_dir, write_text
+
+    base = tmp_path_factory.mktemp("cli")
+    text = write_text(base / "text.txt")
+    model_dir = save_tiny_model_dir(base / "model", "llama", layers=3, text=text.read_text())
+    args = ["--model", str(model_dir), "--method", "wanda", "--refine", "none", "--calib", str(text),
+            "--nsamples", "4", "--seqlen", "16", "--eval", str(text), "--eval-seqlen", "16",
+            "--eval-max-tokens", "256", "--quiet"]
+    return base, model_dir, text, args
+
+
+def test_offload_run_equals_in_memory_run(cli_model, tmp_path):
+    from nmprune.cli import main
+
+    base, model_dir, text, args = cli_model
+    assert main(["prune", *args, "--out", str(tmp_path / "memory")]) == 0
+    assert main(["prune", *args, "--offload", "--out", str(tmp_path / "streamed")]) == 0
+    a = json.loads((tmp_path / "memory" / "nmprune_report.json").read_text())
+    b = json.loads((tmp_path / "streamed" / "nmprune_report.json").read_text())
+    assert not a["streamed"] and b["streamed"]
+    assert a["perplexity"] == b["perplexity"]
+    assert (tmp_path / "streamed" / INDEX).is_file() and (tmp_path / "streamed" / "tokenizer.json").is_file()
+    x = AutoModelForCausalLM.from_pretrained(tmp_path / "memory").state_dict()
+    y = AutoModelForCausalLM.from_pretrained(tmp_path / "streamed").state_dict()
+    assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+    assert not list(tmp_path.glob("*.saving")) and not list(tmp_path.glob("*.checkpoint"))
+
+
+def test_offload_eval_equals_in_memory_eval(cli_model, capsys):
+    from nmprune.cli import main
+
+    base, model_dir, text, _ = cli_model
+    args = ["eval", "--model", str(model_dir), "--data", str(text), "--seqlen", "16",
+            "--max-tokens", "256", "--quiet"]
+    assert main(args) == 0
+    in_memory = capsys.readouterr().out
+    assert main(args + ["--offload"]) == 0
+    assert capsys.readouterr().out == in_memory
+
+
+def test_killed_streamed_run_resumes_to_identical_model(cli_model, tmp_path):
+    from nmprune.cli import build_parser, config_from_args, main, run_prune
+
+    class Crash(Exception):
+        pass
+
+    def crash(i):
+        if i == 1:
+            raise Crash
+
+    base, model_dir, text, args = cli_model
+    args = [*args, "--offload", "--no-eval"]
+    assert main(["prune", *args, "--out", str(tmp_path / "straight")]) == 0
+    with pytest.raises(Crash):
+        config = config_from_args(build_parser().parse_args(["prune", *args, "--out", str(tmp_path / "resumed")]))
+        run_prune(config, progress=False, on_block_done=crash)
+    assert not (tmp_path / "resumed").exists() and not (tmp_path / "resumed.saving").exists()
+    assert main(["prune", *args, "--out", str(tmp_path / "resumed")]) == 0
+    assert json.loads((tmp_path / "resumed" / "nmprune_report.json").read_text())["resumed_from_block"] == 2
+    a = AutoModelForCausalLM.from_pretrained(tmp_path / "straight").state_dict()
+    b = AutoModelForCausalLM.from_pretrained(tmp_path / "resumed").state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("damage", [_damage_missing, _damage_truncated, _damage_duplicate])
+def test_bad_checkpoint_stops_the_run_before_any_work(damage, cli_model, tmp_path, capsys):
+    from nmprune.cli import main
+
+    base, model_dir, text, args = cli_model
+    model = tmp_path / "model"
+    tiny_model("llama", 3).save_pretrained(model, max_shard_size="40KB")
+    for f in model_dir.glob("tokenizer*"):
+        (model / f.name).write_bytes(f.read_bytes())
+    victim = damage(model)
+    args = [a if a != str(model_dir) else str(model) for a in args]
+    assert main(["prune", *args, "--offload", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "nmprune: error:" in err and victim.name in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no output, checkpoint or .saving
+
+
+def test_offload_of_a_gguf_file_is_a_clear_error(tmp_path, capsys):
+    from nmprune.cli import main
+
+    assert main(["prune", "--offload", "--out", str(tmp_path / "o"), "--quiet"]) == 2
+    assert "GGUF file, which loads whole" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())

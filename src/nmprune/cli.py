@@ -55,17 +55,38 @@ def check_datasets(names: list[str]) -> None:
 
 def evaluate(model, tokenizer, datasets: list[str], seqlen: int, max_tokens: int | None,
              device: str | None, progress: bool, cache: dict[str, Any] | None = None) -> dict[str, float]:
-    """Perplexity of ``model`` on each data set's held-out split (token streams cached)."""
+    """Perplexity of ``model`` (loaded, or a :class:`~nmprune.streaming.StreamingModel`
+    evaluated block by block) on each data set's held-out split (token streams cached)."""
     from .data import eval_tokens
     from .evaluate import perplexity
+    from .streaming import StreamingModel
+    from .streaming.evaluate import streaming_perplexity
 
+    measure = streaming_perplexity if isinstance(model, StreamingModel) else perplexity
     cache = {} if cache is None else cache
     result = {}
     for name in datasets:
         if name not in cache:
             cache[name] = eval_tokens(tokenizer, source=name, max_tokens=max_tokens, seqlen=seqlen)
-        result[name] = perplexity(model, cache[name], seqlen=seqlen, device=device, progress=progress)
+        result[name] = measure(model, cache[name], seqlen=seqlen, device=device, progress=progress)
     return result
+
+
+def open_model(spec: str | None, gguf_file: str | None, dtype: str | None, offload: bool | None):
+    """``(model, tokenizer, source)``: the model loaded whole, or a
+    :class:`~nmprune.streaming.StreamingModel` whose blocks stream from its safetensors
+    checkpoint when ``offload`` says so or the model does not fit in memory
+    (:func:`nmprune.streaming.fit.choose_streaming`)."""
+    from .models import check_causal, load_model, load_tokenizer, resolve_model
+    from .streaming import StreamingModel
+    from .streaming.fit import choose_streaming
+
+    source = resolve_model(spec, gguf_file)
+    check_causal(source)
+    if not choose_streaming(source, dtype, offload):
+        return load_model(spec, gguf_file=gguf_file, dtype=dtype)
+    print(f"streaming the weights of {source} block by block", file=sys.stderr)
+    return StreamingModel(source.path, dtype=dtype), load_tokenizer(source), source
 
 
 def versions() -> dict[str, str]:
@@ -89,15 +110,18 @@ def run_prune(config: RunConfig, *, progress: bool = True, on_block_done=None) -
     Order: load; dense perplexity (kept in the checkpoint); :func:`prune_model` with a
     checkpoint after every block; pruned perplexity; save model + tokenizer + report into
     a temporary directory renamed to ``out`` (all three appear at once); delete the checkpoint. A rerun of the same
-    command after a crash resumes from the checkpoint.
+    command after a crash resumes from the checkpoint. When the weights stream
+    (:func:`open_model`), every stage runs block by block: the pruned blocks are written
+    into ``OUT.saving`` as they finish and the pruned model is evaluated from there.
     """
     import torch
 
     from ._memory import release_memory
     from .checkpoint import Checkpoint
     from .evaluate import perplexity_table
-    from .models import load_model, save_pretrained_atomic
+    from .models import save_pretrained_atomic
     from .pipeline import prune_model
+    from .streaming import ShardedWriter, StreamingModel
 
     if not config.out:
         raise ValueError("--out DIR is required (where the pruned model is saved)")
@@ -110,7 +134,8 @@ def run_prune(config: RunConfig, *, progress: bool = True, on_block_done=None) -
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
 
-    model, tokenizer, source = load_model(config.model, gguf_file=config.gguf_file, dtype=config.dtype)
+    model, tokenizer, source = open_model(config.model, config.gguf_file, config.dtype, config.offload)
+    streaming = isinstance(model, StreamingModel)
     if tokenizer is None:
         raise ValueError(f"{source} has no tokenizer; nmprune needs one for calibration and "
                          "evaluation text (save one next to the model)")
@@ -133,12 +158,21 @@ def run_prune(config: RunConfig, *, progress: bool = True, on_block_done=None) -
         timings["eval_dense"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    prune_report = prune_model(model, tokenizer, config.prune, device=device, checkpoint=ckpt,
-                               progress=progress, on_block_done=on_block_done)
+    # streaming: each pruned block goes straight into a shard of OUT.saving/
+    sink = ShardedWriter(model, out) if streaming else None
+    try:
+        prune_report = prune_model(None if streaming else model, tokenizer, config.prune, device=device,
+                                   checkpoint=ckpt, progress=progress, on_block_done=on_block_done,
+                                   source=model if streaming else None, sink=sink)
+    except BaseException:
+        if sink is not None:
+            sink.abandon()
+        raise
+    pruned_model = StreamingModel(sink.close(tokenizer), dtype=config.dtype) if streaming else model
     timings["prune"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    pruned = evaluate(model, tokenizer, config.eval, config.eval_seqlen,
+    pruned = evaluate(pruned_model, tokenizer, config.eval, config.eval_seqlen,
                       config.eval_max_tokens or None, device, progress, cache) if config.eval else {}
     timings["eval_pruned"] = time.perf_counter() - t
     table = perplexity_table({"dense": {d: dense[d] for d in config.eval},
@@ -148,7 +182,7 @@ def run_prune(config: RunConfig, *, progress: bool = True, on_block_done=None) -
     ratios = [r["loss_vs_wanda"] for r in layers if r.get("loss_vs_wanda") is not None]
     report = {
         "model": str(source), "config": to_dict(config), "identity": config.identity(),
-        "versions": versions(), "device": str(device),
+        "versions": versions(), "device": str(device), "streamed": streaming,
         "perplexity": {"dense": {d: dense[d] for d in config.eval}, "pruned": pruned,
                        "seqlen": config.eval_seqlen, "max_tokens": config.eval_max_tokens},
         "summary": {"layers_pruned": len(layers),
@@ -160,8 +194,11 @@ def run_prune(config: RunConfig, *, progress: bool = True, on_block_done=None) -
     }
     report["seconds"]["total_before_save"] = time.perf_counter() - t0
     # model, tokenizer and report go to OUT.saving/ and appear together under OUT by one rename
-    save_pretrained_atomic(model, tokenizer, out,
-                           {REPORT_FILE: json.dumps(report, indent=1, default=str)})
+    extra = {REPORT_FILE: json.dumps(report, indent=1, default=str)}
+    if streaming:
+        sink.publish(extra)
+    else:
+        save_pretrained_atomic(model, tokenizer, out, extra)
     ckpt.remove()
     if table:
         print(table)
@@ -177,6 +214,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gguf-file", dest="gguf_file", help="GGUF file inside --model DIR")
     p.add_argument("--dtype", help="auto (default), float32, bfloat16, float16, float64")
     p.add_argument("--device", help="compute device, e.g. cuda or cpu (default: cuda if available)")
+    p.add_argument("--offload", action="store_true", default=None,
+                   help="stream the weights block by block from the safetensors checkpoint instead "
+                        "of loading the model whole (default: only when it does not fit in memory)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -241,7 +281,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     flags: dict[str, Any] = {k: getattr(args, k) for k in (
         "model", "gguf_file", "dtype", "device", "out", "method", "refine", "pattern", "calib",
         "nsamples", "seqlen", "seed", "batch_size", "hessian_inputs", "hessian_dtype", "damp", "strict",
-        "eval_seqlen", "checkpoint_dir", "restart")}
+        "eval_seqlen", "checkpoint_dir", "restart", "offload")}
     if args.option:
         flags["options"] = dict(parse_option(o) for o in args.option)
     if args.override:
@@ -285,12 +325,11 @@ def main(argv: list[str] | None = None) -> int:
             run_prune(config_from_args(args), progress=not args.quiet)
         elif args.command == "eval":
             from .evaluate import perplexity_table
-            from .models import load_model
 
             data = args.data or ["wiki"]
             check_datasets(data)
-            model, tokenizer, source = load_model(args.model, gguf_file=args.gguf_file,
-                                                  dtype=args.dtype or "auto")
+            model, tokenizer, source = open_model(args.model, args.gguf_file, args.dtype or "auto",
+                                                  args.offload)
             if tokenizer is None:
                 raise ValueError(f"{source} has no tokenizer; save one next to the model")
             result = evaluate(model, tokenizer, data, args.seqlen, args.max_tokens or None,

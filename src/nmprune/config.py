@@ -82,6 +82,10 @@ class RunConfig:
     ``model=None`` is the packaged SmolLM2-135M-Instruct. ``eval`` lists the data sets to
     report perplexity on (dense and pruned); an empty list skips evaluation.
     ``eval_max_tokens`` caps each held-out token stream (0: the whole stream).
+    ``offload``: stream the weights block by block from a safetensors checkpoint (True),
+    load the model whole (False), or pick streaming when the model does not fit in the
+    memory available (None; :func:`nmprune.streaming.fit.choose_streaming`). It does not
+    change the result, so it is not part of :meth:`identity`.
     """
 
     model: str | None = None
@@ -94,7 +98,12 @@ class RunConfig:
     eval_seqlen: int = 512
     checkpoint_dir: str | None = None
     restart: bool = False
+    offload: bool | None = None
     prune: PruneSettings = field(default_factory=PruneSettings)
+
+    def __post_init__(self) -> None:
+        if self.offload is not None and not isinstance(self.offload, bool):
+            raise ValueError(f"offload must be true, false or left out, got {self.offload!r}")
 
     def identity(self) -> str:
         """Hash of what decides the pruned weights: the model, its dtype and the settings."""

@@ -116,7 +116,8 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | str:
     return _DTYPES[key]
 
 
-def _check_causal(source: ModelSource):
+def check_causal(source: ModelSource):
+    """The model's configuration, after checking transformers can load it as a causal LM."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
@@ -141,10 +142,10 @@ def load_model(spec: str | os.PathLike | None = None, *, gguf_file: str | None =
     (``gguf_file=``), so the model is dense float. ``tokenizer`` is ``None`` when the
     directory has none (or ``tokenizer=False``).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     source = resolve_model(spec, gguf_file)
-    _check_causal(source)
+    check_causal(source)
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     model_kwargs = dict(kwargs)
     if source.gguf_file:
@@ -160,14 +161,20 @@ def load_model(spec: str | os.PathLike | None = None, *, gguf_file: str | None =
     if source.gguf_file and quantizer is not None:
         quantizer.remove_quantization_config(model)  # weights are dense now; save as plain safetensors
     model.eval()
-    tok = None
-    if tokenizer:
-        try:
-            tok = AutoTokenizer.from_pretrained(source.path, **kwargs)
-        except (OSError, ValueError, TypeError, KeyError):
-            tok = None
+    tok = load_tokenizer(source) if tokenizer else None
     release_memory()  # the de-quantisation buffers of a GGUF load
     return model, tok, source
+
+
+def load_tokenizer(source: ModelSource):
+    """The tokenizer saved with the model, or ``None`` when it has none."""
+    from transformers import AutoTokenizer
+
+    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    try:
+        return AutoTokenizer.from_pretrained(source.path, **kwargs)
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
 
 
 # ----------------------------------------------------------------------------- discovery
