@@ -254,3 +254,41 @@ def test_offload_of_a_gguf_file_is_a_clear_error(tmp_path, capsys):
     assert main(["prune", "--offload", "--out", str(tmp_path / "o"), "--quiet"]) == 2
     assert "GGUF file, which loads whole" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def test_streaming_is_picked_when_the_model_does_not_fit(cli_model, monkeypatch):
+    from nmprune.models import packaged_model, resolve_model
+    from nmprune.streaming import fit
+
+    base, model_dir, text, _ = cli_model
+    local = resolve_model(str(model_dir))
+    weights = fit.weight_bytes(local)
+    assert weights == 4 * sum(p.numel() for p in tiny_model("llama", 3).parameters())
+    monkeypatch.setattr(fit, "available_memory", lambda: int(fit.IN_MEMORY_FACTOR * weights) + 1)
+    assert not fit.choose_streaming(local, "auto", None)
+    monkeypatch.setattr(fit, "available_memory", lambda: int(fit.IN_MEMORY_FACTOR * weights) - 1)
+    assert fit.choose_streaming(local, "auto", None)
+    assert not fit.choose_streaming(local, "auto", False)
+    with pytest.raises(ValueError, match="GGUF files load whole"):
+        fit.choose_streaming(packaged_model(), "auto", None)
+
+
+@pytest.mark.slow
+def test_packaged_model_streams_bit_identically(tmp_path):
+    """SmolLM2-135M (the packaged GGUF, saved as safetensors): streamed and in-memory
+    pruning give the same weights and the same perplexity."""
+    from nmprune.data import calibration_batch, eval_tokens
+
+    model, tokenizer, _ = load_model(None)
+    model.save_pretrained(tmp_path / "smollm2")
+    calibration = calibration_batch(tokenizer, nsamples=8, seqlen=128)
+    ids = eval_tokens(tokenizer, source="wiki", max_tokens=1024, seqlen=128)
+    settings = dict(calibration=calibration, method="sparsegpt", refine=None)
+    dense = perplexity(model, ids, seqlen=128, progress=False)
+    assert streaming_perplexity(StreamingModel(tmp_path / "smollm2"), ids, seqlen=128, progress=False) == dense
+    prune_model(model, progress=False, **settings)
+    out = _prune_streamed(tmp_path / "smollm2", tmp_path / "out", **settings)
+    streamed = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    assert all(torch.equal(v, streamed[k]) for k, v in model.state_dict().items())
+    assert streaming_perplexity(StreamingModel(out), ids, seqlen=128, progress=False) == \
+        perplexity(model, ids, seqlen=128, progress=False)
