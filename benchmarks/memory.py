@@ -70,7 +70,8 @@ def measured(cmd: list[str]) -> dict:
 
 # Llama-3.1-8B and Llama-3.1-70B shapes (their config.json): hidden, intermediate, blocks,
 # query heads, key/value heads, head dim, vocabulary, tied embeddings
-SHAPES = {"8B": (4096, 14336, 32, 32, 8, 128, 128256, False),
+SHAPES = {"SmolLM2-135M": (576, 1536, 30, 9, 3, 64, 49152, True),
+          "8B": (4096, 14336, 32, 32, 8, 128, 128256, False),
           "70B": (8192, 28672, 80, 64, 8, 128, 128256, False)}
 
 
@@ -110,16 +111,47 @@ def prune_cmd(model: Path, out: Path, method: str, offload: bool = True) -> list
 
 
 def plan_lines() -> list[str]:
-    """The memory plan of a streamed bfloat16 run of an 8B and a 70B Llama (default
-    calibration 64 x 512, batch 2) as Markdown."""
-    gb = float(1 << 30)
-    plans = {name: memory_plan(name) for name in SHAPES}
-    lines = ["## Memory plan of a streamed bfloat16 run (from the shapes; 64 x 512 calibration tokens)", "",
-             "| GiB | " + " | ".join(f"Llama {n}" for n in plans) + " |",
-             "|---|" + "---:|" * len(plans)]
+    """The memory plan of a streamed run (default calibration 64 x 512, batch 2) of
+    SmolLM2-135M in float32 and of an 8B and a 70B Llama in bfloat16, as Markdown."""
+    plans = {"SmolLM2-135M float32": memory_plan("SmolLM2-135M", 4),
+             "Llama-3.1-8B bfloat16": memory_plan("8B"), "Llama-3.1-70B bfloat16": memory_plan("70B")}
+    lines = ["## Memory plan of a streamed run, from the shapes (64 x 512 calibration tokens, batch 2)", "",
+             "| MiB | " + " | ".join(plans) + " |", "|---|" + "---:|" * len(plans)]
     for key in next(iter(plans.values())):
-        lines.append(f"| {key.replace('_', ' ')} | " + " | ".join(f"{p[key] / gb:.2f}" for p in plans.values()) + " |")
+        lines.append(f"| {key.replace('_', ' ')} | " + " | ".join(f"{p[key] / MB:,.0f}" for p in plans.values()) + " |")
     return lines + [""]
+
+
+CONVERT = r"""
+import sys
+from nmprune.models import load_model
+model, tok, _ = load_model(None)
+model.save_pretrained(sys.argv[1])
+tok.save_pretrained(sys.argv[1])
+"""
+
+
+def smollm2_runs(bare: dict) -> list[dict]:
+    """The packaged SmolLM2-135M saved as safetensors (float32), pruned with wanda at the
+    default calibration and evaluation, streamed and in memory."""
+    model = WORK / "smollm2"
+    subprocess.run([sys.executable, "-c", CONVERT, str(model)], check=True)
+    runs = []
+    for offload in (True, False):
+        out = WORK / f"smollm2-out-{offload}"
+        cmd = ["nmprune", "prune", "--model", str(model), "--out", str(out), "--method", "wanda",
+               "--refine", "none", "--quiet", *(["--offload"] if offload else [])]
+        r = measured(cmd)
+        if r["rc"] != 0:
+            raise RuntimeError(f"{r['cmd']} failed:\n{r['stderr_tail']}")
+        report = json.loads((out / "nmprune_report.json").read_text())
+        r.update(offload=offload, checkpoint_bytes=checkpoint_bytes(model),
+                 above_bare_bytes=r["peak_rss_bytes"] - bare["peak_rss_bytes"],
+                 perplexity=report["perplexity"], stage_seconds=report["seconds"])
+        runs.append(r)
+        shutil.rmtree(out)
+    shutil.rmtree(model)
+    return runs
 
 
 def main(blocks: list[int], methods: list[str]) -> None:
@@ -129,6 +161,7 @@ def main(blocks: list[int], methods: list[str]) -> None:
     bare = measured([sys.executable, "-c", "import torch, transformers, nmprune"])
     runs, sizes = [], {}
     try:
+        smollm2 = smollm2_runs(bare)
         for n in blocks:
             model = WORK / f"llama-{n}"
             build = BUILD.format(hidden=HIDDEN, inter=INTERMEDIATE, blocks=n, heads=HEADS)
@@ -162,6 +195,7 @@ def main(blocks: list[int], methods: list[str]) -> None:
     worst = {n: max(r["above_bare_bytes"] for r in runs if r["blocks"] == n) for n in blocks}
     growth = worst[max(blocks)] / worst[min(blocks)] if worst[min(blocks)] > 0 else None
     res = {"bare": bare, "runs": runs, "capped": capped, "control_in_memory": control,
+           "smollm2": smollm2,
            "target_fraction": TARGET_FRACTION,
            "fraction_ok": all(r["fraction_of_checkpoint"] <= TARGET_FRACTION for r in runs),
            "growth_largest_over_smallest": growth, "capped_ok": capped["rc"] == 0,
@@ -195,7 +229,16 @@ def main(blocks: list[int], methods: list[str]) -> None:
               f"run without `--offload` {'fails as expected' if control['rc'] != 0 else 'passes too'} "
               f"(exit {control['rc']}). `systemd-run --scope -p MemoryMax=` does not work here "
               "(no systemd as PID 1).", ""]
-    lines += plan_lines()
+    lines += ["## The packaged SmolLM2-135M (float32 safetensors), wanda, default calibration and evaluation", "",
+              f"Checkpoint {smollm2[0]['checkpoint_bytes'] / MB:.0f} MiB; 64 x 512 calibration tokens, "
+              "8192 evaluation tokens in windows of 512.", "",
+              "| run | peak RSS | above bare | wiki perplexity dense / pruned | wall |", "|---|---:|---:|---|---:|"]
+    for r in smollm2:
+        ppl = r["perplexity"]
+        lines.append(f"| {'streamed (--offload)' if r['offload'] else 'in memory'} | "
+                     f"{r['peak_rss_bytes'] / MB:.0f} MiB | {r['above_bare_bytes'] / MB:.0f} MiB | "
+                     f"{ppl['dense']['wiki']:.4f} / {ppl['pruned']['wiki']:.4f} | {r['seconds']:.0f} s |")
+    lines += [""] + plan_lines()
     (RESULTS / "memory.md").write_text("\n".join(lines))
     print("\n".join(lines))
 
