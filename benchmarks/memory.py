@@ -1,10 +1,12 @@
 """Peak memory of streamed pruning (``nmprune prune --offload``) against the checkpoint size.
 
 Builds random-weight Llama-architecture checkpoints (hidden 1024, intermediate 4096, 16
-heads, float32, tied embeddings, the packaged SmolLM2 tokenizer; safetensors shards of at
-most 200 MB with an index) with ``BLOCKS`` decoder blocks each, prunes each with every
-``METHOD`` (small calibration: 8 x 128 tokens of the packaged wiki text; dense and pruned
-perplexity on 2048 held-out tokens, streamed too) and records the peak resident set of
+heads, float32, tied embeddings; safetensors shards of at most 200 MB with an index) with
+``BLOCKS`` decoder blocks each, and a local tokenizer (byte-level BPE, 4096 entries, trained
+on the first 400k characters of the packaged wiki text, saved with it as ``text.txt``, as the
+tests make theirs), prunes each with every ``METHOD`` (small calibration: 8 x 128 tokens of
+that text; dense and pruned perplexity on 2048 tokens of its held-out tenth, streamed too)
+and records the peak resident set of
 the run (``wait4`` of the child: exact, like ``/usr/bin/time -v``) and of a bare
 ``python -c "import torch, transformers, nmprune"``. Targets (issue 20): the run's peak
 above the bare one is at most 25% of the checkpoint and does not grow with the block count.
@@ -12,7 +14,7 @@ Then the largest run repeats under ``prlimit --as=LIMIT`` (a hard cap on the add
 so on every byte of memory, mapped files included) with LIMIT below the checkpoint's size,
 and, as a control, the in-memory path (without ``--offload``) under the same cap.
 
-    flock /tmp/nmprune-bench.lock python benchmarks/memory.py [--blocks 24 48] [--methods wanda sparsegpt]
+    flock /tmp/nmprune-bench.lock python benchmarks/memory.py [--blocks 12 24] [--methods wanda sparsegpt]
 
 Writes ``benchmarks/results/memory.{json,md}``; the generated checkpoints and outputs
 under ``runs/memory_bench`` are deleted at the end.
@@ -34,24 +36,33 @@ from _machine import cpu_description
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 WORK = ROOT / "runs" / "memory_bench"
-HIDDEN, INTERMEDIATE, HEADS = 1024, 4096, 16
+HEADS = 16
 TARGET_FRACTION = 0.25
 MB = 1 << 20
 
 BUILD = r"""
 import sys, torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-from nmprune.models import packaged_model
-src = packaged_model()
-tok = AutoTokenizer.from_pretrained(src.path, gguf_file=src.gguf_file)
+from pathlib import Path
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from nmprune.data import load_text
+out = Path(sys.argv[1])
+text = load_text("wiki", "calib")[:400_000]
+tok = Tokenizer(models.BPE(unk_token="<unk>"))
+tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+tok.decoder = decoders.ByteLevel()
+tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=4096, special_tokens=["<unk>", "<eos>"],
+                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+tok = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
 config = LlamaConfig(vocab_size=len(tok), hidden_size={hidden}, intermediate_size={inter},
                      num_hidden_layers={blocks}, num_attention_heads={heads},
                      num_key_value_heads={heads}, max_position_embeddings=2048,
                      tie_word_embeddings=True, dtype="float32")
 torch.manual_seed(0)
-model = LlamaForCausalLM(config)
-model.save_pretrained(sys.argv[1], max_shard_size="200MB")
-tok.save_pretrained(sys.argv[1])
+LlamaForCausalLM(config).save_pretrained(out, max_shard_size="200MB")
+tok.save_pretrained(out)
+(out / "text.txt").write_text(text)
+(out / "run.yaml").write_text(f"eval: [{{out / 'text.txt'}}]\ncalib: {{out / 'text.txt'}}\n")
 """
 
 
@@ -105,7 +116,8 @@ def checkpoint_bytes(path: Path) -> int:
 
 
 def prune_cmd(model: Path, out: Path, method: str, offload: bool = True) -> list[str]:
-    return ["nmprune", "prune", "--model", str(model), "--out", str(out), "--method", method,
+    return ["nmprune", "prune", "--config", str(model / "run.yaml"), "--model", str(model),
+            "--out", str(out), "--method", method,
             "--refine", "none", "--nsamples", "8", "--seqlen", "128", "--eval-seqlen", "128",
             "--eval-max-tokens", "2048", "--quiet", *(["--offload"] if offload else [])]
 
@@ -154,17 +166,17 @@ def smollm2_runs(bare: dict) -> list[dict]:
     return runs
 
 
-def main(blocks: list[int], methods: list[str]) -> None:
+def main(blocks: list[int], methods: list[str], hidden: int, intermediate: int, smollm2: bool) -> None:
     shutil.rmtree(WORK, ignore_errors=True)
     WORK.mkdir(parents=True)
     load = os.getloadavg()
     bare = measured([sys.executable, "-c", "import torch, transformers, nmprune"])
     runs, sizes = [], {}
     try:
-        smollm2 = smollm2_runs(bare)
+        smollm2 = smollm2_runs(bare) if smollm2 else []
         for n in blocks:
             model = WORK / f"llama-{n}"
-            build = BUILD.format(hidden=HIDDEN, inter=INTERMEDIATE, blocks=n, heads=HEADS)
+            build = BUILD.format(hidden=hidden, inter=intermediate, blocks=n, heads=HEADS)
             subprocess.run([sys.executable, "-c", build, str(model)], check=True)
             sizes[n] = checkpoint_bytes(model)
             for method in methods:
@@ -206,9 +218,10 @@ def main(blocks: list[int], methods: list[str]) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "memory.json").write_text(json.dumps(res, indent=1))
     lines = ["# Peak memory of streamed pruning (`nmprune prune --offload`)", "",
-             f"Random-weight Llama checkpoints (hidden {HIDDEN}, intermediate {INTERMEDIATE}, float32, "
-             f"tied embeddings, SmolLM2 tokenizer, 200 MB shards), calibration 8 x 128 tokens, "
-             f"dense and pruned perplexity on 2048 tokens (windows of 128), all streamed. "
+             f"Random-weight Llama checkpoints (hidden {hidden}, intermediate {intermediate}, float32, "
+             f"tied embeddings, 200 MB shards, a 4096-entry BPE tokenizer trained on 400k characters "
+             f"of the wiki text), calibration 8 x 128 tokens of that text, "
+             f"dense and pruned perplexity on 2048 of its held-out tokens (windows of 128), all streamed. "
              f"Commit {res['commit']}, {res['cpu']['model']} ({os.cpu_count()} cores, shared with "
              f"other agents: load average {load[0]:.1f} at the start, {res['load_average_end'][0]:.1f} "
              f"at the end). Peak RSS from `wait4` of each run; bare "
@@ -229,7 +242,7 @@ def main(blocks: list[int], methods: list[str]) -> None:
               f"run without `--offload` {'fails as expected' if control['rc'] != 0 else 'passes too'} "
               f"(exit {control['rc']}). `systemd-run --scope -p MemoryMax=` does not work here "
               "(no systemd as PID 1).", ""]
-    lines += ["## The packaged SmolLM2-135M (float32 safetensors), wanda, default calibration and evaluation", "",
+    lines += [] if not smollm2 else ["## The packaged SmolLM2-135M (float32 safetensors), wanda, default calibration and evaluation", "",
               f"Checkpoint {smollm2[0]['checkpoint_bytes'] / MB:.0f} MiB; 64 x 512 calibration tokens, "
               "8192 evaluation tokens in windows of 512.", "",
               "| run | peak RSS | above bare | wiki perplexity dense / pruned | wall |", "|---|---:|---:|---|---:|"]
@@ -245,7 +258,10 @@ def main(blocks: list[int], methods: list[str]) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--blocks", type=int, nargs="+", default=[24, 48])
+    parser.add_argument("--blocks", type=int, nargs="+", default=[12, 24])
     parser.add_argument("--methods", nargs="+", default=["wanda", "sparsegpt"])
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--intermediate", type=int, default=4096)
+    parser.add_argument("--skip-smollm2", action="store_true", help="no SmolLM2 runs (a quick check)")
     args = parser.parse_args()
-    main(args.blocks, args.methods)
+    main(args.blocks, args.methods, args.hidden, args.intermediate, not args.skip_smollm2)
