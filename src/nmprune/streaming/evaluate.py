@@ -35,7 +35,7 @@ def block_outputs(source: StreamingModel, batches: list[Tensor], device: torch.d
     """The last block's outputs for each token batch (``hidden``), with the per-block call
     arguments and the output template of the capture."""
     inputs = source.capture(batches, device)
-    for i in _progress(range(source.num_blocks), progress, desc="perplexity blocks"):
+    for i in _progress(range(len(source)), progress, desc="perplexity blocks"):
         with source.block(i, device) as block:
             inputs.hidden = [run_block(block, h, inputs.call(i, h)) for h in inputs.hidden]
     return inputs

@@ -17,7 +17,6 @@ import json
 import os
 from pathlib import Path
 
-import torch
 from torch import Tensor
 
 SINGLE = "model.safetensors"
@@ -118,15 +117,6 @@ class SafetensorsFiles:
     def shape(self, key: str) -> tuple[int, ...]:
         return self._meta[key][0]
 
-    def nbytes(self, key: str) -> int:
-        """Bytes of tensor ``key`` as stored."""
-        shape, dtype = self._meta[key]
-        return _itemsize(dtype) * int(torch.Size(shape).numel())
-
-    def total_bytes(self) -> int:
-        """Bytes of all tensors as stored (the checkpoint's size less its headers)."""
-        return sum(self.nbytes(k) for k in self.weight_map)
-
     def get(self, key: str) -> Tensor:
         """Tensor ``key`` read from its shard (CPU, the stored dtype)."""
         return self.read([key])[key]
@@ -145,13 +135,3 @@ class SafetensorsFiles:
             with safe_open(str(self.directory / shard), framework="pt") as handle:
                 out.update((k, handle.get_tensor(k)) for k in names)
         return {k: out[k] for k in keys}
-
-
-_ITEMSIZE = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2,
-             "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
-
-
-def _itemsize(dtype: str) -> int:
-    if dtype not in _ITEMSIZE:
-        raise CheckpointFileError(f"tensor dtype {dtype} is not supported for streaming")
-    return _ITEMSIZE[dtype]

@@ -51,9 +51,9 @@ class ShardedWriter:
         self.source = source
         self.out = Path(out)
         itemsize = {k: source.output_dtype(k).itemsize for k in
-                    source.outside_keys() + [k for i in range(source.num_blocks) for k in source.block_keys(i)]}
+                    source.outside_keys() + [k for i in range(len(source)) for k in source.block_keys(i)]}
         size = {k: itemsize[k] * _numel(source.files.shape(k)) for k in itemsize}
-        self.block_groups = [source.block_keys(i) for i in range(source.num_blocks)]
+        self.block_groups = [source.block_keys(i) for i in range(len(source))]
         limit = max((sum(size[k] for k in g) for g in self.block_groups), default=1)
         self.outside_groups = _pack(source.outside_keys(), size, limit)
         groups = self.block_groups + self.outside_groups

@@ -19,10 +19,11 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from ..block_runner import BlockInputs, capture_block_inputs
-from ..models import find_blocks, find_linears, parse_dtype, weight_matrix
+from ..models import find_blocks, find_linears, parse_dtype
+from ..source import ModelBlocks
 from .files import CheckpointFileError, SafetensorsFiles
 
 
@@ -49,21 +50,23 @@ def _move_buffers(modules: list[nn.Module], device: torch.device | str) -> None:
                 m._buffers[name] = buf.to(device)
 
 
-class StreamingModel:
+class StreamingModel(ModelBlocks):
     """A causal LM whose weights stay in its safetensors checkpoint until asked for.
 
     ``directory``: a Hugging Face model directory with ``config.json`` and safetensors
     weights (checked by :meth:`SafetensorsFiles.open`); ``dtype`` as in
     :func:`nmprune.models.load_model`. ``model`` is the skeleton (use it like a loaded
     model once the parts a computation needs are loaded); ``blocks_name`` / ``blocks``
-    its decoder blocks.
+    its decoder blocks. The block-source interface (``layers``, ``layer_shapes``,
+    ``vocab_size``) is :class:`nmprune.source.ModelBlocks`'; a block's prunable layers
+    leave out those whose weight is the same parameter as one outside the blocks.
     """
 
     def __init__(self, directory: str | os.PathLike, dtype: str | torch.dtype | None = "auto"):
         from accelerate import init_empty_weights
         from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-        self.directory = Path(directory)
+        self.directory = Path(directory)  # ModelBlocks.__init__ reads data pointers: not on meta
         self.files = SafetensorsFiles.open(self.directory)
         config = AutoConfig.from_pretrained(self.directory)
         self.dtype = _resolve_dtype(dtype, config, self.files)
@@ -126,28 +129,6 @@ class StreamingModel:
 
     # -- the block source interface ---------------------------------------------------------
 
-    def __len__(self) -> int:
-        return len(self.blocks)
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.blocks)
-
-    @property
-    def vocab_size(self) -> int:
-        """Rows of the input embedding: token ids must lie below this."""
-        return self.model.get_input_embeddings().weight.shape[0]
-
-    def layers(self, index: int) -> dict[str, nn.Module]:
-        """The prunable layers of block ``index`` by full name (weights on the meta device
-        unless the block is loaded)."""
-        return self._layers[index]
-
-    def layer_shapes(self) -> dict[str, tuple[int, int]]:
-        """``(d_out, d_in)`` of every prunable layer of every block, by full name."""
-        return {name: tuple(weight_matrix(m).shape) for layers in self._layers
-                for name, m in layers.items()}
-
     def capture(self, batches, device: torch.device, keep_hidden: bool = True) -> BlockInputs:
         """Hidden states entering block 0 and every block's call arguments
         (:func:`capture_block_inputs`), with the modules outside the blocks and block 0
@@ -157,10 +138,6 @@ class StreamingModel:
                                         device, keep_hidden=keep_hidden, place=False)
 
     # -- sizes and names ------------------------------------------------------------------
-
-    def checkpoint_bytes(self) -> int:
-        """Bytes of the checkpoint's tensors as stored."""
-        return self.files.total_bytes()
 
     def block_keys(self, index: int) -> list[str]:
         """Checkpoint tensor names of block ``index`` (parameters and stored buffers)."""
