@@ -292,3 +292,17 @@ def test_packaged_model_streams_bit_identically(tmp_path):
     assert all(torch.equal(v, streamed[k]) for k, v in model.state_dict().items())
     assert streaming_perplexity(StreamingModel(out), ids, seqlen=128, progress=False) == \
         perplexity(model, ids, seqlen=128, progress=False)
+
+
+def test_offload_setting_from_yaml_and_flag(tmp_path):
+    from nmprune.cli import build_parser, config_from_args
+    from nmprune.config import build_config
+
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text("offload: true\n")
+    parse = lambda *argv: config_from_args(build_parser().parse_args(["prune", *argv]))  # noqa: E731
+    assert parse("--config", str(yaml_file)).offload is True
+    assert parse("--offload").offload is True and parse().offload is None
+    assert parse().identity() == parse("--offload").identity()  # same result, same checkpoint
+    with pytest.raises(ValueError, match="offload"):
+        build_config({"offload": "sometimes"})
