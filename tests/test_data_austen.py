@@ -43,7 +43,7 @@ def test_austen_missing_package_says_what_to_install(monkeypatch, tmp_path):
     import nmprune.data.austen as austen
 
     monkeypatch.setenv("R_LIBS", str(tmp_path))
-    monkeypatch.setattr(austen, "_R_LIBRARIES", ())
+    monkeypatch.setattr(austen, "R_LIBRARIES", ())
     with pytest.raises(ValueError, match="apt-get install -y r-cran-janeaustenr"):
         austen_data_prefix()
 

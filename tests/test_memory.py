@@ -1,10 +1,10 @@
-"""nmprune._memory: freed heap pages go back to the system (glibc)."""
+"""nmprune.memory: freed heap pages go back to the system (glibc)."""
 
 from __future__ import annotations
 
 import pytest
 
-from nmprune import _memory
+from nmprune import memory
 
 
 def _rss_mb() -> float:
@@ -15,7 +15,7 @@ def _rss_mb() -> float:
     raise RuntimeError("no VmRSS")
 
 
-@pytest.mark.skipif(_memory._LIBC is None, reason="glibc only (malloc_trim/mallopt)")
+@pytest.mark.skipif(memory.LIBC is None, reason="glibc only (malloc_trim/mallopt)")
 def test_release_memory_returns_freed_heap_pages():
     # 200 MB in 256 KiB chunks (below glibc's mmap threshold: they come from the heap);
     # keep one small object allocated after them so the heap top cannot simply shrink
@@ -25,15 +25,15 @@ def test_release_memory_returns_freed_heap_pages():
     pin = bytearray(1024)
     before = _rss_mb()
     del chunks
-    _memory.release_memory()
+    memory.release_memory()
     after = _rss_mb()
     assert before - after > 150, (before, after)
     del pin
 
 
-@pytest.mark.skipif(_memory._LIBC is None, reason="glibc only (malloc_trim/mallopt)")
+@pytest.mark.skipif(memory.LIBC is None, reason="glibc only (malloc_trim/mallopt)")
 def test_prefer_mmap_maps_large_blocks():
-    _memory.prefer_mmap()
+    memory.prefer_mmap()
     before = _rss_mb()
     block = bytearray(64 << 20)
     block[::4096] = b"x" * len(block[::4096])

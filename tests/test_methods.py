@@ -151,11 +151,11 @@ def test_gradient_precision_auto_follows_the_hardware(monkeypatch):
     for bf16, amx, expected in ((False, False, None), (True, False, torch.bfloat16), (False, True, torch.bfloat16)):
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=bf16: v)
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v)
-        assert prox_module._gradient_dtype("auto", w32) is expected
-        assert prox_module._gradient_dtype("auto", w64) is None  # float64 work keeps its precision
-        assert prox_module._gradient_dtype("full", w32) is None
-        assert prox_module._gradient_dtype("bfloat16", w64) is torch.bfloat16
-        assert prox_module._gradient_dtype("auto", w32[: rows - 1]) is None  # too few rows to pay
+        assert prox_module.gradient_dtype("auto", w32) is expected
+        assert prox_module.gradient_dtype("auto", w64) is None  # float64 work keeps its precision
+        assert prox_module.gradient_dtype("full", w32) is None
+        assert prox_module.gradient_dtype("bfloat16", w64) is torch.bfloat16
+        assert prox_module.gradient_dtype("auto", w32[: rows - 1]) is None  # too few rows to pay
     with pytest.raises(ValueError, match="gradient_precision"):
         prune_layer(w32, torch.eye(4), method="prox", gradient_precision="half")
 
@@ -163,7 +163,7 @@ def test_gradient_precision_auto_follows_the_hardware(monkeypatch):
 def fista_reference(w_star, h, lambda0, beta, lambda_adapt=True):
     """Classical FISTA proximal gradient (Beck & Teboulle) on eq. ``squared_loss`` + lambda_k
     r_2:4, Wanda-scaled, run until every cell is 2:4; written out plainly for the test."""
-    from nmprune._linalg import gd_step_size
+    from nmprune.linalg import gd_step_size
     from nmprune.prox import prox_2of4
 
     s = torch.diagonal(h).sqrt()
@@ -197,7 +197,7 @@ def test_shrink_momentum_one_is_classical_fista_and_other_values_differ():
 def test_auto_shrink_momentum_follows_the_spectrum():
     """"auto": rho = min(1, 4 mean eigenvalue / gamma_max) of the scaled H. A well-conditioned H
     keeps classical FISTA (the same result as rho = 1); a spiked one damps the shrinkage."""
-    from nmprune._linalg import column_scale, gd_step_size, rescale
+    from nmprune.linalg import column_scale, gd_step_size, rescale
     from nmprune.algorithms.prox import auto_shrink_momentum
 
     g = torch.Generator().manual_seed(0)

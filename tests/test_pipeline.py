@@ -70,7 +70,7 @@ def test_layer_records_and_refinement():
     json.dumps(report.to_dict())  # the report is JSON-serialisable
 
 
-def _manual_hessians(model, ids, layer_names):
+def manual_hessians(model, ids, layer_names):
     """X X^T / n of each named layer's inputs in one forward pass of ``model`` (float64)."""
     modules = dict(model.named_modules())
     xs = {n: [] for n in layer_names}
@@ -104,7 +104,7 @@ def test_dense_and_pruned_hessian_inputs_match_manual_computation(family):
         results[mode] = (model, {n: rec for n, rec in zip(names, RECORDED)})
 
     # dense: every Hessian comes from the unpruned model's forward pass
-    ref = _manual_hessians(dense_model, ids, names)
+    ref = manual_hessians(dense_model, ids, names)
     for n in names:
         torch.testing.assert_close(results["dense"][1][n]["h"], ref[n][0])
         torch.testing.assert_close(results["dense"][1][n]["mean"], ref[n][1])
@@ -115,7 +115,7 @@ def test_dense_and_pruned_hessian_inputs_match_manual_computation(family):
     _, mblocks = find_blocks(manual)
     _, pblocks = find_blocks(pruned_model)
     for i in range(len(mblocks)):
-        ref = _manual_hessians(manual, ids, names)
+        ref = manual_hessians(manual, ids, names)
         for n in names:
             if f".{i}." in n:
                 torch.testing.assert_close(results["pruned"][1][n]["h"], ref[n][0])
@@ -186,14 +186,14 @@ def test_bad_calibration_is_a_clear_error():
                     progress=False)
 
 
-class _Stop(Exception):
+class Stop(Exception):
     pass
 
 
-def _fail_after(k):
+def fail_after(k):
     def callback(i):
         if i == k:
-            raise _Stop
+            raise Stop
     return callback
 
 
@@ -206,9 +206,9 @@ def test_resume_after_crash_gives_bit_identical_weights(tmp_path, mode):
 
     ckpt_dir = tmp_path / "ck"
     model = tiny_model("llama", layers=3)
-    with pytest.raises(_Stop):
+    with pytest.raises(Stop):
         prune_model(model, settings=settings, calibration=ids, progress=False,
-                    checkpoint=Checkpoint.open(ckpt_dir, "id"), on_block_done=_fail_after(1))
+                    checkpoint=Checkpoint.open(ckpt_dir, "id"), on_block_done=fail_after(1))
     assert Checkpoint.open(ckpt_dir, "id").done_blocks == 2
     fresh = tiny_model("llama", layers=3)  # a new process would start from the dense model
     report = prune_model(fresh, settings=settings, calibration=ids, progress=False,
@@ -223,9 +223,9 @@ def test_checkpoint_errors(tmp_path):
     ids = token_batch(2, 8)
     d = tmp_path / "ck"
     model = tiny_model("llama")
-    with pytest.raises(_Stop):
+    with pytest.raises(Stop):
         prune_model(model, calibration=ids, method="wanda", refine=None, progress=False,
-                    checkpoint=Checkpoint.open(d, "run-a"), on_block_done=_fail_after(0))
+                    checkpoint=Checkpoint.open(d, "run-a"), on_block_done=fail_after(0))
     with pytest.raises(CheckpointError, match="other settings.*--restart"):
         Checkpoint.open(d, "run-b")
     # other calibration data with the same identity

@@ -1,4 +1,4 @@
-"""The compiled per-cell 2:4 prox (nmprune.prox.reduced_simd, used by prox_2of4 on CPU) against
+"""The compiled 2:4 prox (nmprune.prox.reduced_simd, used by prox_2of4 on CPU) against
 the vectorised exact solvers and the float64 brute force: same objective on every cell, a rare
 fallback, and the undecided cells handed back for the exact torch path."""
 
@@ -9,11 +9,9 @@ import pytest
 import torch
 
 from nmprune.prox import prox_2of4, reduced_simd
-from nmprune.prox._cells import sort_abs, unsort
+from nmprune.prox.cells import sort_abs, unsort
 from nmprune.prox.newton import solve_sorted_newton
 from prox_bruteforce import objective, reference_min
-
-pytestmark = pytest.mark.skipif(not reduced_simd.AVAILABLE, reason="numba is not installed")
 
 
 def _matrix_cells(n: int, seed: int, decades: tuple[float, float] = (-1, 1)) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,7 +102,7 @@ def test_kernel_forces_loop_interleaving_only_while_it_compiles(monkeypatch):
 
     calls = []
     monkeypatch.setattr(llvm, "set_option", lambda name, option: calls.append(option))
-    monkeypatch.setattr(reduced_simd, "_COMPILED", set())  # as if this process had not run it yet
+    monkeypatch.setattr(reduced_simd, "COMPILED_DTYPES", set())  # as if this process had not run it yet
     z, lam = _matrix_cells(1000, 5)
     first = prox_2of4(z, lam)
     assert calls == ["-force-vector-interleave=2", "-force-vector-interleave=0"]  # set, then restored
@@ -165,24 +163,13 @@ def test_chunk_size_bounds_and_results_independent_of_it():
         reduced_simd.run(z.numpy(), lam.numpy(), out.numpy(), undecided.numpy(), reduced_simd.MAX_CHUNK + 1)
 
 
-def test_vectorised_stages_give_the_per_cell_solver_answers():
-    """The staged, vectorised pass (reduced_simd) against the scalar per-cell solver
-    (reduced_kernel._solve_sorted) on cells where every stage and both fallbacks occur."""
-    from numba import njit
-
-    from nmprune.prox.reduced_kernel import _solve_sorted
-
-    @njit
-    def per_cell(a, lam, out):
-        for i in range(a.shape[0]):
-            _, out[i, 0], out[i, 1], out[i, 2], out[i, 3] = _solve_sorted(a[i, 0], a[i, 1], a[i, 2], a[i, 3], lam[i])
-
+def test_vectorised_stages_give_the_exact_answers_where_every_stage_occurs():
+    """The staged, vectorised pass (reduced_simd) against the exact damped-Newton solver on
+    cells where every stage and the per-cell dense fallbacks occur: the same objective to
+    1e-12 and the same support."""
     z, lam = _matrix_cells(30_000, 5)
     w, undecided = _kernel(z, lam)
-    a, order = sort_abs(z)
-    ref = torch.empty_like(a)
-    per_cell(a.numpy(), lam.numpy(), ref.numpy())
-    ref = unsort(ref, order, z)
+    ref = _newton(z, lam)
     f, f_ref = objective(w, z, lam, 2), objective(ref, z, lam, 2)
     ok = ~undecided
     assert float(((f - f_ref) / f_ref.abs().clamp_min(1e-300))[ok].abs().max()) <= 1e-12
@@ -208,20 +195,20 @@ def _lp_min_reference(cons: np.ndarray, g: np.ndarray) -> float:
 
 
 def test_unrolled_linear_programme_matches_the_plain_loop():
-    """The kernels' LP (reduced_kernel._lp_min_box: the 19 possible vertices of a box cut by
+    """The kernels' LP (reduced_kernel.lp_min_box: the 19 possible vertices of a box cut by
     three half-planes, unrolled) against a plain Python loop over every crossing of the 7 lines
     checked against all 7 constraints, on random polygons, with cuts parallel to the box and
     to each other among them."""
     from numba import njit
 
-    from nmprune.prox.reduced_kernel import _lp_min_box
+    from nmprune.prox.reduced_kernel import lp_min_box
 
     @njit(error_model="numpy")  # as the kernels: parallel lines divide by zero
     def unrolled(cons, g):
         out = np.empty(cons.shape[0])
         for i in range(cons.shape[0]):
             c = cons[i]
-            out[i] = _lp_min_box(g[i, 0], g[i, 1], c[0, 2], -c[1, 2], c[2, 2], -c[3, 2],
+            out[i] = lp_min_box(g[i, 0], g[i, 1], c[0, 2], -c[1, 2], c[2, 2], -c[3, 2],
                                  (c[4, 0], c[4, 1], c[4, 2]), (c[5, 0], c[5, 1], c[5, 2]),
                                  (c[6, 0], c[6, 1], c[6, 2]))
         return out
@@ -259,7 +246,7 @@ def test_proven_dense_cells_have_dense_answers_and_the_bound_is_sharper_than_z4_
     a = z.abs().sort(-1, descending=True).values
     n = len(z)
     rows = [np.empty(n) for _ in range(10)]
-    reduced_simd._load(z.numpy().reshape(-1), lam.numpy(), 0, *rows[:5], np.empty(n, np.int32), *rows[5:])
+    reduced_simd.load_cells(z.numpy().reshape(-1), lam.numpy(), 0, *rows[:5], np.empty(n, np.int32), *rows[5:])
     dense = torch.from_numpy(rows[9] == 4.0)
     z1, z2, z3, z4 = a.unbind(-1)
     reg = z1 * z2 * (z3 + z4) + z3 * z4 * (z1 + z2)

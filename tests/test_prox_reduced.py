@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nmprune.prox.newton import _cholesky, _grad_hess, _objective
+from nmprune.prox.problem import grad_hess_2of4, objective_2of4, positive_definite
 from nmprune.prox.reduced import dense_point, solve_sorted_reduced, three_sparse_root
 from prox_bruteforce import objective, reference_min
 
@@ -44,13 +44,13 @@ def test_three_sparse_root_certificates_match_bruteforce():
     den = 1 - uf * uf
     w = torch.stack(((zf[:, 0] - uf * zf[:, 1]) / den, (zf[:, 1] - uf * zf[:, 0]) / den, uf / lf), -1)
     assert bool((w > 0).all())
-    grad, hess = _grad_hess(w, zf, lf)
+    grad, hess = grad_hess_2of4(w, zf, lf)
     assert float((grad.abs().amax(-1) / zf[:, 0]).max()) <= 1e-12
     hess_m = torch.stack([torch.stack([torch.as_tensor(h, dtype=torch.float64).expand(len(w)) for h in row], -1)
                           for row in hess], -2)
     assert float(torch.linalg.eigvalsh(hess_m)[:, 0].min()) >= -1e-12
     # and min(candidate, boundary) is the global minimum of g
-    best = torch.minimum(_objective(w, zf, lf), boundary[found])
+    best = torch.minimum(objective_2of4(w, zf, lf), boundary[found])
     assert bool(((best - ref[found]) <= 1e-9 * ref[found].abs() + tol[found]).all())
 
 
@@ -72,9 +72,9 @@ def test_dense_point_is_the_psd_stationary_point():
     w, pd = dense_point(*z.unbind(-1), lam)
     assert pd.sum() > 300
     wp, zp, lp = w[pd], z[pd], lam[pd]
-    grad, hess = _grad_hess(wp, zp, lp)
+    grad, hess = grad_hess_2of4(wp, zp, lp)
     assert float((grad.abs().amax(-1) / zp[:, 0]).max()) <= 1e-10
-    assert bool(_cholesky(hess)[1].all())
+    assert bool(positive_definite(hess).all())
     # no dense point beats the global minimum; where the minimum is below every sparse
     # candidate (so it is dense), the dense point is positive and attains it
     ref = reference_min(z, lam, 2, iters=1500)
@@ -87,7 +87,7 @@ def test_dense_point_is_the_psd_stationary_point():
     w3 = torch.stack(((z[:, 0] - u * z[:, 1]) / den, (z[:, 1] - u * z[:, 0]) / den, u / lam,
                       torch.zeros_like(u)), -1)
     sparse = torch.minimum(0.5 * z[:, 2:].square().sum(-1),
-                           torch.where(found, _objective(w3, z, lam), torch.inf))
+                           torch.where(found, objective_2of4(w3, z, lam), torch.inf))
     dense_opt = ref < sparse - 1e-6 * scale
     assert dense_opt.sum() > 100
     # the plain Newton steps may miss a few (near the PSD boundary): the fallback solves those

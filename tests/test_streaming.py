@@ -64,7 +64,7 @@ def _copy_through_writer(source: StreamingModel, out: Path) -> Path:
 def test_writer_output_reloads_with_every_tensor_once(family, tmp_path):
     path = _save(tmp_path / "in", family)
     out = _copy_through_writer(StreamingModel(path), tmp_path / "out")
-    assert not (tmp_path / "out.saving").exists()
+    assert not (tmp_path / "out.partial").exists()
     # every tensor once: the index parses with duplicate detection and covers each shard's keys
     files = SafetensorsFiles.open(out)
     index = json.loads((out / INDEX).read_text())["weight_map"]
@@ -192,7 +192,7 @@ def test_offload_run_equals_in_memory_run(cli_model, tmp_path):
     x = AutoModelForCausalLM.from_pretrained(tmp_path / "memory").state_dict()
     y = AutoModelForCausalLM.from_pretrained(tmp_path / "streamed").state_dict()
     assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
-    assert not list(tmp_path.glob("*.saving")) and not list(tmp_path.glob("*.checkpoint"))
+    assert not list(tmp_path.glob("*.partial")) and not list(tmp_path.glob("*.checkpoint"))
 
 
 def test_offload_eval_equals_in_memory_eval(cli_model, capsys):
@@ -223,7 +223,7 @@ def test_killed_streamed_run_resumes_to_identical_model(cli_model, tmp_path):
     with pytest.raises(Crash):
         config = config_from_args(build_parser().parse_args(["prune", *args, "--out", str(tmp_path / "resumed")]))
         run_prune(config, progress=False, on_block_done=crash)
-    assert not (tmp_path / "resumed").exists() and not (tmp_path / "resumed.saving").exists()
+    assert not (tmp_path / "resumed").exists() and not (tmp_path / "resumed.partial").exists()
     assert main(["prune", *args, "--out", str(tmp_path / "resumed")]) == 0
     assert json.loads((tmp_path / "resumed" / "nmprune_report.json").read_text())["resumed_from_block"] == 2
     a = AutoModelForCausalLM.from_pretrained(tmp_path / "straight").state_dict()
@@ -245,7 +245,7 @@ def test_bad_checkpoint_stops_the_run_before_any_work(damage, cli_model, tmp_pat
     assert main(["prune", *args, "--offload", "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "nmprune: error:" in err and victim.name in err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no output, checkpoint or .saving
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no output, checkpoint or .partial
 
 
 def test_offload_of_a_gguf_file_is_a_clear_error(tmp_path, capsys):

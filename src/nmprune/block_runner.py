@@ -41,7 +41,7 @@ class BlockInputs:
         return self.calls[(index, tuple(hidden.shape))]
 
 
-class _Recorder(nn.Module):
+class Recorder(nn.Module):
     """Stands in for block ``index`` during capture; attribute lookups fall through to the
     real block (models read e.g. ``layer.attention_type``), which is not registered as a
     submodule so moving the model does not move it."""
@@ -67,7 +67,7 @@ def block_hidden(out: Any) -> Tensor:
     return out if isinstance(out, Tensor) else out[0]
 
 
-def _like(template: Any, hidden: Tensor) -> Any:
+def output_like(template: Any, hidden: Tensor) -> Any:
     return hidden if isinstance(template, Tensor) else (hidden, *template[1:])
 
 
@@ -112,9 +112,9 @@ def capture_block_inputs(model: nn.Module, blocks_name: str, blocks: nn.ModuleLi
                 blocks[0].to("cpu")
         if index == len(blocks) - 1:
             raise _Stop
-        return _like(result.output_template, hidden)
+        return output_like(result.output_template, hidden)
 
-    recorders = nn.ModuleList([_Recorder(i, b, sink) for i, b in enumerate(blocks)])
+    recorders = nn.ModuleList([Recorder(i, b, sink) for i, b in enumerate(blocks)])
     setattr(parent, attr, recorders)
     try:
         if place:

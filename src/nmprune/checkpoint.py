@@ -6,29 +6,55 @@ A checkpoint directory holds
 * ``hidden_NNNN.safetensors``: the hidden states entering the next block (dense or
   pruned activations, whichever the run propagates), one tensor per calibration batch;
 * ``manifest.json``: the run's identity hash, the number of finished blocks, the
-  per-layer records so far, file sizes and free-form extras (e.g. dense perplexities).
+  per-layer records so far, the size and SHA-256 of every file above, free-form extras
+  (e.g. dense perplexities) and the SHA-256 of the manifest's own content.
 
 Every file is written to a temporary name and renamed into place; the manifest is
 replaced last, so a run killed at any moment leaves the previous consistent state.
+Opening a checkpoint verifies the manifest's own hash and every file's size and hash, and
+a block file must hold exactly the layers the model has: damage of any kind (bytes flipped,
+a tensor renamed or missing, an edited manifest) is a :class:`CheckpointError`, never a
+silently different model.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import shutil
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-FORMAT = 1
+FORMAT = 2
 MANIFEST = "manifest.json"
+#: The only file names a manifest may list (nothing outside the directory is ever touched).
+_FILE_NAME = re.compile(r"(block|hidden)_\d{4}\.safetensors")
+_RESTART = "delete the directory or pass --restart to start over"
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used (corrupt, or made by a different run)."""
+
+
+def file_sha256(path: Path) -> str:
+    """Hex SHA-256 of a file's bytes, read in 1 MiB pieces."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for piece in iter(lambda: f.read(1 << 20), b""):
+            digest.update(piece)
+    return digest.hexdigest()
+
+
+def content_sha256(manifest: Mapping[str, Any]) -> str:
+    """Hex SHA-256 of the manifest's content without its own ``sha256`` field."""
+    body = {k: v for k, v in manifest.items() if k != "sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def _atomic_write_bytes(path: Path, write) -> None:
@@ -50,6 +76,7 @@ class Checkpoint:
     def __init__(self, directory: Path, manifest: dict[str, Any]):
         self.directory = directory
         self.manifest = manifest
+        self.created = False  # True when Checkpoint.open made the directory
 
     # -- opening -------------------------------------------------------------------------
 
@@ -57,8 +84,9 @@ class Checkpoint:
     def open(cls, directory: str | os.PathLike, identity: str, *, restart: bool = False) -> "Checkpoint":
         """Open (or create) the checkpoint in ``directory`` for a run with ``identity``.
 
-        ``restart`` discards what is there. A checkpoint of another run, or an unreadable
-        one, raises :class:`CheckpointError` saying how to proceed.
+        ``restart`` discards what is there. A checkpoint of another run, or a damaged one
+        (manifest or any file not as written), raises :class:`CheckpointError` saying how
+        to proceed. ``created`` tells whether this call made the directory.
         """
         d = Path(directory)
         if restart and d.exists():
@@ -72,16 +100,9 @@ class Checkpoint:
             ck = cls(d, {"format": FORMAT, "identity": identity, "done_blocks": 0, "records": [],
                          "files": {}, "extra": {}})
             ck._write_manifest()
+            ck.created = True
             return ck
-        try:
-            manifest = json.loads(path.read_text())
-            ok = isinstance(manifest, dict) and manifest.get("format") == FORMAT and \
-                {"identity", "done_blocks", "records", "files", "extra"} <= set(manifest)
-        except (OSError, json.JSONDecodeError):
-            ok = False
-        if not ok:
-            raise CheckpointError(f"the checkpoint in {d} is corrupt (unreadable {MANIFEST}); "
-                                  "delete the directory or pass --restart to start over")
+        manifest = cls._read_manifest(d)
         if manifest["identity"] != identity:
             raise CheckpointError(f"the checkpoint in {d} belongs to a run with other settings "
                                   f"(identity {manifest['identity']}, this run {identity}); rerun "
@@ -91,15 +112,41 @@ class Checkpoint:
         ck._check_files()
         return ck
 
+    @staticmethod
+    def _read_manifest(d: Path) -> dict[str, Any]:
+        """The manifest, after checking its format, keys and its own SHA-256."""
+        try:
+            manifest = json.loads((d / MANIFEST).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            manifest = None
+        if not isinstance(manifest, dict):
+            raise CheckpointError(f"the checkpoint in {d} is corrupt (unreadable {MANIFEST}); {_RESTART}")
+        if manifest.get("format") != FORMAT:
+            raise CheckpointError(f"the checkpoint in {d} has format {manifest.get('format')!r}, "
+                                  f"this nmprune reads format {FORMAT}; {_RESTART}")
+        keys = {"identity", "done_blocks", "records", "files", "extra", "sha256"}
+        if not keys <= set(manifest) or manifest["sha256"] != content_sha256(manifest):
+            raise CheckpointError(f"the checkpoint in {d} is corrupt ({d / MANIFEST} was changed "
+                                  f"after nmprune wrote it); {_RESTART}")
+        return manifest
+
+    def _corrupt(self, name: str, why: str) -> CheckpointError:
+        return CheckpointError(f"the checkpoint in {self.directory} is corrupt "
+                               f"({self.directory / name} {why}); {_RESTART}")
+
     def _check_files(self) -> None:
-        for name, size in self.manifest["files"].items():
+        """Every listed file exists with the size and SHA-256 it was written with."""
+        for name, entry in self.manifest["files"].items():
             p = self.directory / name
-            if not p.is_file() or p.stat().st_size != size:
-                raise CheckpointError(f"the checkpoint in {self.directory} is corrupt ({name} is "
-                                      "missing or truncated); delete the directory or pass "
-                                      "--restart to start over")
+            if not _FILE_NAME.fullmatch(name):
+                raise self._corrupt(MANIFEST, f"lists a file named {name!r}")
+            if not p.is_file() or p.stat().st_size != entry["size"]:
+                raise self._corrupt(name, "is missing or truncated")
+            if file_sha256(p) != entry["sha256"]:
+                raise self._corrupt(name, "does not hold the bytes that were written (SHA-256 differs)")
 
     def _write_manifest(self) -> None:
+        self.manifest["sha256"] = content_sha256(self.manifest)
         text = json.dumps(self.manifest, indent=1, default=str)
         _atomic_write_bytes(self.directory / MANIFEST, lambda p: p.write_text(text))
 
@@ -139,24 +186,36 @@ class Checkpoint:
     def save_block(self, index: int, weights: dict[str, Tensor], hidden: list[Tensor] | None,
                    records: list[dict[str, Any]]) -> None:
         """Durably record block ``index`` as finished (it must be the next one)."""
-        if index != self.done_blocks:
-            raise ValueError(f"block {index} saved out of order (expected {self.done_blocks})")
+        self.save_blocks(index, [weights], hidden, records)
+
+    def save_blocks(self, first: int, weights: list[dict[str, Tensor]], hidden: list[Tensor] | None,
+                    records: list[dict[str, Any]]) -> None:
+        """Durably record blocks ``first, first + 1, ...`` (one weight dict each; ``first``
+        must be the next block) as finished at once; ``hidden`` enters the block after them."""
+        if first != self.done_blocks:
+            raise ValueError(f"block {first} saved out of order (expected {self.done_blocks})")
         files = dict(self.manifest["files"])
-        name = f"block_{index:04d}.safetensors"
-        _save_tensors(self.directory / name, weights)
-        files[name] = (self.directory / name).stat().st_size
+        for index, tensors in enumerate(weights, start=first):
+            name = f"block_{index:04d}.safetensors"
+            files[name] = self._save(name, tensors)
         old_hidden = [f for f in files if f.startswith("hidden_")]
+        last = first + len(weights) - 1
         if hidden is not None:
-            hname = f"hidden_{index:04d}.safetensors"
-            _save_tensors(self.directory / hname, {f"batch_{j:06d}": h for j, h in enumerate(hidden)})
-            files[hname] = (self.directory / hname).stat().st_size
+            hname = f"hidden_{last:04d}.safetensors"
+            files[hname] = self._save(hname, {f"batch_{j:06d}": h for j, h in enumerate(hidden)})
         for f in old_hidden:
             del files[f]
-        self.manifest.update(done_blocks=index + 1, files=files,
+        self.manifest.update(done_blocks=last + 1, files=files,
                              records=self.manifest["records"] + records)
         self._write_manifest()
         for f in old_hidden:
             (self.directory / f).unlink(missing_ok=True)
+
+    def _save(self, name: str, tensors: dict[str, Tensor]) -> dict[str, Any]:
+        """Write one safetensors file; returns its manifest entry (size and SHA-256)."""
+        path = self.directory / name
+        _save_tensors(path, tensors)
+        return {"size": path.stat().st_size, "sha256": file_sha256(path)}
 
     def _load(self, name: str) -> dict[str, Tensor]:
         from safetensors.torch import load_file
@@ -164,21 +223,32 @@ class Checkpoint:
         try:
             return load_file(str(self.directory / name))
         except Exception as e:  # safetensors raises its own error types on damaged files
-            raise CheckpointError(f"the checkpoint in {self.directory} is corrupt ({name}: {e}); "
-                                  "delete the directory or pass --restart to start over") from e
+            raise self._corrupt(name, f"cannot be read: {e}") from e
 
-    def block_weights(self, index: int) -> dict[str, Tensor]:
-        """The saved weights of finished block ``index``."""
+    def block_weights(self, index: int, expected: Mapping[str, Sequence[int]]) -> dict[str, Tensor]:
+        """The saved weights of finished block ``index``, which must be exactly the layers
+        ``expected`` names (sub-layer name -> weight shape): a tensor missing, extra or of
+        another shape is corruption."""
         if index >= self.done_blocks:
             raise ValueError(f"block {index} is not finished in this checkpoint")
-        return self._load(f"block_{index:04d}.safetensors")
+        name = f"block_{index:04d}.safetensors"
+        saved = self._load(name)
+        missing = sorted(set(expected) - set(saved))
+        extra = sorted(set(saved) - set(expected))
+        if missing or extra:
+            raise self._corrupt(name, f"lacks {', '.join(missing) or '-'} and has unexpected "
+                                      f"{', '.join(extra) or '-'}")
+        for sub, shape in expected.items():
+            if tuple(saved[sub].shape) != tuple(shape):
+                raise self._corrupt(name, f"holds {sub} of shape {tuple(saved[sub].shape)}, "
+                                          f"the model's is {tuple(shape)}")
+        return saved
 
     def hidden(self) -> list[Tensor]:
         """The saved hidden states entering block ``done_blocks``."""
         names = [f for f in self.manifest["files"] if f.startswith("hidden_")]
         if len(names) != 1:
-            raise CheckpointError(f"the checkpoint in {self.directory} holds no block inputs; "
-                                  "delete the directory or pass --restart to start over")
+            raise CheckpointError(f"the checkpoint in {self.directory} holds no block inputs; {_RESTART}")
         tensors = self._load(names[0])
         return [tensors[k] for k in sorted(tensors)]
 

@@ -9,10 +9,12 @@ held-out text and saves the pruned model. Settings come from defaults, then a YA
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -45,34 +47,46 @@ def parse_override(text: str) -> tuple[str, Any]:
     return glob, ({"method": method, "refine": refine} if plus else {"method": method})
 
 
-def check_datasets(names: list[str]) -> None:
-    """Reject an evaluation data set the data module cannot read, before any work."""
-    from .data.sources import parse_source
+def token_streams(tokenizer, datasets: list[str], seqlen: int, max_tokens: int | None,
+                  cache: dict[str, Any]) -> None:
+    """Tokenise each data set's held-out split into ``cache`` (name -> ids), refusing one
+    too short for a single evaluation window."""
+    from .data import eval_tokens
 
-    for name in names:
-        parse_source(name)
+    for name in datasets:
+        if name not in cache:
+            tokens = eval_tokens(tokenizer, source=name, max_tokens=max_tokens, seqlen=seqlen)
+            if tokens.shape[1] < seqlen:
+                raise ValueError(f"evaluation text {name} has {tokens.shape[1]} tokens, fewer than "
+                                 f"one window of {seqlen}; lower the evaluation seqlen or use a longer text")
+            cache[name] = tokens
 
 
 def evaluate(model, tokenizer, datasets: list[str], seqlen: int, max_tokens: int | None,
              device: str | None, progress: bool, cache: dict[str, Any] | None = None) -> dict[str, float]:
     """Perplexity of ``model`` (loaded, or a :class:`~nmprune.streaming.StreamingModel`
     evaluated block by block) on each data set's held-out split (token streams cached)."""
-    from .data import eval_tokens
     from .evaluate import perplexity
     from .streaming import StreamingModel
     from .streaming.evaluate import streaming_perplexity
 
     measure = streaming_perplexity if isinstance(model, StreamingModel) else perplexity
     cache = {} if cache is None else cache
-    result = {}
-    for name in datasets:
-        if name not in cache:
-            cache[name] = eval_tokens(tokenizer, source=name, max_tokens=max_tokens, seqlen=seqlen)
-        result[name] = measure(model, cache[name], seqlen=seqlen, device=device, progress=progress)
-    return result
+    token_streams(tokenizer, datasets, seqlen, max_tokens, cache)
+    return {name: measure(model, cache[name], seqlen=seqlen, device=device, progress=progress)
+            for name in datasets}
 
 
-def open_model(spec: str | None, gguf_file: str | None, dtype: str | None, offload: bool | None):
+def downstream_settings(config: RunConfig):
+    """The lm-eval settings of a run (validated; no tasks: no downstream evaluation)."""
+    from .downstream import DownstreamSettings, parse_task_list
+
+    return DownstreamSettings(parse_task_list(config.eval_tasks), config.eval_num_fewshot,
+                              config.eval_limit, config.eval_batch_size, tuple(config.eval_include_path))
+
+
+def open_model(spec: str | None, gguf_file: str | None, dtype: str | None, offload: bool | None,
+               allow_pickle: bool = False):
     """``(model, tokenizer, source)``: the model loaded whole, or a
     :class:`~nmprune.streaming.StreamingModel` whose blocks stream from its safetensors
     checkpoint when ``offload`` says so or the model does not fit in memory
@@ -84,7 +98,7 @@ def open_model(spec: str | None, gguf_file: str | None, dtype: str | None, offlo
     source = resolve_model(spec, gguf_file)
     check_causal(source)
     if not choose_streaming(source, dtype, offload):
-        return load_model(spec, gguf_file=gguf_file, dtype=dtype)
+        return load_model(spec, gguf_file=gguf_file, dtype=dtype, allow_pickle=allow_pickle)
     print(f"streaming the weights of {source} block by block", file=sys.stderr)
     return StreamingModel(source.path, dtype=dtype), load_tokenizer(source), source
 
@@ -107,62 +121,139 @@ def _run_label(config: RunConfig) -> str:
 def run_prune(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict[str, Any]:
     """The whole ``nmprune prune`` job; returns the report written next to the model.
 
-    Order: load; dense perplexity (kept in the checkpoint); :func:`prune_model` with a
-    checkpoint after every block; pruned perplexity; save model + tokenizer + report into
-    a temporary directory renamed to ``out`` (all three appear at once); delete the checkpoint. A rerun of the same
-    command after a crash resumes from the checkpoint. When the weights stream
-    (:func:`open_model`), every stage runs block by block: the pruned blocks are written
-    into ``OUT.saving`` as they finish and the pruned model is evaluated from there.
+    Order: the inputs that can be checked without the model (:mod:`nmprune.validate`) and
+    the plans; load (a decoder-only causal LM with a tokenizer); tokenise the evaluation
+    and calibration text; only then open the checkpoint; dense perplexity (kept in the
+    checkpoint); :func:`prune_model` with a checkpoint after every block; pruned
+    perplexity; save model + tokenizer + report into ``OUT.partial/`` renamed to ``out``
+    (all three appear at once); delete the checkpoint. A rerun of the same command after a
+    crash resumes from the checkpoint; a user error before the first block is finished
+    leaves no checkpoint of this run behind. When the weights stream (:func:`open_model`),
+    every stage runs block by block: the pruned blocks are written into
+    ``OUT.partial/unfinished`` as they finish and the pruned model is evaluated from there.
+
+    Under ``torchrun`` with several ranks (:mod:`nmprune.distributed`) every rank loads the
+    model and takes part in :func:`prune_model`; rank 0 alone keeps the checkpoint, evaluates
+    and saves, and the other ranks return the pruning report once pruning is done.
     """
-    import torch
-
-    from ._memory import release_memory
+    from . import distributed
     from .checkpoint import Checkpoint
-    from .evaluate import perplexity_table
-    from .models import save_pretrained_atomic
-    from .pipeline import prune_model
-    from .streaming import ShardedWriter, StreamingModel
+    from .data import calibration_batch
+    from .downstream import check_tasks
+    from .models import remove_partial_save
+    from .source import ModelBlocks
+    from .streaming import StreamingModel
+    from .validate import check_finite, check_prune_inputs
 
-    if not config.out:
-        raise ValueError("--out DIR is required (where the pruned model is saved)")
+    ranks = distributed.setup(config.device)
+    main_rank = ranks is None or ranks.is_main
+    phase = ranks.phase if ranks is not None else lambda name: contextlib.nullcontext()
+    with phase("checking the settings"):
+        if main_rank:  # rank 0 alone writes --out and the checkpoint
+            check_prune_inputs(config)
+        downstream = downstream_settings(config)
+        if downstream.tasks:
+            check_tasks(downstream)
+        config.prune.planner()  # every method, refiner, pattern and option, before the model loads
     out = Path(config.out)
-    if out.exists():
-        raise ValueError(f"{out} already exists; choose another --out or delete it")
-    check_datasets(config.eval)
-    config.prune.planner()  # every method, refiner, pattern and option, before the model loads
     ckpt_dir = Path(config.checkpoint_dir or f"{out}.checkpoint")
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
 
-    model, tokenizer, source = open_model(config.model, config.gguf_file, config.dtype, config.offload)
-    streaming = isinstance(model, StreamingModel)
-    if tokenizer is None:
-        raise ValueError(f"{source} has no tokenizer; nmprune needs one for calibration and "
-                         "evaluation text (save one next to the model)")
-    timings["load"] = time.perf_counter() - t0
-    ckpt = Checkpoint.open(ckpt_dir, config.identity(), restart=config.restart)
-    if ckpt.done_blocks:
-        print(f"resuming from {ckpt_dir}: {ckpt.done_blocks} blocks already pruned", file=sys.stderr)
-    device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    with phase("loading the model"):
+        model, tokenizer, source = open_model(config.model, config.gguf_file, config.dtype,
+                                              config.offload, config.allow_pickle)
+        streaming = isinstance(model, StreamingModel)
+        if streaming and ranks is not None and ranks.world > 1:
+            raise ValueError("a streamed run (--offload, or a model larger than memory) runs in "
+                             "one process; run it without torchrun")
+        if streaming and downstream.tasks:
+            raise ValueError("--eval-tasks needs the model in memory; it cannot be combined with a "
+                             "streamed run (--offload, or a model larger than memory)")
+        if tokenizer is None:
+            raise ValueError(f"{source} has no tokenizer; nmprune needs one for calibration and "
+                             "evaluation text (save one next to the model)")
+        timings["load"] = time.perf_counter() - t0
+        if not streaming:  # a streamed model's weights are read block by block later
+            check_finite(model, source)
+        with warnings.catch_warnings():  # prune_model warns about skipped layers itself
+            warnings.simplefilter("ignore")
+            config.prune.planner().plan_layers((model if streaming else ModelBlocks(model)).layer_shapes())
+        # the text is tokenised before the checkpoint exists: a text too short is refused with
+        # nothing written
+        cache: dict[str, Any] = {}
+        if main_rank:
+            token_streams(tokenizer, config.eval, config.eval_seqlen, config.eval_max_tokens or None,
+                          cache)
+        p = config.prune
+        try:
+            calibration = calibration_batch(tokenizer, source=p.calib, nsamples=p.nsamples,
+                                            seqlen=p.seqlen, seed=p.seed)
+        except ValueError as e:
+            raise ValueError(f"--calib {p.calib}: {e}") from e
+        ckpt = None
+        if main_rank:  # only rank 0 keeps the checkpoint (and evaluates and saves)
+            remove_partial_save(out)  # what a save killed in an earlier run left
+            ckpt = Checkpoint.open(ckpt_dir, config.identity(), restart=config.restart)
+    try:
+        return _prune_and_save(config, model, tokenizer, source, ckpt, calibration, cache, timings,
+                               t0, progress, on_block_done, ranks)
+    except ValueError:
+        if ckpt is not None and ckpt.created and ckpt.done_blocks == 0:
+            ckpt.remove()  # refused before any progress: leave no checkpoint of this run
+        raise
 
-    cache: dict[str, Any] = {}
+
+def _prune_and_save(config: RunConfig, model, tokenizer, source, ckpt, calibration, cache,
+                    timings: dict[str, float], t0: float, progress: bool, on_block_done,
+                    ranks) -> dict[str, Any]:
+    """:func:`run_prune` after loading: dense perplexity and accuracy, pruning, pruned
+    perplexity and accuracy, save (``ckpt`` is None on ranks other than 0, which return
+    the pruning report once pruning is done)."""
+    import torch
+
+    from .downstream import accuracy_columns, evaluate_tasks
+    from .evaluate import perplexity_table
+    from .memory import release_memory
+    from .models import save_pretrained_atomic
+    from .pipeline import prune_model
+    from .streaming import ShardedWriter, StreamingModel
+
+    out = Path(config.out)
+    main_rank = ranks is None or ranks.is_main
+    downstream = downstream_settings(config)
+    streaming = isinstance(model, StreamingModel)
+    if ckpt is not None and ckpt.done_blocks:
+        print(f"resuming from {ckpt.directory}: {ckpt.done_blocks} blocks already pruned", file=sys.stderr)
+    device = ranks.device if ranks is not None else \
+        (config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
     key = f"dense_perplexity/{config.eval_seqlen}/{config.eval_max_tokens}"
-    dense = ckpt.get(key, {})
+    dense = ckpt.get(key, {}) if ckpt is not None else {}
     missing = [d for d in config.eval if d not in dense]
-    if missing:
+    if main_rank and missing:
         t = time.perf_counter()
         dense.update(evaluate(model, tokenizer, missing, config.eval_seqlen,
                               config.eval_max_tokens or None, device, progress, cache))
         release_memory()
         ckpt.put(key, dense)
         timings["eval_dense"] = time.perf_counter() - t
+    acc_key = "dense_downstream/" + json.dumps(downstream.to_dict(), sort_keys=True)
+    dense_acc = ckpt.get(acc_key, {}) if ckpt is not None else {}
+    if main_rank and downstream.tasks and not dense_acc:
+        t = time.perf_counter()
+        dense_acc = evaluate_tasks(model, tokenizer, downstream, device=device)
+        release_memory()
+        ckpt.put(acc_key, dense_acc)
+        timings["downstream_dense"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    # streaming: each pruned block goes straight into a shard of OUT.saving/
+    # streaming: each pruned block goes straight into a shard of OUT.partial/unfinished/
     sink = ShardedWriter(model, out) if streaming else None
     try:
-        prune_report = prune_model(None if streaming else model, tokenizer, config.prune, device=device,
-                                   checkpoint=ckpt, progress=progress, on_block_done=on_block_done,
+        prune_report = prune_model(None if streaming else model, tokenizer, config.prune,
+                                   calibration=calibration, device=device, checkpoint=ckpt,
+                                   progress=progress, on_block_done=on_block_done,
                                    source=model if streaming else None, sink=sink)
     except BaseException:
         if sink is not None:
@@ -170,13 +261,22 @@ def run_prune(config: RunConfig, *, progress: bool = True, on_block_done=None) -
         raise
     pruned_model = StreamingModel(sink.close(tokenizer), dtype=config.dtype) if streaming else model
     timings["prune"] = time.perf_counter() - t
+    if not main_rank:
+        return prune_report.to_dict()
 
     t = time.perf_counter()
     pruned = evaluate(pruned_model, tokenizer, config.eval, config.eval_seqlen,
                       config.eval_max_tokens or None, device, progress, cache) if config.eval else {}
     timings["eval_pruned"] = time.perf_counter() - t
-    table = perplexity_table({"dense": {d: dense[d] for d in config.eval},
-                              _run_label(config): pruned}) if config.eval else ""
+    pruned_acc = {}
+    if downstream.tasks:
+        t = time.perf_counter()
+        pruned_acc = evaluate_tasks(model, tokenizer, downstream, device=device)
+        timings["downstream_pruned"] = time.perf_counter() - t
+    table = perplexity_table({
+        "dense": {**{d: dense[d] for d in config.eval}, **accuracy_columns(dense_acc)},
+        _run_label(config): {**pruned, **accuracy_columns(pruned_acc)},
+    }) if config.eval or downstream.tasks else ""
 
     layers = [r for r in prune_report.layers if not r.get("skipped")]
     ratios = [r["loss_vs_wanda"] for r in layers if r.get("loss_vs_wanda") is not None]
@@ -185,15 +285,17 @@ def run_prune(config: RunConfig, *, progress: bool = True, on_block_done=None) -
         "versions": versions(), "device": str(device), "streamed": streaming,
         "perplexity": {"dense": {d: dense[d] for d in config.eval}, "pruned": pruned,
                        "seqlen": config.eval_seqlen, "max_tokens": config.eval_max_tokens},
+        "downstream": {"dense": dense_acc, "pruned": pruned_acc, "settings": downstream.to_dict()},
         "summary": {"layers_pruned": len(layers),
                     "layers_skipped": len(prune_report.layers) - len(layers),
                     "mean_loss_vs_wanda": sum(ratios) / len(ratios) if ratios else None},
         "resumed_from_block": prune_report.resumed_from_block,
+        "ranks": prune_report.ranks, "per_rank": prune_report.per_rank,
         "seconds": {**timings, "pipeline": prune_report.seconds},
         "layers": prune_report.layers,
     }
     report["seconds"]["total_before_save"] = time.perf_counter() - t0
-    # model, tokenizer and report go to OUT.saving/ and appear together under OUT by one rename
+    # model, tokenizer and report go to OUT.partial/ and appear together under OUT by one rename
     extra = {REPORT_FILE: json.dumps(report, indent=1, default=str)}
     if streaming:
         sink.publish(extra)
@@ -217,6 +319,26 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offload", action="store_true", default=None,
                    help="stream the weights block by block from the safetensors checkpoint instead "
                         "of loading the model whole (default: only when it does not fit in memory)")
+    p.add_argument("--allow-pickle", dest="allow_pickle", action="store_true", default=None,
+                   help="also load pickle weights (pytorch_model.bin), which can run code; "
+                        "default: safetensors only")
+
+
+def _add_task_args(p: argparse.ArgumentParser, prefix: str) -> None:
+    """lm-eval flags; ``prefix`` "eval_" (prune) stores them under RunConfig's names."""
+    tasks = "--eval-tasks" if prefix else "--tasks"
+    p.add_argument(tasks, dest=f"{prefix}tasks", action="append", metavar="TASK[,TASK...]",
+                   help="lm-eval tasks to report accuracy on (nmprune_wiki_cloze, nmprune_wiki_next, "
+                        "nmprune_austen_cloze, nmprune_austen_next work offline; the tag nmprune names "
+                        "all four); repeatable")
+    p.add_argument("--num-fewshot", dest=f"{prefix}num_fewshot", type=int,
+                   help="few-shot examples per lm-eval task (default: the task's own, 0 for ours)")
+    p.add_argument("--limit", dest=f"{prefix}limit", type=int,
+                   help="evaluate the first N items of each lm-eval task (default: all)")
+    batch = "--eval-batch-size" if prefix else "--batch-size"
+    p.add_argument(batch, dest=f"{prefix}batch_size", type=int, help="lm-eval batch size (default 8)")
+    p.add_argument("--include-path", dest=f"{prefix}include_path", action="append", metavar="DIR",
+                   help="folder of your own lm-eval task YAML files; repeatable")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -256,19 +378,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-seqlen", dest="eval_seqlen", type=int, help="evaluation window (default 512)")
     p.add_argument("--eval-max-tokens", dest="eval_max_tokens", type=int,
                    help="evaluate on the first N held-out tokens (default 8192; 0 = all)")
+    _add_task_args(p, "eval_")
     p.add_argument("--checkpoint-dir", dest="checkpoint_dir",
                    help="where progress is saved (default: OUT.checkpoint)")
     p.add_argument("--restart", action="store_true", default=None,
                    help="discard an existing checkpoint and start over")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
-    e = sub.add_parser("eval", help="perplexity of a model on held-out text")
+    e = sub.add_parser("eval", help="perplexity on held-out text and accuracy on lm-eval tasks")
     _add_model_args(e)
     e.add_argument("--data", action="append", metavar="DATA",
                    help="wiki (default), c4, wikitext2, austen or a text file; repeatable")
     e.add_argument("--seqlen", type=int, default=512, help="evaluation window (default 512)")
     e.add_argument("--max-tokens", dest="max_tokens", type=int, default=8192,
                    help="first N held-out tokens (default 8192; 0 = all)")
+    _add_task_args(e, "")
     e.add_argument("--quiet", action="store_true", help="no progress bars")
 
     sub.add_parser("methods", help="list the pruning methods and refiners with their options")
@@ -281,7 +405,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     flags: dict[str, Any] = {k: getattr(args, k) for k in (
         "model", "gguf_file", "dtype", "device", "out", "method", "refine", "pattern", "calib",
         "nsamples", "seqlen", "seed", "batch_size", "hessian_inputs", "hessian_dtype", "damp", "strict",
-        "eval_seqlen", "checkpoint_dir", "restart", "offload")}
+        "eval_seqlen", "checkpoint_dir", "restart", "allow_pickle", "eval_tasks", "eval_num_fewshot",
+        "eval_limit", "eval_batch_size", "eval_include_path", "offload")}
     if args.option:
         flags["options"] = dict(parse_option(o) for o in args.option)
     if args.override:
@@ -314,30 +439,57 @@ def _methods_text() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .distributed import RankError, teardown
+
     args = build_parser().parse_args(argv)
     try:
         if args.command == "methods":
             print(_methods_text())
         elif args.command == "prune":
-            from ._memory import prefer_mmap
+            from .memory import prefer_mmap
 
-            prefer_mmap()  # keeps the resident set flat over a long run (nmprune/_memory.py)
+            prefer_mmap()  # keeps the resident set flat over a long run (nmprune/memory.py)
             run_prune(config_from_args(args), progress=not args.quiet)
         elif args.command == "eval":
             from .evaluate import perplexity_table
+            from .streaming import StreamingModel
+            from .validate import check_eval_inputs, check_finite, check_finite_value
 
-            data = args.data or ["wiki"]
-            check_datasets(data)
+            from .downstream import (DownstreamSettings, accuracy_columns, check_tasks,
+                                     evaluate_tasks, parse_task_list)
+
+            downstream = DownstreamSettings(parse_task_list(args.tasks), args.num_fewshot, args.limit,
+                                            args.batch_size or 8, tuple(args.include_path or ()))
+            data = args.data or ([] if downstream.tasks else ["wiki"])
+            check_eval_inputs(data, args.device, args.dtype, args.seqlen, args.max_tokens)
+            if downstream.tasks:
+                check_tasks(downstream)
             model, tokenizer, source = open_model(args.model, args.gguf_file, args.dtype or "auto",
-                                                  args.offload)
+                                                  args.offload, bool(args.allow_pickle))
+            streaming = isinstance(model, StreamingModel)
+            if streaming and downstream.tasks:
+                raise ValueError("--tasks needs the model in memory; it cannot be combined with "
+                                 "--offload or a model larger than memory")
             if tokenizer is None:
                 raise ValueError(f"{source} has no tokenizer; save one next to the model")
+            if not streaming:
+                check_finite(model, source)
             result = evaluate(model, tokenizer, data, args.seqlen, args.max_tokens or None,
                               args.device, not args.quiet)
+            for name, value in result.items():
+                check_finite_value(value, f"the perplexity of {source} on {name}")
+            if downstream.tasks:
+                result.update(accuracy_columns(evaluate_tasks(model, tokenizer, downstream,
+                                                              device=args.device)))
             print(perplexity_table({str(source): result}))
-    except (ValueError, FileNotFoundError) as e:
-        print(f"nmprune: error: {e}", file=sys.stderr)
+    except (ValueError, OSError) as e:  # the user's input or environment; anything else is a bug
+        print(f"nmprune: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
+    except RankError as e:
+        print(f"nmprune: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        teardown()
     return 0
 
 

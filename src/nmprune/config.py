@@ -82,6 +82,10 @@ class RunConfig:
     ``model=None`` is the packaged SmolLM2-135M-Instruct. ``eval`` lists the data sets to
     report perplexity on (dense and pruned); an empty list skips evaluation.
     ``eval_max_tokens`` caps each held-out token stream (0: the whole stream).
+    ``eval_tasks`` lists lm-eval tasks to report accuracy on (dense and pruned), with
+    ``eval_num_fewshot``, ``eval_limit``, ``eval_batch_size`` and ``eval_include_path``
+    passed through (:class:`nmprune.downstream.DownstreamSettings`).
+    ``allow_pickle`` lets pickle weight files (``pytorch_model.bin``) load; they can run code.
     ``offload``: stream the weights block by block from a safetensors checkpoint (True),
     load the model whole (False), or pick streaming when the model does not fit in the
     memory available (None; :func:`nmprune.streaming.fit.choose_streaming`). It does not
@@ -96,8 +100,14 @@ class RunConfig:
     eval: list[str] = field(default_factory=lambda: ["wiki"])
     eval_max_tokens: int = 8192
     eval_seqlen: int = 512
+    eval_tasks: list[str] = field(default_factory=list)
+    eval_num_fewshot: int | None = None
+    eval_limit: int | None = None
+    eval_batch_size: int = 8
+    eval_include_path: list[str] = field(default_factory=list)
     checkpoint_dir: str | None = None
     restart: bool = False
+    allow_pickle: bool = False
     offload: bool | None = None
     prune: PruneSettings = field(default_factory=PruneSettings)
 
@@ -129,8 +139,9 @@ def build_config(*layers: dict[str, Any]) -> RunConfig:
             if key == "options" and isinstance(value, dict) and isinstance(merged.get(key), dict):
                 value = {**merged[key], **value}
             merged[key] = value
-    if isinstance(merged.get("eval"), str):
-        merged["eval"] = [merged["eval"]]
+    for key in ("eval", "eval_tasks", "eval_include_path"):
+        if isinstance(merged.get(key), str):
+            merged[key] = [merged[key]]
     prune = PruneSettings(**{k: v for k, v in merged.items() if k in _PRUNE_KEYS})
     return RunConfig(prune=prune, **{k: v for k, v in merged.items() if k in _RUN_KEYS})
 

@@ -6,24 +6,20 @@ code does); inside each window every token but the first is predicted from the o
 the perplexity is ``exp`` of the mean negative log-likelihood over all predicted tokens,
 i.e. over ``windows * (seqlen - 1)`` tokens. Since all windows have the same length this is
 the same number as the reference ``exp(sum_w seqlen * mean_nll_w / (windows * seqlen))``.
+
+Downstream accuracy (lm-evaluation-harness tasks) is :mod:`nmprune.downstream`.
 """
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = [
-    "MultipleChoice",
-    "downstream_accuracy",
-    "load_multiple_choice",
     "eval_windows",
     "perplexity",
     "perplexity_table",
@@ -148,111 +144,3 @@ def perplexity_table(rows: Mapping[str, Mapping[str, float]]) -> str:
         cells = [_fmt(float(values[c])) if c in values else "—" for c in columns]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-# ------------------------------------------------------------- zero-shot multiple choice
-
-
-@dataclass(frozen=True)
-class MultipleChoice:
-    """One zero-shot multiple-choice question: the answer is ``choices[label]``."""
-
-    context: str
-    choices: tuple[str, ...]
-    label: int
-
-    def __post_init__(self):
-        if not self.context:
-            raise ValueError("a multiple-choice context must not be empty")
-        if len(self.choices) < 2 or not all(isinstance(c, str) and c for c in self.choices):
-            raise ValueError("a multiple-choice question needs at least two non-empty choices")
-        if not isinstance(self.label, int) or not 0 <= self.label < len(self.choices):
-            raise ValueError(f"label {self.label!r} is not an index into {len(self.choices)} choices")
-
-
-def load_multiple_choice(path: str | Path) -> list[MultipleChoice]:
-    """Questions of a JSON-lines task file: ``{"context": str, "choices": [str, ...], "label": int}``."""
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"task file {str(path)!r} does not exist")
-    out = []
-    with open(p, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-                out.append(MultipleChoice(rec["context"], tuple(rec["choices"]), rec["label"]))
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-                raise ValueError(f"{p}:{lineno}: not a task record with context, choices, label ({e})") from None
-    if not out:
-        raise ValueError(f"task file {p} holds no questions")
-    return out
-
-
-def _encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
-    """Context ids and continuation ids, as lm-eval-harness does: the continuation is what
-    tokenizing ``context + continuation`` adds after the context's ids (trailing spaces of the
-    context move to the continuation); the tokenizer's special prefix (BOS) leads the context."""
-    stripped = context.rstrip(" ")
-    continuation = context[len(stripped) :] + continuation
-    prefix = tokenizer("a", add_special_tokens=True, verbose=False)["input_ids"]
-    plain = tokenizer("a", add_special_tokens=False, verbose=False)["input_ids"]
-    bos = prefix[: len(prefix) - len(plain)] if prefix[len(prefix) - len(plain) :] == plain else []
-    ctx = tokenizer(stripped, add_special_tokens=False, verbose=False)["input_ids"]
-    whole = tokenizer(stripped + continuation, add_special_tokens=False, verbose=False)["input_ids"]
-    n = len(ctx)
-    while n > 0 and whole[:n] != ctx[:n]:  # a merge across the boundary: keep the common prefix
-        n -= 1
-    return list(bos) + list(whole[:n]), list(whole[n:])
-
-
-@torch.no_grad()
-def downstream_accuracy(
-    model,
-    tokenizer,
-    questions: Sequence[MultipleChoice] | str | Path,
-    device=None,
-    progress: bool = True,
-) -> dict[str, float]:
-    """Zero-shot multiple-choice accuracy by log-likelihood (the lm-eval-harness ``acc``/``acc_norm``).
-
-    Each choice is scored by the summed log-probability of its tokens after the context;
-    ``acc`` picks the highest sum, ``acc_norm`` the highest sum per character of the choice.
-    ``questions``: a list of :class:`MultipleChoice` or the path of a JSON-lines task file
-    (:func:`load_multiple_choice`). Returns ``{"acc", "acc_norm", "n"}``. Runs like
-    :func:`perplexity` (no grad, eval mode, the model's input device unless ``device``).
-    """
-    if isinstance(questions, (str, Path)):
-        questions = load_multiple_choice(questions)
-    if not questions:
-        raise ValueError("no questions to evaluate")
-    run_on = torch.device(device) if device is not None else _input_device(model)
-    was_training = model.training
-    model.eval()
-    correct = correct_norm = 0
-    try:
-        from tqdm.auto import tqdm
-
-        for q in tqdm(questions, desc="multiple choice", unit="question", disable=not progress):
-            pairs = [_encode_pair(tokenizer, q.context, c) for c in q.choices]
-            seqs = [ctx + cont for ctx, cont in pairs]
-            if any(not cont for _, cont in pairs) or any(len(s) < 2 for s in seqs):
-                raise ValueError(f"a choice of {q.context[:40]!r} tokenizes to nothing after its context")
-            width = max(map(len, seqs))
-            batch = torch.zeros(len(seqs), width, dtype=torch.long)
-            for i, s in enumerate(seqs):  # right padding: causal attention never sees it
-                batch[i, : len(s)] = torch.tensor(s)
-            logits = model(input_ids=batch.to(run_on), use_cache=False).logits
-            logp = torch.log_softmax(logits.float(), dim=-1).cpu()
-            scores = []
-            for i, (ctx, cont) in enumerate(pairs):
-                pos = torch.arange(len(ctx) - 1, len(ctx) + len(cont) - 1)
-                scores.append(float(logp[i, pos, torch.tensor(cont)].double().sum()))
-            best = max(range(len(scores)), key=lambda i: scores[i])
-            best_norm = max(range(len(scores)), key=lambda i: scores[i] / len(q.choices[i]))
-            correct += best == q.label
-            correct_norm += best_norm == q.label
-    finally:
-        model.train(was_training)
-    return {"acc": correct / len(questions), "acc_norm": correct_norm / len(questions), "n": float(len(questions))}

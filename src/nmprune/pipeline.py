@@ -27,9 +27,11 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
-from ._memory import release_memory
-from .checkpoint import Checkpoint, CheckpointError
+from . import distributed
+from .checkpoint import Checkpoint
+from .memory import release_memory
 from .config import PruneSettings
+from .distributed import DistributedExecutor, balance_window, job_cost
 from .executor import LayerJob, LocalExecutor
 from .models import set_weight_matrix, weight_matrix
 from .plan import LayerPlan
@@ -45,6 +47,8 @@ class PruneReport:
     layers: list[dict[str, Any]] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
     resumed_from_block: int = 0
+    ranks: int = 1
+    per_rank: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -98,13 +102,24 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
     ``source`` and ``sink`` replace the in-memory block source and sink built from ``model``
     (then ``None``): a :class:`nmprune.streaming.StreamingModel` and a
     :class:`nmprune.streaming.ShardedWriter` prune a model larger than memory.
+
+    Inside an initialised ``torch.distributed`` process group of several ranks (e.g. under
+    ``torchrun``; :mod:`nmprune.distributed`) every rank calls this with the same model and
+    settings: the calibration batches and layer solves are shared out, rank 0's
+    ``checkpoint`` is the one used (the others' are ignored), and every rank ends with the
+    same pruned model and report. ``device`` ``"cuda"`` then means ``cuda:LOCAL_RANK``.
     """
     if settings is None:
         settings = PruneSettings(**setting_kwargs)
     elif setting_kwargs:
         raise ValueError("give either settings or keyword settings, not both")
     planner = settings.planner()
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    ranks = distributed.current(device)
+    executor = DistributedExecutor(ranks) if ranks is not None else \
+        LocalExecutor(torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")))
+    device = executor.device
+    if not executor.is_main:
+        checkpoint = None
     if (model is None) == (source is None):
         raise ValueError("give either a model or a block source")
     source = source if source is not None else ModelBlocks(model)
@@ -112,98 +127,143 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
     if hessians is not None and settings.hessian_inputs != "dense":
         raise ValueError("precomputed hessians come from the dense model; they cannot be used "
                          "with hessian_inputs='pruned'")
-    executor = LocalExecutor(device)
     sink = sink if sink is not None else ModelSink(source)
 
     t_start = time.perf_counter()
-    if hessians is None:
-        calibration = _calibration(source.vocab_size, tokenizer, settings, calibration)
-        batches = executor.shard(calibration.split(settings.batch_size))
-        release_memory()  # the tokenised corpus
-    report = PruneReport(settings=asdict(settings))
-    start = 0
-    if checkpoint is not None:
-        checkpoint.bind("calibration_sha256", _digest(calibration) if hessians is None
-                        else _digest(torch.stack([hessians[n].xtx.trace() for n in plans
-                                                  if n in hessians])))
-        start = checkpoint.done_blocks
-        report.layers = checkpoint.records
-        report.resumed_from_block = start
-        for i in range(start):
-            sink.write(i, _saved_block(checkpoint, i, source.layers(i)))
+    report = PruneReport(settings=asdict(settings), ranks=executor.world)
+    sizes: list[int] = []
+    with executor.phase("setup"):
+        if hessians is None:
+            calibration = _calibration(source.vocab_size, tokenizer, settings, calibration)
+            all_batches = calibration.split(settings.batch_size)
+            sizes = [b.shape[0] for b in all_batches]
+            batches = executor.shard(all_batches)
+            del all_batches
+            release_memory()  # the tokenised corpus
+        start, resumed = 0, []
+        if checkpoint is not None:
+            checkpoint.bind("calibration_sha256", _digest(calibration) if hessians is None
+                            else _digest(torch.stack([hessians[n].xtx.trace() for n in plans
+                                                      if n in hessians])))
+            start, resumed = checkpoint.done_blocks, checkpoint.records
+            for i in range(start):
+                layers = source.layers(i)
+                sink.write(i, checkpoint.block_weights(i, {n: m.weight.shape for n, m in layers.items()}))
+    start, resumed = executor.broadcast_object((start, resumed))
+    report.layers, report.resumed_from_block = list(resumed), start
+    if model is not None:  # a streaming sink holds the finished blocks itself
+        executor.broadcast_tensors([m.weight for i in range(start) for m in source.layers(i).values()])
+    saving = executor.broadcast_object(checkpoint is not None)
 
+    busy = {"calibration_seconds": 0.0}
     was_training = source.model.training
     source.model.eval()
     try:
         with torch.no_grad():
             if hessians is None:
-                inputs = source.capture(batches, device, keep_hidden=start == 0)
+                with executor.phase("capturing the block inputs"):
+                    inputs = source.capture(batches, device, keep_hidden=start == 0 or executor.world > 1)
+                    saved = checkpoint.hidden() if start > 0 and checkpoint is not None else None
                 if start > 0:
-                    inputs.hidden = [h.to(device) for h in checkpoint.hidden()]
+                    inputs.hidden = executor.scatter_batches(
+                        None if saved is None else [h.to(device) for h in saved], inputs.hidden)
+                del saved
                 stage = CalibrationStatistics(inputs, getattr(torch, settings.hessian_dtype),
                                               settings.hessian_inputs == "dense", executor.reduce)
             else:
                 stage = PrecomputedStatistics(hessians)
             t_capture = time.perf_counter() - t_start
-            bar = _progress(range(start, len(source)), progress, desc="pruning blocks",
+            shapes = source.layer_shapes()
+            costs = [[job_cost(*shapes[name], p.method.name,
+                               p.refiner.name if p.refiner is not None else None)
+                      for name in source.layers(i) if (p := plans[name]) is not None]
+                     for i in range(len(source))]
+            bar = _progress(None, progress and executor.is_main, desc="pruning blocks",
                             initial=start, total=len(source))
-            for i in bar:
-                layers = source.layers(i)
-                block = source.load(i, device)
-                report.layers += _prune_block(i, block, layers, plans, stage, executor, progress)
-                stage.advance(i, block)
-                weights = {name: m.weight for name, m in layers.items()}
-                sink.write(i, weights)
-                if checkpoint is not None:
-                    checkpoint.save_block(i, weights, stage.hidden,
-                                          [r for r in report.layers if r["block"] == i])
-                del weights
-                source.release(i)  # a streaming source drops the block's weights here
-                release_memory()
-                if on_block_done is not None:
-                    on_block_done(i)
+            i = start
+            while i < len(source):
+                # dense inputs: solve as many blocks together as it takes to balance the ranks
+                k = balance_window(costs[i:], executor.world) if settings.hessian_inputs == "dense" else 1
+                group = range(i, i + k)
+                new = _prune_blocks(group, source, plans, stage, executor, hessians is None,
+                                    progress and executor.is_main, busy)
+                report.layers += new
+                hidden = executor.gather_batches(stage.hidden, sizes) \
+                    if saving and stage.hidden is not None else None
+                with executor.phase(f"saving block {i}" if k == 1 else f"saving blocks {i}-{i + k - 1}"):
+                    weights = [{name: m.weight for name, m in source.layers(j).items()} for j in group]
+                    for j, w in zip(group, weights):
+                        sink.write(j, w)
+                    if checkpoint is not None:
+                        checkpoint.save_blocks(i, weights, hidden, new)
+                    del hidden, weights
+                    for j in group:
+                        source.release(j)  # a streaming source drops the block's weights here
+                    release_memory()
+                    if on_block_done is not None:
+                        for j in group:
+                            on_block_done(j)
+                bar.update(k)
+                i += k
+            bar.close()
     finally:
         source.model.train(was_training)
+    mine = [r for r in report.layers[len(resumed):] if not r["skipped"] and r["rank"] == executor.rank]
+    solve = sum(r["seconds"] for r in mine)
+    report.per_rank = executor.per_rank({
+        "rank": executor.rank, "busy_seconds": busy["calibration_seconds"] + solve,
+        "calibration_seconds": busy["calibration_seconds"], "solve_seconds": solve,
+        "layer_cpu_seconds": sum(r["cpu_seconds"] for r in mine), "layers": [r["name"] for r in mine]})
     report.seconds = {"capture": t_capture, "total": time.perf_counter() - t_start,
                       "layers": sum(r.get("seconds", 0.0) for r in report.layers)}
     return report
 
 
-def _saved_block(checkpoint: Checkpoint, index: int, layers: dict[str, nn.Module]) -> dict[str, Tensor]:
-    """Block ``index``'s weights from ``checkpoint``; a layer missing there is corruption."""
-    saved = checkpoint.block_weights(index)
-    missing = [name for name in layers if name not in saved]
-    if missing:
-        raise CheckpointError(f"the checkpoint in {checkpoint.directory} is corrupt "
-                              f"(block_{index:04d}.safetensors has no tensor {missing[0]}); "
-                              "delete the directory or pass --restart to start over")
-    return saved
-
-
-def _prune_block(index: int, block: nn.Module, layers: dict[str, nn.Module],
-                 plans: dict[str, LayerPlan | None], stage, executor: LocalExecutor,
-                 progress: bool) -> list[dict[str, Any]]:
-    """Statistics and pruning of one block's layers, each written into its module as soon as
-    it is solved. Returns the block's layer records, in layer order."""
-    active = {name: m for name, m in layers.items() if plans[name] is not None}
-    stats = stage.collect(index, block, active)
-    jobs = [LayerJob(name, index, weight_matrix(m), stats[name], plans[name]) for name, m in active.items()]
-    del stats
-    records = {name: {"name": name, "block": index, "shape": list(weight_matrix(m).shape),
-                      "method": None, "skipped": True} for name, m in layers.items()}
-    started = time.perf_counter()
+def _prune_blocks(group: range, source: ModelBlocks, plans: dict[str, LayerPlan | None], stage,
+                  executor: LocalExecutor | DistributedExecutor, load: bool, progress: bool,
+                  busy: dict[str, float]) -> list[dict[str, Any]]:
+    """Statistics and pruning of the consecutive blocks in ``group`` (several only with dense
+    inputs, when balancing the ranks needs them; each then returns to the CPU once its
+    statistics are in), each layer written into its module as soon as it is solved; then the
+    hidden states move past the last of them. ``load``: the blocks visit the compute device
+    (not with precomputed statistics). Returns the layer records, in block and layer order;
+    ``busy`` accumulates this process's calibration seconds."""
+    jobs, records, modules, blocks = [], {}, {}, {}
+    for index in group:
+        layers = source.layers(index)
+        modules.update(layers)
+        active = {name: m for name, m in layers.items() if plans[name] is not None}
+        started = time.perf_counter()
+        blocks[index] = source.load(index, executor.device) if load else None
+        with executor.phase(f"calibration of block {index}"):
+            stats = stage.collect(index, blocks[index], active)
+        busy["calibration_seconds"] += time.perf_counter() - started
+        if load and len(group) > 1:
+            source.offload(index)
+        jobs += [LayerJob(name, index, weight_matrix(m), stats[name], plans[name]) for name, m in active.items()]
+        del stats
+        records.update({name: {"name": name, "block": index, "shape": list(weight_matrix(m).shape),
+                               "method": None, "skipped": True} for name, m in layers.items()})
 
     def done(job: LayerJob, weight: Tensor, record: dict[str, Any]) -> None:
-        nonlocal started
-        set_weight_matrix(layers[job.name], weight)
+        set_weight_matrix(modules[job.name], weight)
         del weight
         release_memory(collect=False)  # the solvers' temporaries: heap pages back to the system
-        records[job.name] = {**records[job.name], **record, "skipped": False,
-                             "seconds": time.perf_counter() - started}
-        started = time.perf_counter()
+        records[job.name] = {**records[job.name], **record, "skipped": False}
 
-    executor.solve(jobs, done, lambda it: _progress(it, progress and len(jobs) > 1,
-                                                    desc=f"block {index}", leave=False))
+    label = f"block {group[0]}" if len(group) == 1 else f"blocks {group[0]}-{group[-1]}"
+    bars = progress and len(jobs) > 1
+    executor.solve(jobs, done, lambda it: _progress(it, bars, desc=label, leave=False))
+    del jobs
+    if len(group) == 1:
+        (index,) = group
+        started = time.perf_counter()
+        with executor.phase(f"propagation through block {index}"):
+            stage.advance(index, blocks[index])
+        busy["calibration_seconds"] += time.perf_counter() - started
+        if load:
+            source.offload(index)
+    release_memory()
     return list(records.values())
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from ._checks import check_non_negative
+from .checks import check_non_negative
 from .pattern import NMPattern, parse_pattern
 from .registry import Range, Registered, get_method, get_refiner
 

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._checks import check_float, check_symmetric
-from ._linalg import wanda_scale
+from .checks import check_float, check_symmetric
+from .linalg import wanda_scale
 from .loss import local_loss
 from .pattern import NMPattern, is_nm_sparse, topn_mask
 from .plan import LayerPlan, resolve_plan

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._linalg import wanda_scale
+from ..linalg import wanda_scale
 from ..pattern import NMPattern, from_cells, to_cells, topn_mask
 from ..registry import NonNegativeFloat, NonNegativeInt, register_method
 

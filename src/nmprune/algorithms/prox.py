@@ -59,7 +59,7 @@ from typing import Annotated, Callable, Literal
 import torch
 from torch import Tensor
 
-from .._linalg import column_scale, gd_step_size, rescale
+from ..linalg import column_scale, gd_step_size, rescale
 from ..pattern import NMPattern, count_dense_cells, from_cells, to_cells, topn_mask
 from ..prox import prox_2of4, prox_l0, prox_l1, prox_l2, prox_nm
 from ..prox.two_four import SOLVERS
@@ -77,7 +77,7 @@ def prox_gradient(w_star: Tensor, h: Tensor, pattern: NMPattern, cell_prox: Cell
                   gradient_precision: str = "full") -> Tensor:
     """Algorithm ``alg:prox_e2e`` for any cell-wise prox; returns an N:M matrix in the original
     (unscaled) coordinates. See the module docstring for the options."""
-    low = _gradient_dtype(gradient_precision, w_star)
+    low = gradient_dtype(gradient_precision, w_star)
     s = column_scale(h)
     w_star, h = rescale(w_star, h, s)
     eta = gd_step_size(h)
@@ -146,7 +146,7 @@ GRADIENT_PRECISIONS = ("auto", "full", "bfloat16")
 BF16_MIN_ROWS = 64
 
 
-def _gradient_dtype(precision: str, w: Tensor) -> torch.dtype | None:
+def gradient_dtype(precision: str, w: Tensor) -> torch.dtype | None:
     """The dtype of the gradient product for ``gradient_precision`` (None: the working dtype)."""
     if precision == "bfloat16":
         return torch.bfloat16

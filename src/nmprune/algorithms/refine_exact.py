@@ -36,7 +36,7 @@ from typing import Callable, Literal
 import torch
 from torch import Tensor
 
-from .._linalg import column_scale
+from ..linalg import column_scale
 from ..registry import NonNegativeFloat, NonNegativeInt, PositiveInt, register_refiner
 
 SOLVERS = ("auto", "direct", "pcg")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._linalg import column_scale, gd_step_size, rescale
+from ..linalg import column_scale, gd_step_size, rescale
 from ..registry import NonNegativeFloat, NonNegativeInt, register_refiner
 
 

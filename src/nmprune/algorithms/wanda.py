@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .._linalg import wanda_scale
+from ..linalg import wanda_scale
 from ..pattern import NMPattern, topn_mask
 from ..registry import register_method
 

@@ -28,12 +28,12 @@ AUSTEN_BOOKS = (
 )
 AUSTEN_EVAL_BOOKS = ("persuasion",)
 
-_R_LIBRARIES = ("/usr/lib/R/site-library", "/usr/local/lib/R/site-library", "/usr/lib/R/library")
+R_LIBRARIES = ("/usr/lib/R/site-library", "/usr/local/lib/R/site-library", "/usr/lib/R/library")
 
 
 def austen_data_prefix() -> Path:
     """``.../janeaustenr/data/Rdata`` of the installed R package (R_LIBS and Debian's R libraries)."""
-    roots = [p for p in os.environ.get("R_LIBS", "").split(os.pathsep) if p] + list(_R_LIBRARIES)
+    roots = [p for p in os.environ.get("R_LIBS", "").split(os.pathsep) if p] + list(R_LIBRARIES)
     for root in roots:
         prefix = Path(root) / "janeaustenr" / "data" / "Rdata"
         if prefix.with_suffix(".rdx").is_file() and prefix.with_suffix(".rdb").is_file():

@@ -36,6 +36,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import zlib
 from pathlib import Path
 
 from .austen import austen_corpus
@@ -103,6 +104,32 @@ def parse_source(source: str) -> tuple[str, str | None]:
     raise ValueError(f"unknown text source {source!r}; {valid_sources_message()}")
 
 
+def check_readable(source: str, split: str) -> None:
+    """Raise (ValueError or OSError, naming the file) unless ``split`` of ``source`` can be
+    read: its files exist and decode. Cheap enough to run before a model loads: a ``.txt``
+    file is read whole, JSON-lines files and C4 shards up to their first record, named
+    sources only located; a Hub source only needs the ``datasets`` package."""
+    check_split(split)
+    kind, path = parse_source(source)
+    if kind == "wiki":
+        wiki_summaries_path()
+    elif kind == "austen":
+        from .austen import austen_data_prefix
+
+        austen_data_prefix()
+    elif path is None:  # c4 / wikitext2 from the Hub
+        if importlib.util.find_spec("datasets") is None:
+            raise ValueError(_NEEDS_DATASETS)
+    elif kind == "c4":
+        read_jsonl_texts(c4_local_file(path, split), limit=1)
+    elif kind == "wikitext2":
+        wikitext_local_lines(path, split)
+    elif path.endswith(".txt"):
+        load_corpus(source, split)
+    else:
+        read_text_file(path, limit=1)
+
+
 def load_corpus(source: str, split: str) -> Corpus:
     """The documents of ``split`` ("calib" or "eval") of ``source`` (see the module docstring)."""
     check_split(split)
@@ -163,8 +190,9 @@ def wiki_corpus(split: str) -> Corpus:
 # ---------------------------------------------------------------------------- local files
 
 
-def read_text_file(path: str) -> list[str]:
-    """Documents of a local file: the whole ``.txt`` text, or the ``"text"`` of each ``.jsonl`` line.
+def read_text_file(path: str, limit: int | None = None) -> list[str]:
+    """Documents of a local file: the whole ``.txt`` text, or the ``"text"`` of each ``.jsonl``
+    line (the first ``limit`` ones when given).
 
     ``.json.gz`` / ``.jsonl.gz`` files (C4 shards) are read as gzipped JSON lines.
     """
@@ -175,17 +203,33 @@ def read_text_file(path: str) -> list[str]:
             f"({valid_sources_message()})"
         )
     if p.name.endswith((".jsonl", ".json.gz", ".jsonl.gz")):
-        return read_jsonl_texts(p)
+        return read_jsonl_texts(p, limit)
     if p.suffix != ".txt":
         raise ValueError(f"cannot read {path!r}: expected a .txt, .jsonl or .json.gz file")
-    text = p.read_text(encoding="utf-8")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise _not_utf8(p, e) from None
     if not text.strip():
         raise ValueError(f"text file {path!r} is empty")
     return [text]
 
 
+def _not_utf8(path: Path, e: UnicodeDecodeError) -> ValueError:
+    return ValueError(f"{path} is not UTF-8 text ({e.reason}: byte {e.object[e.start]:#04x})")
+
+
 def read_jsonl_texts(path: Path, limit: int | None = None) -> list[str]:
     """The ``"text"`` field of each JSON line (gzip-compressed when the name ends in ``.gz``)."""
+    try:
+        return _read_jsonl_texts(path, limit)
+    except UnicodeDecodeError as e:
+        raise _not_utf8(path, e) from None
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+        raise ValueError(f"{path} is not a readable gzip file ({e})") from None
+
+
+def _read_jsonl_texts(path: Path, limit: int | None) -> list[str]:
     opener = gzip.open if path.name.endswith(".gz") else open
     texts: list[str] = []
     with opener(path, "rt", encoding="utf-8") as f:
@@ -232,16 +276,19 @@ def split_file_corpus(documents: list[str], split: str, source: str) -> Corpus:
 # ------------------------------------------------------------------------------------ c4
 
 
+_NEEDS_DATASETS = (
+    "loading C4/WikiText from the Hugging Face Hub needs the 'datasets' package "
+    "(pip install datasets); or pass local files, e.g. 'c4:/path/to/c4-shard.json.gz' "
+    "or 'wikitext2:/path/to/wikitext-2-raw'"
+)
+
+
 def _hub_dataset(*args, **kwargs):
     """``datasets.load_dataset`` with an error that says what to do when it cannot work."""
     try:
         import datasets
     except ImportError:
-        raise ValueError(
-            "loading C4/WikiText from the Hugging Face Hub needs the 'datasets' package "
-            "(pip install datasets); or pass local files, e.g. 'c4:/path/to/c4-shard.json.gz' "
-            "or 'wikitext2:/path/to/wikitext-2-raw'"
-        ) from None
+        raise ValueError(_NEEDS_DATASETS) from None
     try:
         return datasets.load_dataset(*args, **kwargs)
     except Exception as e:  # offline, missing on the Hub, ...: say what to do instead
@@ -296,8 +343,11 @@ def wikitext_lines_from_raw(path: Path) -> list[str]:
     ``"\\n"``); lines holding only whitespace become empty strings (the raw files write blank
     lines as ``" \\n"``).
     """
-    with open(path, encoding="utf-8") as f:
-        return [line if line.strip() else "" for line in f]
+    try:
+        with open(path, encoding="utf-8") as f:
+            return [line if line.strip() else "" for line in f]
+    except UnicodeDecodeError as e:
+        raise _not_utf8(path, e) from None
 
 
 def wikitext_local_lines(path: str, split: str) -> list[str]:

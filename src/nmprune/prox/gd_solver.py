@@ -14,19 +14,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .newton import _objective
+from .problem import grad_2of4, objective_2of4
 
 STEP = 0.25
-
-
-def _grad(w: Tensor, z: Tensor, lam: Tensor) -> Tensor:
-    lam_ = lam[:, None]
-    if w.shape[-1] == 3:
-        w1, w2, w3 = w.unbind(-1)
-        return w - z + lam_ * torch.stack((w2 * w3, w1 * w3, w1 * w2), -1)
-    w1, w2, w3, w4 = w.unbind(-1)
-    p12, p13, p14, p23, p24, p34 = w1 * w2, w1 * w3, w1 * w4, w2 * w3, w2 * w4, w3 * w4
-    return w - z + lam_ * torch.stack((p23 + p24 + p34, p13 + p14 + p34, p12 + p14 + p24, p12 + p13 + p23), -1)
 
 
 def _gd_case(z: Tensor, lam: Tensor, max_iter: int, tol: float) -> Tensor:
@@ -41,7 +31,7 @@ def _gd_case(z: Tensor, lam: Tensor, max_iter: int, tol: float) -> Tensor:
     running = torch.ones(n, dtype=torch.bool, device=z.device)
     tol_abs = tol * z.abs().amax(-1)
     for it in range(max_iter):
-        w_new = (w - STEP * _grad(w, zs, ls)).clamp_min(0.0)
+        w_new = (w - STEP * grad_2of4(w, zs, ls)).clamp_min(0.0)
         gnorm = (w - w_new).norm(dim=-1) / STEP
         # a growing gradient norm means we left the convex region: keep the last iterate
         running &= (gnorm <= prev) & (gnorm > tol_abs)
@@ -62,11 +52,11 @@ def solve_sorted_gd(z: Tensor, lam: Tensor, max_iter: int = 2000, tol: float = 1
     """Algorithm ``alg:prox_enumerate`` with the GD inner solver on sorted non-negative ``(B, 4)``."""
     w = z.clone()
     w[:, 2:] = 0.0
-    best = _objective(w, z, lam)
+    best = objective_2of4(w, z, lam)
     for k in (3, 4):
         zk = z[:, :k]
         wk = _gd_case(zk, lam, max_iter, tol)
-        fk = _objective(wk, zk, lam) + (0.5 * z[:, 3].square() if k == 3 else 0.0)
+        fk = objective_2of4(wk, zk, lam) + (0.5 * z[:, 3].square() if k == 3 else 0.0)
         better = fk < best
         best = torch.where(better, fk, best)
         w[better, :k] = wk[better]

@@ -17,28 +17,12 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from ._cells import check_cells, check_n, lam_tensor, sort_abs, unsort
-from .newton import Entries, damped_newton
-from .regularizers import elementary_symmetric, leave_one_out_symmetric
+from .cells import check_cells, check_n, lam_tensor, sort_abs, unsort
+from .newton import damped_newton
+from .problem import grad_hess_nm
+from .regularizers import elementary_symmetric, prox_objective
 from .simple import prox_1ofm
 from .two_four import prox_2of4
-
-
-def _objective(w: Tensor, z: Tensor, lam: Tensor, n: int) -> Tensor:
-    return 0.5 * (w - z).square().sum(-1) + lam * elementary_symmetric(w, n + 1)[..., n + 1]
-
-
-def _grad_hess(w: Tensor, z: Tensor, lam: Tensor, n: int) -> tuple[Tensor, Entries]:
-    """Gradient ``w - z + lam e_N(w_{-i})`` and Hessian ``I + lam e_{N-1}(w_{-i,-j})`` (i != j)."""
-    loo = leave_one_out_symmetric(w, n)  # (B, k, n+1): e_t(w without i)
-    grad = w - z + lam[:, None] * loo[..., n]
-    # e_t(w without i, j) = e_t(w without i) - w_j e_{t-1}(w without i, j)
-    pair = torch.ones(w.shape + (w.shape[-1],), dtype=w.dtype, device=w.device)
-    for t in range(1, n):
-        pair = loo[..., t].unsqueeze(-1) - w[:, None, :] * pair
-    hess = lam[:, None, None] * pair
-    k = w.shape[-1]
-    return grad, [[1.0 if i == j else hess[:, i, j] for j in range(k)] for i in range(k)]
 
 
 def prox_nm(z: Tensor, lam: float | Tensor, n: int) -> Tensor:
@@ -61,8 +45,8 @@ def prox_nm(z: Tensor, lam: float | Tensor, n: int) -> Tensor:
     w = a.clone()
     w[:, n:] = 0.0
     best = 0.5 * a[:, n:].square().sum(-1)
-    obj = partial(_objective, n=n)
-    gh = partial(_grad_hess, n=n)
+    obj = partial(prox_objective, n=n)
+    gh = partial(grad_hess_nm, n=n)
     for k in range(n + 1, m + 1):
         rows = (a[:, k - 1] > 0).nonzero().squeeze(-1)  # a zero entry never helps
         if rows.numel() == 0:

@@ -1,125 +1,32 @@
-"""Exact damped-Newton solver for the 2:4 prox on sorted non-negative cells (``solver="newton"``;
-also the fallback of the default :mod:`nmprune.prox.reduced` and the engine of ``prox_nm``).
+"""Exact damped-Newton solver for the 2:4 prox on sorted non-negative cells (``solver="newton"``),
+and the damped Newton method that the torch reduced solver falls back on and ``prox_nm`` runs.
 
-Works on ``z_1 >= z_2 >= z_3 >= z_4 >= 0`` (Lemma ``lemma:sorted_prox``) and follows Algorithm
-``alg:prox_enumerate``: the answer is the best of the 2-sparse point ``[z_1, z_2, 0, 0]``, the
-minimiser of the 3-variable problem ``g`` (eq. ``prox_sorted3``) and of the 4-variable problem
-``f`` (eq. ``prox_sorted``), each restricted to the region where its Hessian is PSD
-(problems ``convex_constrained_prob3``/``convex_constrained_prob4``, convex by Lemma
-``lem:hessian``). Every candidate is a feasible point, so the best of them is never worse than
-the true case it approximates, and it is the global minimiser whenever the case holding the
-optimum is solved (Theorem ``thm:optimality``).
-
-Speed comes from deciding most cells without iterating. At an interior local minimum the
-Hessian is PSD, so its 2x2 minors give ``lam w_k <= 1`` (3-sparse) and ``lam (w_k + w_l) <= 1``
-(dense). With the stationarity equations of Lemma ``lem:three_cases`` this yields
-``w_1 >= z_1/2, w_2 >= z_2/2`` for a 3-sparse optimum and ``w_1 >= z_1/3, w_2 >= z_2/3`` for a
-dense one, hence the sufficient tests
-
-* 3-sparse impossible when ``lam l_1 l_2 >= z_3`` with ``l_1 = max(z_1/2, z_1 - lam z_2 z_3)``,
-  ``l_2 = max(z_2/2, z_2 - lam z_1 z_3)`` (since ``w_3 = z_3 - lam w_1 w_2`` must be positive);
-* dense impossible when ``lam (d_1 d_2 + d_1 d_3 + d_2 d_3) >= z_4`` with the analogous lower
-  bounds ``d_1 >= z_1/3``, ``d_2 >= z_2/3``, ``d_3 >= z_3 - lam (z_1 z_2 + z_1 z_4 + z_2 z_4)``
-  (so the cell is exactly ``[z_1, z_2, 0, 0]`` when both hold, e.g. for ``lam z_1 z_2 >= 9 z_3``),
-
-and the necessary conditions of Lemma ``lem:opt_cond_ext``: 2-sparse needs
-``lam >= z_3 / (z_1 z_2)``, 3-sparse needs ``lam >= z_4 / (z_1 z_2 + z_1 z_3 + z_2 z_3)``.
-Only the cells left undecided are iterated, each case by a damped Newton method that keeps its
-iterates strictly positive and inside the PSD region (Cholesky succeeds) with an Armijo line
-search: a feasible descent method for a convex problem, so it converges to the case minimiser
-when that minimiser is interior (quadratically near it). Internally everything runs in float64.
+Algorithm ``alg:prox_enumerate`` on ``z_1 >= z_2 >= z_3 >= z_4 >= 0`` (Lemma
+``lemma:sorted_prox``): the best of the 2-sparse point ``[z_1, z_2, 0, 0]`` and the minimisers
+of the 3-variable problem ``g`` (eq. ``prox_sorted3``) and the 4-variable problem ``f`` (eq.
+``prox_sorted``), each over the region where its Hessian is PSD (convex by Lemma
+``lem:hessian``), so the best candidate is the global minimiser (Theorem ``thm:optimality``).
+Most cells are decided without iterating, by the necessary conditions of Lemma
+``lem:opt_cond_ext``, bound boxes from the stationarity equations and KKT certificates; the
+rest run a feasible damped Newton method, which converges to the case minimiser when it is
+interior. Runs in float64. The reasoning behind each test is in ``docs/prox.md``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch import Tensor
 
-_MAX_NEWTON = 30
-# a small symmetric matrix per row, entry by entry: (B,) tensors, or floats shared by all rows
-Entries = list[list[Any]]
+from .problem import Entries, cholesky, cholesky_solve, grad_hess_2of4, objective_2of4, others_2of4, positive_definite
 
+_MAX_NEWTON = 30
 _NEWTON_TRIALS = 2
 _GRAD_TRIALS = 4
 _FACE_TOL = 1e-12
 _DEC_TOL = 1e-22
 _BOUND_ROUNDS = 4
-
-
-def _objective(w: Tensor, z: Tensor, lam: Tensor) -> Tensor:
-    """``0.5||w - z||^2 + lam r_{2:4}(w)`` for non-negative ``w`` with 3 or 4 entries."""
-    q = 0.5 * (w - z).square().sum(-1)
-    if w.shape[-1] == 3:
-        return q + lam * w[:, 0] * w[:, 1] * w[:, 2]
-    w1, w2, w3, w4 = w.unbind(-1)
-    return q + lam * (w1 * w2 * (w3 + w4) + w3 * w4 * (w1 + w2))
-
-
-def _grad_hess(w: Tensor, z: Tensor, lam: Tensor) -> tuple[Tensor, Entries]:
-    """Gradient and Hessian entries (eqs. ``hessian_3sparse``/``hessian_4sparse``) of ``g``/``f``."""
-    k = w.shape[-1]
-    hess: Entries = [[1.0] * k for _ in range(k)]
-    if k == 3:
-        w1, w2, w3 = w.unbind(-1)
-        grad = w - z + lam[:, None] * torch.stack((w2 * w3, w1 * w3, w1 * w2), -1)
-        hess[0][1] = hess[1][0] = lam * w3
-        hess[0][2] = hess[2][0] = lam * w2
-        hess[1][2] = hess[2][1] = lam * w1
-        return grad, hess
-    w1, w2, w3, w4 = w.unbind(-1)
-    p12, p13, p14, p23, p24, p34 = w1 * w2, w1 * w3, w1 * w4, w2 * w3, w2 * w4, w3 * w4
-    grad = w - z + lam[:, None] * torch.stack(
-        (p23 + p24 + p34, p13 + p14 + p34, p12 + p14 + p24, p12 + p13 + p23), -1
-    )
-    for i, j, x, y in ((0, 1, w3, w4), (0, 2, w2, w4), (0, 3, w2, w3),
-                       (1, 2, w1, w4), (1, 3, w1, w3), (2, 3, w1, w2)):
-        hess[i][j] = hess[j][i] = lam * (x + y)
-    return grad, hess
-
-
-def _cholesky(ent: Entries) -> tuple[Entries, Tensor | bool]:
-    """Unrolled Cholesky of a batch of small symmetric matrices given entry-wise (``ent[i][j]``
-    a ``(B,)`` tensor or a float): the lower factor in the same form and a flag per row (True
-    when positive definite). Elementwise ops only, much faster than batched LAPACK for k <= 8."""
-    k = len(ent)
-    low: Entries = [[0.0] * k for _ in range(k)]
-    ok: Tensor | bool = True
-    for j in range(k):
-        s = ent[j][j]
-        for t in range(j):
-            s = s - low[j][t] * low[j][t]
-        if isinstance(s, Tensor):
-            ok = ok & (s > 0)
-            dj = s.clamp_min(1e-300).sqrt()
-        else:
-            dj = max(s, 1e-300) ** 0.5
-        low[j][j] = dj
-        for i in range(j + 1, k):
-            s = ent[i][j]
-            for t in range(j):
-                s = s - low[i][t] * low[j][t]
-            low[i][j] = s / dj
-    return low, ok
-
-
-def _cholesky_solve(low: Entries, b: Tensor) -> Tensor:
-    """Solve ``L L^T x = b`` for ``b`` of shape ``(B, k)``."""
-    k = b.shape[-1]
-    y: list[Tensor] = []
-    for i in range(k):
-        s = b[:, i]
-        for t in range(i):
-            s = s - low[i][t] * y[t]
-        y.append(s / low[i][i])
-    x: list[Tensor] = [None] * k  # type: ignore[list-item]
-    for i in reversed(range(k)):
-        s = y[i]
-        for t in range(i + 1, k):
-            s = s - low[t][i] * x[t]
-        x[i] = s / low[i][i]
-    return torch.stack(x, -1)
 
 
 def _max_step(w: Tensor, d: Tensor) -> Tensor:
@@ -157,8 +64,8 @@ def damped_newton(
     f = objective(w, zs, ls)
     for _ in range(_MAX_NEWTON):
         grad, hess = grad_hess(w, zs, ls)
-        chol, _ = _cholesky(hess)
-        d = _cholesky_solve(chol, -grad)
+        chol, _ = cholesky(hess)
+        d = cholesky_solve(chol, -grad)
         dec = -(grad * d).sum(-1)
         # converged: Newton step ~1e-11 relative (objective error ~1e-22 relative); or the iterate
         # collapses onto the face w_min = 0 (the case minimiser is not interior, a smaller case
@@ -191,7 +98,7 @@ def damped_newton(
                 need = f[p] - 1e-4 * a * gg[p]
             fc = objective(cand, zs[p], ls[p])
             _, hc = grad_hess(cand, zs[p], ls[p])
-            ok = (fc <= need) & _cholesky(hc)[1]
+            ok = (fc <= need) & positive_definite(hc)
             okp = p[ok]
             w_new[okp] = cand[ok]
             f_new[okp] = fc[ok]
@@ -223,33 +130,22 @@ def _case_bounds(z: Tensor, lam: Tensor, k: int, rounds: int = _BOUND_ROUNDS) ->
     lo[:, :2] = z[:, :2] / c
     lam_ = lam[:, None]
     for _ in range(rounds):
-        hi = torch.minimum(hi, z - lam_ * _others(lo))
-        lo = torch.maximum(lo, z - lam_ * _others(hi))
+        hi = torch.minimum(hi, z - lam_ * others_2of4(lo))
+        lo = torch.maximum(lo, z - lam_ * others_2of4(hi))
     return lo, hi
 
 
-def _others(w: Tensor) -> Tensor:
-    """``e_{k-2}`` of the other entries: products of the other two (k = 3) or the sum of the
-    pairwise products of the other three (k = 4)."""
-    if w.shape[-1] == 3:
-        w1, w2, w3 = w.unbind(-1)
-        return torch.stack((w2 * w3, w1 * w3, w1 * w2), -1)
-    w1, w2, w3, w4 = w.unbind(-1)
-    p12, p13, p14, p23, p24, p34 = w1 * w2, w1 * w3, w1 * w4, w2 * w3, w2 * w4, w3 * w4
-    return torch.stack((p23 + p24 + p34, p13 + p14 + p34, p12 + p14 + p24, p12 + p13 + p23), -1)
-
-
-def _settles(w: Tensor, z: Tensor, lam: Tensor) -> Tensor:
+def kkt_point_of_case(w: Tensor, z: Tensor, lam: Tensor) -> Tensor:
     """True where the point ``w`` (its last entry 0) minimises the problem over the PSD region
     and ``w >= 0``: stationary in its non-zero entries (up to 1e-9 of the scale), a non-negative
     partial derivative in the zero one (KKT), and a positive definite Hessian. Since the
     objective is convex on that convex region (Lemma ``lem:hessian``), no interior minimiser
     of this case can have a smaller value, so the case need not be solved."""
-    grad, hess = _grad_hess(w, z, lam)
+    grad, hess = grad_hess_2of4(w, z, lam)
     nz = w > 0
     stationary = torch.where(nz, grad.abs(), torch.zeros_like(grad)).amax(-1) <= 1e-9 * z[:, 0]
     kkt = (grad >= 0) | nz
-    return stationary & kkt.all(-1) & _cholesky(hess)[1]
+    return stationary & kkt.all(-1) & positive_definite(hess)
 
 
 def solve_sorted_newton(z: Tensor, lam: Tensor) -> Tensor:
@@ -257,16 +153,16 @@ def solve_sorted_newton(z: Tensor, lam: Tensor) -> Tensor:
     z1, z2, z3, z4 = z.unbind(-1)
     w = z.clone()
     w[:, 2:] = 0.0
-    best = _objective(w, z, lam)
+    best = objective_2of4(w, z, lam)
     # Lemma lem:opt_cond_ext: 2-sparse needs lam >= z3/(z1 z2)
     best = torch.where(lam * z1 * z2 >= z3, best, torch.full_like(best, torch.inf))
     # ... and 3-sparse needs lam >= z4/(z1 z2 + z1 z3 + z2 z3)
     three_needed = lam * (z1 * z2 + z1 * z3 + z2 * z3) >= z4
-    # KKT certificates (see _settles): where the 2-sparse point is a KKT point of the 3- (4-)
+    # KKT certificates (see kkt_point_of_case): where the 2-sparse point is a KKT point of the 3- (4-)
     # variable problem inside its PSD region, that case cannot do better
     two = z.clone()
     two[:, 2:] = 0.0
-    skip = {3: _settles(two[:, :3], z[:, :3], lam), 4: _settles(two, z, lam)}
+    skip = {3: kkt_point_of_case(two[:, :3], z[:, :3], lam), 4: kkt_point_of_case(two, z, lam)}
     for k in (3, 4):
         # a case is possible only where z_k > 0 and the bounds leave room for w_k > 0
         cand = (z[:, k - 1] > 0) & ~skip[k] & (three_needed if k == 3 else True)
@@ -274,7 +170,7 @@ def solve_sorted_newton(z: Tensor, lam: Tensor) -> Tensor:
         r = solve_case(z, lam, k, rows, w, best)
         if k == 3 and r.numel():
             # a 3-sparse candidate that is a KKT point of the 4-variable problem settles it too
-            skip[4][r] |= _settles(w[r], z[r], lam[r])
+            skip[4][r] |= kkt_point_of_case(w[r], z[r], lam[r])
     return w
 
 
@@ -294,12 +190,12 @@ def solve_case(z: Tensor, lam: Tensor, k: int, rows: Tensor, w: Tensor, best: Te
     # start: the middle of the bounds where the Hessian is positive definite there, else a
     # point well inside the PSD region (Gershgorin row sums <= 2 lam sum(w) <= 1/2)
     mid = 0.5 * (lo + hi)
-    inside = _cholesky(_grad_hess(mid, zk, lk)[1])[1]
+    inside = positive_definite(grad_hess_2of4(mid, zk, lk)[1])
     safe = zk * torch.clamp(0.25 / (lk * zk.sum(-1)).clamp_min(1e-300), max=1.0)[:, None]
     start = torch.where(inside[:, None] & (mid > 0).all(-1, keepdim=True), mid, safe)
     rest = 0.5 * z[rows, k:].square().sum(-1)  # the fixed zeros w_{k+1:4}
-    wk = damped_newton(zk, lk, start, _objective, _grad_hess, (lo, hi), best[rows] - rest)
-    fk = _objective(wk, zk, lk) + rest
+    wk = damped_newton(zk, lk, start, objective_2of4, grad_hess_2of4, (lo, hi), best[rows] - rest)
+    fk = objective_2of4(wk, zk, lk) + rest
     better = fk < best[rows]
     r = rows[better]
     best[r] = fk[better]

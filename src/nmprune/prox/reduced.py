@@ -1,47 +1,16 @@
-"""Exact 2:4 prox by dimension reduction (the default, ``solver="reduced"``).
+"""Exact 2:4 prox by dimension reduction (``solver="reduced"`` in torch: the GPU path, and the
+CPU path for the cells the compiled kernel leaves undecided).
 
-Works on sorted non-negative cells ``z_1 >= z_2 >= z_3 >= z_4 >= 0`` (Lemma
-``lemma:sorted_prox``) and follows Algorithm ``alg:prox_enumerate``: the answer is the best of
-the 2-sparse point ``[z_1, z_2, 0, 0]``, the interior stationary point of ``g`` (eq.
-``prox_sorted3``) and that of ``f`` (eq. ``prox_sorted``) with a positive semidefinite Hessian.
-Such a point, when it exists, minimises its case over the PSD region (convex by Lemma
-``lem:hessian``), so it is the case minimiser of Corollary ``corollary:no_spurious``; with a
-positive definite Hessian it is the only one. The two cases reduce to one and two scalar
-equations.
-
-3-sparse (eq. ``stationarity_3sparse``). With ``u = lam w_3`` the first two equations give
-``w_1 + w_2 = S/(1+u)`` and ``w_1 - w_2 = D/(1-u)`` (``S = z_1 + z_2``, ``D = z_1 - z_2``); the
-third becomes ``Phi(u) = u + (A^2/(1+u)^2 - B^2/(1-u)^2)/4 - c = 0`` with ``A = lam S``,
-``B = lam D``, ``c = lam z_3``. ``Phi`` is the derivative of the objective minimised over
-``w_1, w_2`` (times ``lam``), so ``Phi'`` is the Schur complement of the Hessian: a stationary
-point is PSD exactly when ``u < 1`` and ``Phi'(u) >= 0``. ``Phi''`` changes sign once, at the
-closed-form ``u* = (1-r)/(1+r)``, ``r = sqrt(D/S)``, where ``Phi'(u*) = 1 - K^2`` with
-``K = lam (z_1 + sqrt(z_1^2 - z_2^2)) / 2``. Hence: no PSD point when ``K >= 1``; otherwise
-``Phi`` is convex left of ``u*`` and concave right of it, and Newton's method started at
-``u*`` moves monotonically towards the (unique) PSD root. An iterate leaving the region
-where ``Phi' > 0`` or the valid range ``0 < u < min(z_2/z_1, c)`` (``w_2 > 0``, ``w_3 <= z_3``)
-proves that no valid PSD root exists (tangent-line argument), so every cell is either solved
-or certified empty; cells not converged after the fixed number of steps (near-degenerate
-folds) go to the fallback.
-
-Dense. With ``x = lam (w_1 + w_2)``, ``y = lam (w_3 + w_4)``, ``(w_1 - w_2)(1 - y) = z_1 - z_2``,
-``(w_3 - w_4)(1 - x) = z_3 - z_4`` and the objective minimised over the differences is
-``G(x, y) / (4 lam^2)`` with
-``G = (x-S_1)^2 + (y-S_2)^2 + xy(x+y) - D_1^2 y/(1-y) - D_2^2 x/(1-x)``
-(``S_1 = lam(z_1+z_2)``, ``S_2 = lam(z_3+z_4)``, ``D_1 = lam(z_1-z_2)``, ``D_2 = lam(z_3-z_4)``).
-The Hessian of ``f`` is PSD exactly when ``x, y < 1`` and the 2x2 Hessian of ``G`` is PSD
-(Schur complement). A fixed number of Newton steps on ``grad G = 0`` from ``(S_1, S_2)/2``;
-a converged point with ``x, y < 1`` and a positive definite Hessian is the unique PSD
-stationary point of ``f``: a candidate if ``w_2, w_4 > 0``, otherwise proof that the dense
-case has no interior minimiser. Necessary conditions rule out most cells first: a dense PSD
-point shifted by ``w_4`` is a 3-sparse PSD point for ``z_{1:3} + w_4 + lam w_4^2``, whose
-``K`` is at least that of ``z``, so ``K < 1`` is needed; the bounds of
-:func:`nmprune.prox.newton.solve_case` and the KKT certificate ``_settles`` (the best sparse
-candidate minimises ``f`` over the PSD region) exclude more.
-
-Fallback: the few cells neither solved nor certified (non-converged Newton, e.g. near the
-boundary of the PSD region) are solved by the damped-Newton solver of
-:mod:`nmprune.prox.newton`, so the result is always exact. Runs in float64.
+Algorithm ``alg:prox_enumerate`` on sorted non-negative cells (Lemma ``lemma:sorted_prox``):
+the best of the 2-sparse point ``[z_1, z_2, 0, 0]`` and the stationary points of ``g`` (eq.
+``prox_sorted3``) and ``f`` (eq. ``prox_sorted``) with a PSD Hessian, each the minimiser of its
+case over the convex PSD region (Lemma ``lem:hessian``, Corollary ``corollary:no_spurious``).
+The 3-sparse case reduces to one scalar equation ``Phi(u) = 0`` (``u = lam w_3``, eq.
+``stationarity_3sparse``) solved by monotone Newton from its inflection point, and the dense
+case to two, ``grad G(x, y) = 0`` (``x = lam (w_1 + w_2)``, ``y = lam (w_3 + w_4)``); necessary
+conditions and KKT certificates skip most cells. The few cells neither solved nor certified go
+to the damped-Newton solver of :mod:`nmprune.prox.newton`, so the result is always exact. Runs
+in float64. The derivations are in ``docs/prox.md``.
 """
 
 from __future__ import annotations
@@ -49,7 +18,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .newton import _cholesky, _objective, solve_case, solve_sorted_newton
+from .newton import solve_case, solve_sorted_newton
+from .problem import grad_hess_2of4, objective_2of4, positive_definite
 
 ITER_3SPARSE = 12
 ITER_DENSE = 10
@@ -126,7 +96,7 @@ def dense_point(z1: Tensor, z2: Tensor, z3: Tensor, z4: Tensor, lam: Tensor) -> 
     return w, pd
 
 
-def _settles(w: Tensor, z: Tensor, lam: Tensor) -> Tensor:
+def sparse_point_rules_out_dense(w: Tensor, z: Tensor, lam: Tensor) -> Tensor:
     """True where the sparse candidate ``w = [w_1, w_2, w_3, 0]`` (a 2-sparse point or a
     stationary point of ``g``) is a KKT point of ``f`` with non-negative multipliers and a
     positive definite Hessian (eq. ``hessian_4sparse``): it then minimises ``f`` over the PSD
@@ -139,13 +109,7 @@ def _settles(w: Tensor, z: Tensor, lam: Tensor) -> Tensor:
     out = (nu3 >= 0) & (nu4 >= 0)
     rows = out.nonzero().squeeze(-1)
     if rows.numel():
-        v1, v2, v3, lr = w1[rows], w2[rows], w3[rows], lam[rows]
-        one = 1.0
-        hess = [[one, lr * v3, lr * v2, lr * (v2 + v3)],
-                [lr * v3, one, lr * v1, lr * (v1 + v3)],
-                [lr * v2, lr * v1, one, lr * (v1 + v2)],
-                [lr * (v2 + v3), lr * (v1 + v3), lr * (v1 + v2), one]]
-        out[rows] = _cholesky(hess)[1]
+        out[rows] = positive_definite(grad_hess_2of4(w[rows], z[rows], lam[rows])[1])
     return out
 
 
@@ -168,7 +132,7 @@ def solve_sorted_reduced(z: Tensor, lam: Tensor) -> Tensor:
         den = 1 - u * u
         w3 = torch.stack(((a[:, 0] - u * a[:, 1]) / den, (a[:, 1] - u * a[:, 0]) / den, u / l3,
                           torch.zeros_like(u)), -1)
-        f3 = _objective(w3, a, l3)
+        f3 = objective_2of4(w3, a, l3)
         better = f3 < best[rows]
         w[rows[better]] = w3[better]
         best[rows[better]] = f3[better]
@@ -177,12 +141,12 @@ def solve_sorted_reduced(z: Tensor, lam: Tensor) -> Tensor:
     cand = k_ok & (lam * z4 > 0) & (lam * z1 * z2 < 9 * z4) & ~fallback
     rows = cand.nonzero().squeeze(-1)
     if rows.numel():
-        rows = rows[~_settles(w[rows], z[rows], lam[rows])]
+        rows = rows[~sparse_point_rules_out_dense(w[rows], z[rows], lam[rows])]
     if rows.numel():
         a, l4 = z[rows], lam[rows]
         w4, pd = dense_point(a[:, 0], a[:, 1], a[:, 2], a[:, 3], l4)
         pos = pd & (w4[:, 1] > 0) & (w4[:, 3] > 0)
-        f4 = torch.where(pos, _objective(w4, a, l4), torch.full_like(l4, torch.inf))
+        f4 = torch.where(pos, objective_2of4(w4, a, l4), torch.full_like(l4, torch.inf))
         better = f4 < best[rows]
         w[rows[better]] = w4[better]
         best[rows[better]] = f4[better]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._checks import check_float
+from ..checks import check_float
 
 
 def elementary_symmetric(x: Tensor, k: int) -> Tensor:

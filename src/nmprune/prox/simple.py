@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._cells import check_cells, check_n, lam_tensor, sort_abs, unsort
+from .cells import check_cells, check_n, lam_tensor, sort_abs, unsort
 
 
 def _smallest_mask(z: Tensor, n: int) -> Tensor:

@@ -6,8 +6,8 @@ import torch
 from torch import Tensor
 
 from . import reduced_simd
-from .._checks import non_finite_error
-from ._cells import check_cells, lam_tensor, sort_abs, unsort
+from ..checks import non_finite_error
+from .cells import check_cells, lam_tensor, sort_abs, unsort
 from .gd_solver import solve_sorted_gd
 from .newton import solve_sorted_newton
 from .reduced import solve_sorted_reduced
@@ -34,7 +34,7 @@ def prox_2of4(
     case, stopping a case when its gradient norm grows or drops below ``gd_tol * max|z|``.
     Returns a tensor of the shape, dtype and device of ``z``.
     """
-    compiled = solver == "reduced" and z.device.type == "cpu" and reduced_simd.AVAILABLE
+    compiled = solver == "reduced" and z.device.type == "cpu"
     check_cells(z, 4, finite=not compiled)  # the compiled kernel finds NaN and Inf as it loads
     if solver not in SOLVERS:
         raise ValueError(f"solver must be one of {SOLVERS}, got {solver!r}")
@@ -59,11 +59,10 @@ def prox_2of4(
 
 
 def _reduced_compiled(zc: Tensor, lam_c: Tensor) -> Tensor:
-    """``solver="reduced"`` on CPU: the compiled per-cell kernel
-    (:mod:`nmprune.prox.reduced_simd`), with the cells it leaves undecided re-solved by the
-    vectorised exact path. The kernel also leaves the cells holding NaN or Inf undecided: they
-    raise the ``ValueError`` that :func:`check_cells` would. Finding them as the kernel loads
-    saves a pass over ``z`` (2% of the call on 1536x576)."""
+    """``solver="reduced"`` on CPU: the compiled kernel (:mod:`nmprune.prox.reduced_simd`),
+    with the cells it leaves undecided re-solved by the torch solver. The kernel also leaves
+    the cells holding NaN or Inf undecided: they raise the ``ValueError`` that
+    :func:`check_cells` would (finding them as the kernel loads saves a pass over ``z``)."""
     kernel_dtype = zc.dtype if zc.dtype in (torch.float32, torch.float64) else torch.float32
     zk = zc.to(kernel_dtype).contiguous()
     out = torch.empty_like(zk)

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from ..evaluate import eval_windows, window_nll
-from ..block_runner import BlockInputs, _like, _Recorder, run_block
+from ..block_runner import BlockInputs, Recorder, output_like, run_block
 from .source import StreamingModel
 
 
@@ -50,9 +50,9 @@ def head_logits(source: StreamingModel, inputs: BlockInputs, batches: list[Tenso
 
     def replay(index: int, args: tuple, kwargs: dict) -> Any:
         hidden = args[0] if args else kwargs["hidden_states"]
-        return _like(inputs.output_template, current["final"] if index == 0 else hidden)
+        return output_like(inputs.output_template, current["final"] if index == 0 else hidden)
 
-    stand_ins = nn.ModuleList([_Recorder(i, b, replay) for i, b in enumerate(source.blocks)])
+    stand_ins = nn.ModuleList([Recorder(i, b, replay) for i, b in enumerate(source.blocks)])
     with source.outside(device):
         setattr(parent, attr, stand_ins)
         try:

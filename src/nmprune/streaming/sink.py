@@ -9,7 +9,7 @@ the blocks (embeddings, norms, LM head) copied from the input checkpoint tensor 
 into shards of at most one block's size (a larger tensor gets a shard of its own). Shards
 are named ``model-NNNNN-of-NNNNN.safetensors`` and listed by a standard
 ``model.safetensors.index.json``, so the directory loads with ``from_pretrained``.
-Everything goes into ``OUT.saving`` (:meth:`ShardedWriter.close` completes it as a model
+Everything goes into ``OUT.partial/unfinished`` (:meth:`ShardedWriter.close` completes it as a model
 directory that can be read back, e.g. to evaluate it) and appears under ``OUT`` by one
 rename at :meth:`ShardedWriter.publish`, as :func:`nmprune.models.save_pretrained_atomic`
 does.
@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from collections.abc import Mapping
 from typing import Any
 
 from torch import Tensor
 
-from ..models import publish_atomic, staging_dir
+from ..models import publish_atomic, remove_partial_save, staging_dir
 from .files import INDEX
 from .source import StreamingModel
 
@@ -91,7 +90,7 @@ class ShardedWriter:
 
     def close(self, tokenizer: Any = None) -> Path:
         """Copy the tensors outside the blocks and write the index, configuration,
-        generation configuration and tokenizer: ``OUT.saving`` is a complete model
+        generation configuration and tokenizer: ``OUT.partial/unfinished`` is a complete model
         directory. Every block must have been written."""
         self._copy_outside()
         missing = [s for s in self.shard_names if s not in self.written]
@@ -117,7 +116,7 @@ class ShardedWriter:
 
     def abandon(self) -> None:
         """Delete the unfinished output."""
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        remove_partial_save(self.out)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -189,6 +189,11 @@ class StreamingModel(ModelBlocks):
         _move_buffers(list(self.blocks[index].modules()), device)
         return self.blocks[index]
 
+    def offload(self, index: int) -> None:
+        """Move block ``index``'s parameters and buffers to the CPU, keeping their values
+        (until :meth:`release`: the block's pruned weights are written first)."""
+        self.blocks[index].to("cpu")
+
     def release(self, index: int) -> None:
         """Put block ``index``'s parameters back on the meta device."""
         self._release(self._block_params[index])

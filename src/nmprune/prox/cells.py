@@ -12,7 +12,7 @@ import math
 import torch
 from torch import Tensor
 
-from .._checks import check_float
+from ..checks import check_float
 
 
 def check_cells(z: Tensor, m: int | None = None, *, finite: bool = True) -> None:

@@ -15,7 +15,7 @@ def check_float(name: str, t: Tensor, *, finite: bool = True) -> None:
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if not t.is_floating_point():
         raise ValueError(f"{name} must have a floating-point dtype, got {t.dtype}")
-    if finite and t.numel() and not _all_finite(t):
+    if finite and t.numel() and not all_finite(t):
         raise non_finite_error(name)
 
 
@@ -24,7 +24,7 @@ def non_finite_error(name: str) -> ValueError:
     return ValueError(f"{name} contains NaN or Inf")
 
 
-def _all_finite(t: Tensor) -> bool:
+def all_finite(t: Tensor) -> bool:
     """True when no entry is NaN or +-Inf: the min and max (one reduction, which propagates
     NaN) are finite. Much faster than ``isfinite(t).all()``, which writes a bool tensor."""
     lo, hi = torch.aminmax(t)

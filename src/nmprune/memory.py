@@ -30,15 +30,15 @@ def _glibc():
         return None
 
 
-_LIBC = _glibc()
+LIBC = _glibc()
 _M_MMAP_THRESHOLD = -3
 
 
 def prefer_mmap(threshold: int = 32 << 20) -> None:
     """Serve allocations of ``threshold`` bytes or more by mmap (glibc; process-wide, so only
     the command-line entry point calls it)."""
-    if _LIBC is not None:
-        _LIBC.mallopt(_M_MMAP_THRESHOLD, threshold)
+    if LIBC is not None:
+        LIBC.mallopt(_M_MMAP_THRESHOLD, threshold)
 
 
 def release_memory(collect: bool = True) -> None:
@@ -46,5 +46,5 @@ def release_memory(collect: bool = True) -> None:
     system."""
     if collect:
         gc.collect()
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
+    if LIBC is not None:
+        LIBC.malloc_trim(0)

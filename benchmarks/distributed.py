@@ -1,0 +1,195 @@
+"""Two ranks against one on this 2-core machine, and a projection to the paper's 8B setting.
+
+Runs ``nmprune prune`` on the packaged SmolLM2-135M (default settings unless flags are given)
+as 1 rank x 2 threads and as ``torchrun --nproc-per-node 2`` (2 ranks x 1 thread, gloo),
+then compares
+
+* result: masks (share of 2:4 cells with the same mask), total local loss, perplexity;
+* work: wall time, each rank's busy seconds, CPU seconds of the layer phase (summed over
+  ranks against the 1-rank run: at most 1.1x), busiest rank's layer time against the mean
+  (at most 1.2x), peak RSS of the largest process.
+
+The projection fits ``seconds = f x rows x d_in^2`` to the 1-rank run's per-layer solve
+times, turns ``f`` into floating-point work with this CPU's measured fp32 matmul rate, and
+spreads Llama-3.1-8B's 224 layer solves over 1/2/4/8 GPUs with the pipeline's assignment
+(longest first to the least-loaded rank) one block at a time, over the pipeline's window of
+blocks (:func:`nmprune.distributed.balance_window`) and over all blocks at once. GPU rate assumed: NVIDIA A100's 19.5 TFLOP/s fp32 peak (A100 datasheet;
+the paper's GPU); a second column scales the 1-GPU total to the paper's measured 11,170 s
+for its method on that model (Table ``tab:runtime``).
+
+Writes benchmarks/results/distributed.{json,md}. Run:
+    flock /tmp/nmprune-bench.lock python benchmarks/distributed.py [extra nmprune prune flags]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _machine import cpu_description  # noqa: E402
+
+from nmprune.distributed import balance_window, makespan  # noqa: E402
+from nmprune.pattern import same_mask_cells  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+A100_FP32_FLOPS = 19.5e12  # NVIDIA A100 datasheet, peak fp32 (non-tensor-core)
+PAPER_8B_SECONDS = 11170.0  # paper Table tab:runtime, proposed regularizer, Llama-3.1 8B
+# Llama-3.1-8B: 32 blocks of (rows, d_in)
+LLAMA_8B_BLOCK = {"q": (4096, 4096), "k": (1024, 4096), "v": (1024, 4096), "o": (4096, 4096),
+                  "gate": (14336, 4096), "up": (14336, 4096), "down": (4096, 14336)}
+LLAMA_8B_BLOCKS = 32
+
+
+def run(cmd: list[str], env: dict[str, str]) -> dict:
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
+    return {"wall_seconds": wall,
+            "cpu_seconds": (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime),
+            "peak_rss_mib": after.ru_maxrss / 1024}
+
+
+def load(out: Path) -> tuple[dict, dict]:
+    from safetensors.torch import load_file
+
+    return json.loads((out / "nmprune_report.json").read_text()), load_file(out / "model.safetensors")
+
+
+def matmul_flops(threads: int) -> float:
+    """This CPU's fp32 matmul rate (FLOP/s) on SmolLM2-sized operands."""
+    torch.set_num_threads(threads)
+    a, b = torch.randn(1536, 576), torch.randn(576, 576)
+    for _ in range(3):
+        a @ b
+    n, start = 20, time.perf_counter()
+    for _ in range(n):
+        a @ b
+    return n * 2 * 1536 * 576 * 576 / (time.perf_counter() - start)
+
+
+def projection(factor_flops: float) -> list[dict]:
+    """Layer-phase wall time of Llama-3.1-8B on 1/2/4/8 GPUs (seconds): one block at a time,
+    the pipeline's window of blocks (:func:`balance_window`), all blocks at once."""
+    block = [rows * d_in ** 2 * factor_flops / A100_FP32_FLOPS for rows, d_in in LLAMA_8B_BLOCK.values()]
+    total = sum(block) * LLAMA_8B_BLOCKS
+    rows = []
+    for gpus in (1, 2, 4, 8):
+        k = balance_window([block] * LLAMA_8B_BLOCKS, gpus)
+        windows = [min(k, LLAMA_8B_BLOCKS - i) for i in range(0, LLAMA_8B_BLOCKS, k)]
+        times = {"per_block_seconds": makespan(block, gpus) * LLAMA_8B_BLOCKS,
+                 "window_seconds": sum(makespan(block * w, gpus) for w in windows),
+                 "whole_model_seconds": makespan(block * LLAMA_8B_BLOCKS, gpus)}
+        rows.append({"gpus": gpus, "window_blocks": k, **times, "ideal_seconds": total / gpus,
+                     **{key.replace("seconds", "paper_scaled"): PAPER_8B_SECONDS * t / total
+                        for key, t in times.items()}})
+    return rows
+
+
+def main(extra: list[str]) -> None:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    load_start = os.getloadavg()[0]
+    base = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    with tempfile.TemporaryDirectory() as tmp:
+        one_cmd = [sys.executable, "-m", "nmprune", "prune", "--quiet", *extra, "--out", f"{tmp}/one"]
+        two_cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                   "-m", "nmprune", "prune", "--quiet", *extra, "--out", f"{tmp}/two"]
+        runs = {"1 rank x 2 threads": run(one_cmd, base),
+                "2 ranks x 1 thread": run(two_cmd, {**base, "OMP_NUM_THREADS": "1"})}
+        (one, state_one), (two, state_two) = load(Path(tmp) / "one"), load(Path(tmp) / "two")
+    names = [r["name"] for r in one["layers"] if not r["skipped"]]
+    same = [same_mask_cells(state_one[f"{n}.weight"], state_two[f"{n}.weight"], 4) for n in names]
+    agreement = float(sum(s.sum() for s in same)) / sum(s.numel() for s in same)
+    loss = [sum(r["loss_refined"] or r["loss_method"] for r in rep["layers"] if not r["skipped"])
+            for rep in (one, two)]
+    ppl = {d: [one["perplexity"]["pruned"][d], two["perplexity"]["pruned"][d]]
+           for d in one["perplexity"]["pruned"]}
+    for label, rep in zip(runs, (one, two)):
+        runs[label]["report_seconds"] = rep["seconds"]
+        runs[label]["per_rank"] = [{k: v for k, v in p.items() if k != "layers"} | {"layers": len(p["layers"])}
+                                   for p in rep["per_rank"]]
+    layer_cpu = [sum(p["layer_cpu_seconds"] for p in rep["per_rank"]) for rep in (one, two)]
+    solve = [p["solve_seconds"] for p in two["per_rank"]]
+    sizes = [r["shape"][0] * r["shape"][1] ** 2 for r in one["layers"] if not r["skipped"]]
+    seconds = [r["seconds"] for r in one["layers"] if not r["skipped"]]
+    factor = sum(s * z for s, z in zip(seconds, sizes)) / sum(z * z for z in sizes)
+    cpu_flops = matmul_flops(2)
+    result = {
+        "commit": commit, "cpu": cpu_description(), "load_average": [load_start, os.getloadavg()[0]],
+        "args": extra, "runs": runs,
+        "same_mask_cells": agreement, "total_local_loss": loss,
+        "loss_rel_diff": abs(loss[1] - loss[0]) / loss[0],
+        "perplexity": ppl, "perplexity_rel_diff": {d: abs(b - a) / a for d, (a, b) in ppl.items()},
+        "layer_cpu_seconds": layer_cpu, "layer_cpu_ratio": layer_cpu[1] / layer_cpu[0],
+        "busiest_over_mean": max(solve) / (sum(solve) / len(solve)),
+        "fit_seconds_per_row_din2": factor, "cpu_matmul_flops_2_threads": cpu_flops,
+        "flops_per_row_din2": factor * cpu_flops,
+        "projection_8b": projection(factor * cpu_flops),
+    }
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "distributed.json").write_text(json.dumps(result, indent=1))
+    (RESULTS / "distributed.md").write_text(markdown(result))
+    print(markdown(result))
+
+
+def markdown(r: dict) -> str:
+    lines = ["# Pruning on several ranks: 2 ranks x 1 thread against 1 rank x 2 threads", "",
+             f"`nmprune prune {' '.join(r['args'])}` (packaged SmolLM2-135M, default settings unless "
+             f"flags are shown), {r['cpu']['model']} with 2 cores, commit {r['commit']}; load average "
+             f"{r['load_average'][0]:.1f} at the start, {r['load_average'][1]:.1f} at the end (other "
+             "agents shared the machine). The 2-rank run is `torchrun --standalone --nproc-per-node 2` "
+             "on gloo.", "",
+             "| run | wall s | CPU s (all processes) | peak RSS MiB (largest process) | prune s | layers s | rank: busy s / layer CPU s / layers solved |",
+             "|---|---|---|---|---|---|---|"]
+    for label, run_ in r["runs"].items():
+        ranks = "; ".join(f"{p['rank']}: {p['busy_seconds']:.0f} / {p['layer_cpu_seconds']:.0f} / {p['layers']}"
+                          for p in run_["per_rank"])
+        lines.append(f"| {label} | {run_['wall_seconds']:.0f} | {run_['cpu_seconds']:.0f} | "
+                     f"{run_['peak_rss_mib']:.0f} | {run_['report_seconds']['prune']:.0f} | "
+                     f"{run_['report_seconds']['pipeline']['layers']:.0f} | {ranks} |")
+    ppl = ", ".join(f"{d}: {a:.3f} vs {b:.3f} ({r['perplexity_rel_diff'][d]:.2e})"
+                    for d, (a, b) in r["perplexity"].items())
+    lines += ["", "| check | measured | bound | met |", "|---|---|---|---|",
+              f"| same 2:4 masks | {100 * r['same_mask_cells']:.3f}% of cells | >= 99.9% | "
+              f"{'yes' if r['same_mask_cells'] >= 0.999 else 'no'} |",
+              f"| total local loss | {r['total_local_loss'][0]:.6g} vs {r['total_local_loss'][1]:.6g} "
+              f"({r['loss_rel_diff']:.2e}) | 1e-4 relative | {'yes' if r['loss_rel_diff'] <= 1e-4 else 'no'} |",
+              f"| pruned perplexity | {ppl} | 0.1% | "
+              f"{'yes' if all(v <= 1e-3 for v in r['perplexity_rel_diff'].values()) else 'no'} |",
+              f"| layer-phase CPU s, 2 ranks summed / 1 rank | {r['layer_cpu_seconds'][1]:.0f} / "
+              f"{r['layer_cpu_seconds'][0]:.0f} = {r['layer_cpu_ratio']:.2f} | 1.1 | "
+              f"{'yes' if r['layer_cpu_ratio'] <= 1.1 else 'no'} |",
+              f"| busiest rank's layer time / mean | {r['busiest_over_mean']:.3f} | 1.2 | "
+              f"{'yes' if r['busiest_over_mean'] <= 1.2 else 'no'} |", "",
+              "## Projection: Llama-3.1-8B layer phase on 1, 2, 4, 8 GPUs", "",
+              f"Per-layer fit on the 1-rank run: {r['fit_seconds_per_row_din2']:.3e} s per rows x d_in^2 "
+              f"at {r['cpu_matmul_flops_2_threads'] / 1e9:.0f} GFLOP/s (this CPU's fp32 matmul, 2 threads) = "
+              f"{r['flops_per_row_din2']:.0f} FLOP per rows x d_in^2. GPU assumed: A100 at its "
+              "19.5 TFLOP/s fp32 peak (NVIDIA datasheet; an optimistic bound). The last two columns "
+              "scale the 1-GPU total to the paper's measured 11,170 s for its method on this model "
+              "(Table tab:runtime). Calibration and I/O are not included.", "",
+              "| GPUs | one block at a time | nmprune's window (blocks) | all blocks at once | ideal | paper-scaled: one block / window / all (min) |",
+              "|---|---|---|---|---|---|"]
+    for p in r["projection_8b"]:
+        lines.append(f"| {p['gpus']} | {p['per_block_seconds']:.0f} s | {p['window_seconds']:.0f} s "
+                     f"({p['window_blocks']}) | {p['whole_model_seconds']:.0f} s | {p['ideal_seconds']:.0f} s | "
+                     f"{p['per_block_paper_scaled'] / 60:.0f} / {p['window_paper_scaled'] / 60:.0f} / "
+                     f"{p['whole_model_paper_scaled'] / 60:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,388 @@
+"""Pruning on several processes: ``torch.distributed``, launched by ``torchrun``.
+
+Every layer's problem (paper eq. ``squared_loss``) is independent once its Hessian is known,
+which is why the paper prunes on several GPUs (Appendix ``app:use_unpruned_inputs``). Here
+each rank (one process, one device: ``cuda:LOCAL_RANK`` with NCCL, the CPU with gloo)
+
+1. runs its contiguous share of the calibration batches through the current block;
+2. all-reduces the input statistics (``sum x x^T``, ``sum x``, token count: sums, so the
+   reduction is exact up to float summation order) before any layer is solved;
+3. solves the layers the cost-based assignment (:func:`assign`, longest job first to the
+   least loaded rank) gives it;
+4. receives every other rank's pruned weights by broadcast, so after each block all ranks
+   hold the same pruned block (needed to propagate with ``hessian_inputs="pruned"``, and it
+   lets :func:`nmprune.pipeline.prune_model` return the same model on every rank).
+
+Errors never hang a job: each phase ends in :func:`Ranks.check`, an all-gather of every
+rank's status; a rank that raised makes all ranks raise :class:`RankError` naming it and its
+message, and every collective has the process group's timeout
+(``NMPRUNE_DIST_TIMEOUT`` seconds, default 1800) for a rank that died without a word.
+
+Without a process group (no ``torchrun``, or ``WORLD_SIZE`` 1) none of this runs.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Iterator, Sequence, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+T = TypeVar("T")
+
+TIMEOUT_ENV = "NMPRUNE_DIST_TIMEOUT"
+DEFAULT_TIMEOUT_S = 1800.0
+
+# Seconds per (rows x d_in^2) of each method and refiner (``refine:NAME``): least-squares fits
+# over SmolLM2's three matrix shapes (576x576, 1536x576, 576x1536) of the times in
+# benchmarks/results/layer_methods.json (part A, synthetic correlated Hessians, this 2-core
+# CPU, 2 threads). Only their ratios matter to the assignment; a solver not listed counts
+# as the most expensive one listed. Wanda, magnitude and DSnoT cost rows x d_in and far less.
+COST_FACTORS: dict[str, float] = {
+    "magnitude": 1.1e-11, "wanda": 7.1e-12, "dsnot": 3.0e-11, "sparsegpt": 1.1e-10,
+    "prox": 7.2e-10, "prox-l0": 7.3e-9, "prox-l1": 1.4e-9, "prox-l2": 1.5e-8,
+    "refine:exact": 1.3e-9, "refine:gd": 1.1e-8,
+}
+
+
+class RankError(RuntimeError):
+    """Another rank (or this one) failed; the message names the rank and its error."""
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in the initialised process group."""
+
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one that writes checkpoints, reports and the pruned model."""
+        return self.rank == 0
+
+    # -- errors ----------------------------------------------------------------------------
+
+    def check(self, phase: str, error: BaseException | None = None, payload: Any = None) -> list[Any]:
+        """All-gather each rank's ``(error, payload)`` after ``phase``. A rank that brings
+        an ``error`` raises it again; when any rank brought one, the others raise
+        :class:`RankError` naming it; otherwise the payloads come back by rank."""
+        status = None if error is None else f"{type(error).__name__}: {error}"
+        gathered: list[Any] = [None] * self.world
+        dist.all_gather_object(gathered, (status, payload))
+        if error is not None:
+            raise error
+        failed = [(r, s) for r, (s, _) in enumerate(gathered) if s is not None]
+        if failed:
+            text = "; ".join(f"rank {r} failed during {phase}: {s}" for r, s in failed)
+            raise RankError(text)
+        return [p for _, p in gathered]
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Run a phase's local work; on leaving, :meth:`check` all ranks' status (an error
+        inside is reported to every rank instead of leaving them waiting)."""
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - every error is reported to all ranks
+            self.check(name, e)  # raises e again
+        self.check(name)
+
+    # -- data --------------------------------------------------------------------------------
+
+    def share(self, n: int) -> range:
+        """This rank's contiguous share of ``n`` items (calibration batches)."""
+        if n < self.world:
+            raise ValueError(f"{n} calibration batches cannot be shared by {self.world} ranks; "
+                             "use more samples (--nsamples) or a smaller --batch-size")
+        return range(self.rank * n // self.world, (self.rank + 1) * n // self.world)
+
+    def owner_of(self, index: int, n: int) -> int:
+        """The rank whose :meth:`share` of ``n`` items holds item ``index``."""
+        return next(r for r in range(self.world)
+                    if r * n // self.world <= index < (r + 1) * n // self.world)
+
+    def broadcast_object(self, value: Any, src: int = 0) -> Any:
+        """``value`` of rank ``src`` on every rank (small picklable values)."""
+        box = [value]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def all_reduce_sum(self, tensors: Sequence[Tensor]) -> None:
+        """Sum each tensor over all ranks, in place (on this rank's device)."""
+        for t in tensors:
+            buf = t if t.device == self.device else t.to(self.device)
+            dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+            if buf is not t:
+                t.copy_(buf)
+
+    def broadcast_into(self, target: Tensor, src: int) -> None:
+        """Overwrite ``target`` on every rank with rank ``src``'s ``target``."""
+        buf = target.detach()
+        if buf.device != self.device or not buf.is_contiguous():
+            buf = buf.to(self.device).contiguous()
+        dist.broadcast(buf, src=src)
+        if buf is not target:
+            with torch.no_grad():
+                target.copy_(buf)
+
+    def gather_batches(self, local: list[Tensor], sizes: Sequence[int]) -> list[Tensor] | None:
+        """All batches on rank 0, in order, from each rank's :meth:`share` ``local``; ``None``
+        on the other ranks. ``sizes`` holds every batch's first dimension (the calibration
+        split, known to all ranks); the other dimensions and the dtype are ``local[0]``'s."""
+        mine = self.share(len(sizes))
+        if not self.is_main:
+            for t in local:
+                dist.send(t.detach().to(self.device).contiguous(), dst=0)
+            return None
+        like = local[0]
+        result: list[Tensor] = []
+        for j, size in enumerate(sizes):
+            if j in mine:
+                result.append(local[j - mine.start])
+                continue
+            buf = torch.empty((size, *like.shape[1:]), dtype=like.dtype, device=self.device)
+            dist.recv(buf, src=self.owner_of(j, len(sizes)))
+            result.append(buf)
+        return result
+
+    def scatter_batches(self, batches: list[Tensor] | None, local_like: list[Tensor]) -> list[Tensor]:
+        """Rank 0's ``batches`` (all of them, in order) split by :meth:`share`: every rank
+        gets its own, received into tensors shaped like its ``local_like``."""
+        if not self.is_main:
+            result = [torch.empty_like(t, device=self.device) for t in local_like]
+            for buf in result:
+                dist.recv(buf, src=0)
+            return result
+        assert batches is not None
+        mine = self.share(len(batches))
+        for j, t in enumerate(batches):
+            if j not in mine:
+                dist.send(t.to(self.device).contiguous(), dst=self.owner_of(j, len(batches)))
+        return [batches[j].to(self.device) for j in mine]
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def launched() -> bool:
+    """Whether this process was started by ``torchrun`` as one of several ranks."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
+
+
+def timeout_seconds() -> float:
+    """The collective timeout: ``NMPRUNE_DIST_TIMEOUT`` seconds, default 1800."""
+    text = os.environ.get(TIMEOUT_ENV)
+    if text is None:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise ValueError(f"{TIMEOUT_ENV} must be a positive number of seconds, got {text!r}")
+    return value
+
+
+def rank_device(device: str | torch.device | None, local_rank: int) -> torch.device:
+    """This rank's compute device: ``cuda:LOCAL_RANK`` for ``"cuda"`` (or by default when
+    CUDA is available), else the CPU."""
+    want = torch.device(device) if device is not None else \
+        torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if want.type == "cuda":
+        if want.index is not None:
+            raise ValueError(f"--device {want} names one GPU; under torchrun give --device cuda "
+                             "and each rank uses cuda:LOCAL_RANK")
+        return torch.device("cuda", local_rank)
+    return want
+
+
+def current(device: str | torch.device | None = None) -> Ranks | None:
+    """The initialised process group as :class:`Ranks`, or ``None`` without one (or with a
+    single rank). The device follows the backend: ``cuda:LOCAL_RANK`` with NCCL."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+    nccl = dist.get_backend() == "nccl"
+    dev = rank_device(device or ("cuda" if nccl else "cpu"), local_rank)
+    if nccl and dev.type != "cuda":
+        raise ValueError(f"the process group uses NCCL, which needs CUDA; got device {dev}")
+    return Ranks(dist.get_rank(), dist.get_world_size(), local_rank, dev)
+
+
+def setup(device: str | torch.device | None = None) -> Ranks | None:
+    """Join the job ``torchrun`` started (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+    ``MASTER_ADDR``/``PORT`` from the environment): NCCL when this rank computes on CUDA,
+    gloo on the CPU, with the :func:`timeout_seconds` timeout. On the CPU the intra-op
+    threads are split so that the ranks on one machine never use more threads than cores.
+    Returns ``None`` (and changes nothing) outside ``torchrun`` or with one rank; an
+    already initialised group is used as it is."""
+    if dist.is_available() and dist.is_initialized():
+        return current(device)
+    if not launched():
+        return None
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    dev = rank_device(device, local_rank)
+    timeout = timedelta(seconds=timeout_seconds())
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+        dist.init_process_group("nccl", timeout=timeout, device_id=dev)
+    else:
+        per_machine = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+        torch.set_num_threads(max(1, _cores() // per_machine))
+        dist.init_process_group("gloo", timeout=timeout)
+    return current(device)
+
+
+def teardown() -> None:
+    """Leave the process group (if this process is in one)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- assignment
+
+
+def job_cost(rows: int, d_in: int, method: str, refine: str | None) -> float:
+    """Estimated seconds of one layer solve: ``rows x d_in^2`` times the measured factors of
+    its method and refiner (:data:`COST_FACTORS`)."""
+    worst = max(COST_FACTORS.values(), default=1.0)
+    factor = COST_FACTORS.get(method, worst)
+    if refine is not None:
+        factor += COST_FACTORS.get(f"refine:{refine}", worst)
+    return float(rows) * float(d_in) ** 2 * factor
+
+
+def assign(costs: Sequence[float], world: int) -> list[int]:
+    """Longest-processing-time-first: jobs in decreasing cost, each to the rank with the
+    least assigned cost so far (lowest rank on ties). Returns each job's rank; at most 4/3 of
+    the optimal makespan. Deterministic, so every rank computes the same assignment."""
+    if world < 1:
+        raise ValueError(f"world must be at least 1, got {world}")
+    load = [0.0] * world
+    owner = [0] * len(costs)
+    for j in sorted(range(len(costs)), key=lambda j: (-costs[j], j)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        owner[j] = r
+        load[r] += costs[j]
+    return owner
+
+
+BALANCE_TOLERANCE = 1.1
+
+
+def makespan(costs: Sequence[float], world: int) -> float:
+    """The busiest rank's total cost under :func:`assign`."""
+    load = [0.0] * world
+    for c, r in zip(costs, assign(costs, world)):
+        load[r] += c
+    return max(load)
+
+
+def balance_window(block_costs: Sequence[Sequence[float]], world: int,
+                   tolerance: float = BALANCE_TOLERANCE) -> int:
+    """How many of the next blocks (``block_costs``: their layer costs, in order) to solve
+    together: the fewest whose layers, spread by :func:`assign`, keep the busiest rank within
+    ``tolerance`` x the mean rank's cost (all of them when none do). One block needs no
+    more when its largest layer is small against its total; Llama-3.1-8B's down projection
+    (56% of a block) needs about ``world / 2`` blocks at a time."""
+    jobs: list[float] = []
+    for k, costs in enumerate(block_costs, start=1):
+        jobs.extend(costs)
+        if not jobs or makespan(jobs, world) <= tolerance * sum(jobs) / world:
+            return k
+    return max(len(block_costs), 1)
+
+
+# ----------------------------------------------------------------------------- executor
+
+
+class DistributedExecutor:
+    """The executor (:mod:`nmprune.executor`) of one rank in a process group.
+
+    Calibration batches: this rank's :meth:`Ranks.share` (:meth:`shard`); statistics:
+    all-reduced (:meth:`reduce`); layer solves: spread by :func:`assign`, each pruned weight
+    broadcast from its rank so every rank hands every job to ``done`` (:meth:`solve`).
+    Every exchange starts with a status check (:meth:`Ranks.check`).
+    """
+
+    def __init__(self, ranks: Ranks):
+        self.ranks = ranks
+        self.device = ranks.device
+        self.rank, self.world, self.is_main = ranks.rank, ranks.world, ranks.is_main
+
+    def phase(self, name: str):
+        return self.ranks.phase(name)
+
+    def shard(self, items: Sequence[T]) -> list[T]:
+        """This rank's contiguous share of the calibration batches."""
+        items = list(items)
+        return [items[j] for j in self.ranks.share(len(items))]
+
+    def reduce(self, stats: list[Any]) -> None:
+        """Sum each :class:`~nmprune.statistics.InputStats` (``xtx``, ``xsum``, ``count``) over
+        all ranks, in place (``stats`` in the same order on every rank)."""
+        self.ranks.check("calibration")
+        for s in stats:
+            count = torch.tensor([s.count], dtype=torch.float64, device=self.device)
+            self.ranks.all_reduce_sum([s.xtx, s.xsum, count])
+            s.count = int(count.item())
+
+    def solve(self, jobs: Sequence[Any], done, progress=iter) -> None:
+        """Solve this rank's share of ``jobs`` (:class:`~nmprune.executor.LayerJob`), then
+        hand every job, in order, with its pruned weight (broadcast from the rank that solved
+        it) and record (with that ``rank``) to ``done`` on every rank."""
+        from .executor import run_job
+
+        owner = assign([job_cost(*job.weight.shape, job.plan.method.name,
+                                 job.plan.refiner.name if job.plan.refiner is not None else None)
+                        for job in jobs], self.world)
+        weights: dict[int, Tensor] = {}
+        records: dict[int, dict[str, Any]] = {}
+        error = None
+        try:
+            for k in progress([k for k in range(len(jobs)) if owner[k] == self.rank]):
+                weights[k], record = run_job(jobs[k], self.device)
+                records[k] = {**record, "rank": self.rank}
+        except Exception as e:  # noqa: BLE001 - reported to every rank by check
+            error = e
+        blocks = sorted({job.block for job in jobs})
+        for payload in self.ranks.check(f"the layers of blocks {blocks[0]}-{blocks[-1]}"
+                                        if len(blocks) > 1 else f"the layers of block {blocks[0]}",
+                                        error, records):
+            records.update(payload)
+        for k, job in enumerate(jobs):
+            weight = weights.pop(k, None)
+            if weight is None:
+                weight = torch.empty(tuple(job.weight.shape), dtype=job.stats.xtx.dtype, device=self.device)
+            dist.broadcast(weight, src=owner[k])
+            done(job, weight, records[k])
+
+    def broadcast_object(self, value: T) -> T:
+        return self.ranks.broadcast_object(value)
+
+    def broadcast_tensors(self, tensors: Sequence[Tensor]) -> None:
+        """Rank 0's values of ``tensors`` on every rank (e.g. resumed weights)."""
+        for t in tensors:
+            self.ranks.broadcast_into(t, src=0)
+
+    def gather_batches(self, local: list[Tensor], sizes: Sequence[int]) -> list[Tensor] | None:
+        return self.ranks.gather_batches(local, sizes)
+
+    def scatter_batches(self, batches: list[Tensor] | None, local_like: list[Tensor]) -> list[Tensor]:
+        return self.ranks.scatter_batches(batches, local_like)
+
+    def per_rank(self, value: T) -> list[T]:
+        """Every rank's ``value``, by rank (after a status check)."""
+        return self.ranks.check("finishing", None, value)

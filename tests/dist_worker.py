@@ -1,0 +1,55 @@
+"""Run under ``torchrun`` by test_distributed.py: one rank of ``prune_model`` called from
+Python inside a process group this script initialises (gloo).
+
+    python -m torch.distributed.run --nproc-per-node 2 tests/dist_worker.py FAMILY MODE OUT
+
+MODE ``run`` prunes a tiny model of FAMILY and rank 0 saves the state dict and the report
+under OUT; ``fail`` also keeps a checkpoint in OUT/ckpt and raises on rank 1 after block 1.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_models_tiny import tiny_model, token_batch  # noqa: E402
+
+from nmprune.checkpoint import Checkpoint  # noqa: E402
+from nmprune.pipeline import prune_model  # noqa: E402
+
+SETTINGS = dict(method="sparsegpt", refine="exact", pattern="2:4", batch_size=2)
+
+
+def build(family: str):
+    """The tiny model of the tests; Llama's wide MLP (down_proj 16/27 of a block's cost) makes
+    two ranks balance two blocks at a time (nmprune.distributed.balance_window)."""
+    return tiny_model(family, layers=3, intermediate=128)
+
+
+def main(family: str, mode: str, out: Path) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = build(family)
+    checkpoint = Checkpoint.open(out / "ckpt", "test") if mode == "fail" and rank == 0 else None
+
+    def fail(i: int) -> None:
+        if mode == "fail" and rank == 1 and i == 1:
+            raise ValueError("injected failure on rank 1 after block 1")
+
+    report = prune_model(model, calibration=token_batch(8, 16), device="cpu", progress=False,
+                         checkpoint=checkpoint, on_block_done=fail,
+                         hessian_inputs="pruned" if family == "opt" else "dense", **SETTINGS)
+    if rank == 0:
+        torch.save(model.state_dict(), out / "state.pt")
+        (out / "report.json").write_text(json.dumps(report.to_dict(), default=str))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], Path(sys.argv[3]))

@@ -1,0 +1,226 @@
+"""Every bad input to ``nmprune prune`` / ``nmprune eval`` is refused with exit code 2, one
+line ``nmprune: error: ...`` naming the input, no traceback, and nothing left on disk (no
+``OUT``, no ``OUT.checkpoint``, no ``OUT.partial``, no probe directory).
+
+The table runs the CLI in-process (``nmprune.cli.main``) on tiny models; one case also runs
+it as a subprocess, where the exit code and the absence of a traceback are observed on the
+real process. An internal error (a bug) is not caught, so it keeps its traceback (exit 1).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nmprune.cli import main
+from test_models_tiny import save_tiny_model_dir, tiny_model, write_text
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """Model directories and text files every case draws from (made once)."""
+    from transformers import (BartConfig, BartForConditionalGeneration, BertConfig,
+                              BertForMaskedLM, T5Config, T5ForConditionalGeneration)
+
+    base = tmp_path_factory.mktemp("inputs")
+    text = write_text(base / "text.txt")
+    model = save_tiny_model_dir(base / "model", "llama", layers=2, text=text.read_text())
+    tok_files = [f for f in model.iterdir() if f.name.startswith(("tokenizer", "special"))]
+
+    def variant(name, build):
+        d = base / name
+        build(d)
+        for f in tok_files:
+            (d / f.name).write_bytes(f.read_bytes())
+        return d
+
+    def with_weights(change):
+        def build(d):
+            m = tiny_model("llama", layers=2)
+            with torch.no_grad():
+                change(m)
+            m.save_pretrained(d)
+        return build
+
+    def pickled(d):
+        m = tiny_model("llama", layers=2)
+        m.config.save_pretrained(d)
+        torch.save(m.state_dict(), d / "pytorch_model.bin")
+
+    def truncated(d):
+        save_tiny_model_dir(d, "llama", layers=2)
+        w = d / "model.safetensors"
+        w.write_bytes(w.read_bytes()[:-100])
+
+    paths = {
+        "text": text, "model": model,
+        "bert": variant("bert", lambda d: BertForMaskedLM(BertConfig(
+            vocab_size=320, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+            intermediate_size=64)).save_pretrained(d)),
+        "bart": variant("bart", lambda d: BartForConditionalGeneration(BartConfig(
+            vocab_size=320, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64)).save_pretrained(d)),
+        "t5": variant("t5", lambda d: T5ForConditionalGeneration(T5Config(
+            vocab_size=320, d_model=16, num_layers=1, num_heads=2, d_ff=32)).save_pretrained(d)),
+        "pickle": variant("pickle", pickled),
+        "truncated": variant("truncated", truncated),
+        "nan": variant("nan", with_weights(lambda m: m.model.layers[1].mlp.up_proj.weight[3, 5].fill_(float("nan")))),
+        "overflow": variant("overflow", with_weights(lambda m: m.model.norm.weight.fill_(3e38))),
+        "binary": base / "binary.txt",
+        "empty": base / "empty.txt",
+        "short": base / "short.txt",
+        "jsonl": base / "bad.jsonl",
+        "file": base / "a_file",
+    }
+    paths["binary"].write_bytes(bytes(range(256)) * 40)
+    paths["empty"].write_text("")
+    paths["short"].write_text("only a few words here.\n")
+    paths["jsonl"].write_bytes(b'{"text": "fine"}\n\xff\xfe not utf-8\n')
+    paths["file"].write_text("x")
+    return paths
+
+
+def _fast(p) -> list[str]:
+    """A valid quick prune of the tiny model; a case appends what makes it bad."""
+    return ["prune", "--model", str(p["model"]), "--method", "magnitude", "--refine", "none",
+            "--calib", str(p["text"]), "--nsamples", "2", "--seqlen", "16", "--no-eval", "--quiet"]
+
+
+def _eval(p, model="model") -> list[str]:
+    return ["eval", "--model", str(p[model]), "--data", str(p["text"]), "--seqlen", "16",
+            "--max-tokens", "128", "--quiet"]
+
+
+# case -> (argv builder given the inputs and the output path, text the message must contain)
+CASES = {
+    "prune --device nonsense": (lambda p, o: _fast(p) + ["--out", o, "--device", "nonsense"], "--device 'nonsense'"),
+    "prune --device meta": (lambda p, o: _fast(p) + ["--out", o, "--device", "meta"], "--device 'meta'"),
+    "prune --device cuda:99": (lambda p, o: _fast(p) + ["--out", o, "--device", "cuda:99"], "--device 'cuda:99'"),
+    "prune --device mps": (lambda p, o: _fast(p) + ["--out", o, "--device", "mps"], "--device 'mps'"),
+    "eval --device nonsense": (lambda p, o: _eval(p) + ["--device", "nonsense"], "--device 'nonsense'"),
+    "eval --device cuda:99": (lambda p, o: _eval(p) + ["--device", "cuda:99"], "--device 'cuda:99'"),
+    "prune --dtype int8": (lambda p, o: _fast(p) + ["--out", o, "--dtype", "int8"], "'int8'"),
+    "binary --calib": (lambda p, o: _fast(p) + ["--out", o, "--calib", str(p["binary"])], "binary.txt"),
+    "missing --calib": (lambda p, o: _fast(p) + ["--out", o, "--calib", str(Path(o).parent / "nope.txt")], "nope.txt"),
+    "empty --calib": (lambda p, o: _fast(p) + ["--out", o, "--calib", str(p["empty"])], "empty.txt"),
+    "undecodable .jsonl --calib": (lambda p, o: _fast(p) + ["--out", o, "--calib", str(p["jsonl"])], "bad.jsonl"),
+    "binary --eval": (lambda p, o: _fast(p)[:-2] + ["--out", o, "--eval", str(p["binary"])], "binary.txt"),
+    "binary eval --data": (lambda p, o: _eval(p)[:4] + [str(p["binary"])], "binary.txt"),
+    "unknown eval --data": (lambda p, o: _eval(p)[:4] + ["nosuchdata"], "nosuchdata"),
+    "calibration text too short": (lambda p, o: _fast(p) + ["--out", o, "--calib", str(p["short"]),
+                                                            "--nsamples", "64"], "short.txt: the calibration text"),
+    "evaluation text too short": (lambda p, o: _fast(p)[:-2] + ["--out", o, "--eval", str(p["short"]),
+                                                                "--eval-seqlen", "64"], "short.txt"),
+    "--eval-seqlen 1": (lambda p, o: _fast(p) + ["--out", o, "--eval-seqlen", "1"], "--eval-seqlen"),
+    "eval --seqlen 1": (lambda p, o: _eval(p) + ["--seqlen", "1"], "--seqlen"),
+    "--out /proc/x": (lambda p, o: _fast(p) + ["--out", "/proc/nmprune-x"], "--out /proc/nmprune-x"),
+    "--out under a file": (lambda p, o: _fast(p) + ["--out", str(p["file"] / "sub")], "a_file"),
+    "--out exists": (lambda p, o: _fast(p) + ["--out", str(p["file"])], "already exists"),
+    "--checkpoint-dir /proc/y": (lambda p, o: _fast(p) + ["--out", o, "--checkpoint-dir", "/proc/nmprune-y"],
+                                 "--checkpoint-dir /proc/nmprune-y"),
+    "encoder-only model": (lambda p, o: _fast(p) + ["--out", o, "--model", str(p["bert"])], "encoder-only"),
+    "encoder-decoder model (BART)": (lambda p, o: _fast(p) + ["--out", o, "--model", str(p["bart"])], "encoder-decoder"),
+    "encoder-decoder model (T5)": (lambda p, o: _fast(p) + ["--out", o, "--model", str(p["t5"])], "encoder-decoder"),
+    "eval encoder-only model": (lambda p, o: _eval(p, "bert"), "encoder-only"),
+    "pickle weights": (lambda p, o: _fast(p) + ["--out", o, "--model", str(p["pickle"])], "--allow-pickle"),
+    "eval pickle weights": (lambda p, o: _eval(p, "pickle"), "--allow-pickle"),
+    "truncated safetensors": (lambda p, o: _fast(p) + ["--out", o, "--model", str(p["truncated"])], "truncated"),
+    "eval non-finite weights": (lambda p, o: _eval(p, "nan"), "model.layers.1.mlp.up_proj.weight"),
+    "eval non-finite perplexity": (lambda p, o: _eval(p, "overflow"), "perplexity"),
+    "--strict with an indivisible layer": (lambda p, o: _fast(p) + ["--out", o, "--pattern", "2:3", "--strict"],
+                                           "not divisible by M=3"),
+    "--option beta=abc": (lambda p, o: _fast(p) + ["--out", o, "--method", "prox", "--option", "beta=abc"],
+                          "beta"),
+    "--option refine_tol=abc": (lambda p, o: _fast(p) + ["--out", o, "--refine", "exact", "--option",
+                                                         "refine_tol=abc"], "refine_tol"),
+    "--option lambda0=-1": (lambda p, o: _fast(p) + ["--out", o, "--method", "prox", "--option", "lambda0=-1"],
+                            "lambda0"),
+    "no layer would be pruned": (lambda p, o: _fast(p) + ["--out", o, "--pattern", "2:3"], "pattern 2:3"),
+    "prune non-finite weights": (lambda p, o: _fast(p) + ["--out", o, "--model", str(p["nan"])],
+                                 "model.layers.1.mlp.up_proj.weight"),
+    "missing model": (lambda p, o: _fast(p) + ["--out", o, "--model", str(Path(o).parent / "nomodel")], "nomodel"),
+}
+if HAS_CUDA:  # "not available" cases need a machine without the backend
+    del CASES["prune --device cuda:99"], CASES["eval --device cuda:99"]
+
+
+def _snapshot(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*")}
+
+
+def _check_refusal(err: str, expected: str) -> None:
+    assert "Traceback" not in err, err
+    errors = [line for line in err.splitlines() if "nmprune: error:" in line]
+    assert len(errors) == 1 and errors[0].startswith("nmprune: error: "), err
+    assert expected in errors[0], errors[0]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_input_is_refused(inputs, tmp_path, capsys, case):
+    build, expected = CASES[case]
+    root = tmp_path / "work"
+    root.mkdir()
+    out = root / "out"
+    inputs_before = _snapshot(inputs["model"].parent)
+    assert main(build(inputs, str(out))) == 2, case
+    _check_refusal(capsys.readouterr().err, expected)
+    assert _snapshot(root) == set(), _snapshot(root)  # no OUT, OUT.checkpoint, OUT.partial
+    assert _snapshot(inputs["model"].parent) == inputs_before
+
+
+def _cli(args, cwd, **env) -> subprocess.CompletedProcess:
+    environ = {**os.environ, **env}
+    return subprocess.run([sys.executable, "-m", "nmprune.cli", *args], cwd=cwd, env=environ,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("case", ["prune --device nonsense"])
+def test_real_process_exits_2_without_traceback(inputs, tmp_path, case):
+    build, expected = CASES[case]
+    result = _cli(build(inputs, str(tmp_path / "out")), tmp_path)
+    assert result.returncode == 2, result.stderr
+    _check_refusal(result.stderr, expected)
+    assert _snapshot(tmp_path) == set()
+
+
+def test_crafted_pickle_with_allow_pickle_is_one_line(inputs, tmp_path, capsys):
+    """--allow-pickle still loads through torch's weights-only unpickler: a pickle that would
+    run code is refused, as a one-line error naming the model."""
+    import pickle
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "PWNED"),))
+
+    evil = tmp_path / "evil"
+    tiny_model("llama").config.save_pretrained(evil)
+    (evil / "pytorch_model.bin").write_bytes(pickle.dumps({"x": Payload()}, protocol=2))
+    assert main(["eval", "--model", str(evil), "--allow-pickle", "--data", str(inputs["text"]),
+                 "--seqlen", "16", "--quiet"]) == 2
+    _check_refusal(capsys.readouterr().err, f"could not load the model {evil}")
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_allow_pickle_loads_pickle_weights(inputs, tmp_path, capsys):
+    assert main(_eval(inputs, "pickle") + ["--allow-pickle"]) == 0
+    assert "| model |" in capsys.readouterr().out
+
+
+def test_internal_error_keeps_traceback(inputs, tmp_path, monkeypatch):
+    """A bug (here: a ZeroDivisionError inside the pipeline) is not dressed up as a user
+    error: ``main`` lets it propagate, so the process prints the traceback and exits 1."""
+    import nmprune.pipeline
+
+    def broken(*args, **kwargs):
+        return 1 / 0
+
+    monkeypatch.setattr(nmprune.pipeline, "prune_model", broken)
+    with pytest.raises(ZeroDivisionError):
+        main(_fast(inputs) + ["--out", str(tmp_path / "out")])
