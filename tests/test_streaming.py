@@ -306,3 +306,17 @@ def test_offload_setting_from_yaml_and_flag(tmp_path):
     assert parse().identity() == parse("--offload").identity()  # same result, same checkpoint
     with pytest.raises(ValueError, match="offload"):
         build_config({"offload": "sometimes"})
+
+
+def test_streamed_pruning_with_precomputed_hessians_equals_in_memory(tmp_path):
+    """``hessians=`` (no calibration passes) reads each streamed block's weights all the same."""
+    from nmprune.pipeline import collect_hessians
+
+    path = _save(tmp_path / "in", "llama", layers=2)
+    model, _, _ = load_model(path, tokenizer=False)
+    hessians = collect_hessians(model, token_batch(4, 12), progress=False)
+    settings = dict(method="sparsegpt", refine=None, hessians=hessians)
+    prune_model(model, progress=False, **settings)
+    out = _prune_streamed(path, tmp_path / "out", **settings)
+    a, b = model.state_dict(), AutoModelForCausalLM.from_pretrained(out).state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

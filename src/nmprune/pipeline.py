@@ -234,7 +234,11 @@ def _prune_blocks(group: range, source: ModelBlocks, plans: dict[str, LayerPlan 
         modules.update(layers)
         active = {name: m for name, m in layers.items() if plans[name] is not None}
         started = time.perf_counter()
-        blocks[index] = source.load(index, executor.device) if load else None
+        if load:
+            blocks[index] = source.load(index, executor.device)
+        else:  # the weights stay on the CPU (a streaming source reads them from its files)
+            source.load(index, "cpu")
+            blocks[index] = None
         with executor.phase(f"calibration of block {index}"):
             stats = stage.collect(index, blocks[index], active)
         busy["calibration_seconds"] += time.perf_counter() - started
