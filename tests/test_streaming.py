@@ -320,3 +320,13 @@ def test_streamed_pruning_with_precomputed_hessians_equals_in_memory(tmp_path):
     out = _prune_streamed(path, tmp_path / "out", **settings)
     a, b = model.state_dict(), AutoModelForCausalLM.from_pretrained(out).state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_offload_with_downstream_tasks_is_refused_before_anything_is_written(cli_model, tmp_path, capsys):
+    from nmprune.cli import main
+
+    base, model_dir, text, args = cli_model
+    assert main(["prune", *args, "--offload", "--eval-tasks", "nmprune_wiki_cloze",
+                 "--out", str(tmp_path / "out")]) == 2
+    assert "--eval-tasks needs the model in memory" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
