@@ -41,7 +41,7 @@ class BlockInputs:
         return self.calls[(index, tuple(hidden.shape))]
 
 
-class _Recorder(nn.Module):
+class Recorder(nn.Module):
     """Stands in for block ``index`` during capture; attribute lookups fall through to the
     real block (models read e.g. ``layer.attention_type``), which is not registered as a
     submodule so moving the model does not move it."""
@@ -67,7 +67,7 @@ def block_hidden(out: Any) -> Tensor:
     return out if isinstance(out, Tensor) else out[0]
 
 
-def _like(template: Any, hidden: Tensor) -> Any:
+def output_like(template: Any, hidden: Tensor) -> Any:
     return hidden if isinstance(template, Tensor) else (hidden, *template[1:])
 
 
@@ -80,13 +80,14 @@ def run_block(block: nn.Module, hidden: Tensor, call: BlockCall) -> Tensor:
 
 def capture_block_inputs(model: nn.Module, blocks_name: str, blocks: nn.ModuleList,
                          batches: list[Tensor], device: torch.device, *,
-                         keep_hidden: bool = True) -> BlockInputs:
+                         keep_hidden: bool = True, place: bool = True) -> BlockInputs:
     """Run ``model`` on each token batch up to its first decoder block.
 
     Returns the hidden states entering block 0 (on ``device``, unless ``keep_hidden`` is
     False) and, for every block and batch shape, the other arguments the model passes it.
     Only the modules outside ``blocks`` (embeddings, rotary tables, ...) and block 0 visit
-    ``device``; they return to the CPU afterwards.
+    ``device``; they return to the CPU afterwards. With ``place=False`` nothing is moved:
+    the caller has put those modules and block 0 on ``device`` (a streaming source).
     """
     parent_name, _, attr = blocks_name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
@@ -103,18 +104,21 @@ def capture_block_inputs(model: nn.Module, blocks_name: str, blocks: nn.ModuleLi
             raise _Stop
         result.calls[(index, tuple(hidden.shape))] = BlockCall(rest, dict(kwargs), as_kwarg)
         if result.output_template is None:
-            blocks[0].to(device)
+            if place:
+                blocks[0].to(device)
             result.output_template = blocks[0](*args, **kwargs) if not as_kwarg else \
                 blocks[0](*rest, hidden_states=hidden, **kwargs)
-            blocks[0].to("cpu")
+            if place:
+                blocks[0].to("cpu")
         if index == len(blocks) - 1:
             raise _Stop
-        return _like(result.output_template, hidden)
+        return output_like(result.output_template, hidden)
 
-    recorders = nn.ModuleList([_Recorder(i, b, sink) for i, b in enumerate(blocks)])
+    recorders = nn.ModuleList([Recorder(i, b, sink) for i, b in enumerate(blocks)])
     setattr(parent, attr, recorders)
     try:
-        model.to(device)
+        if place:
+            model.to(device)
         with torch.no_grad():
             for ids in batches:
                 recording["all"] = not any(k[1][:2] == tuple(ids.shape) for k in result.calls)
@@ -126,5 +130,6 @@ def capture_block_inputs(model: nn.Module, blocks_name: str, blocks: nn.ModuleLi
                     raise RuntimeError("the model's forward pass never reached its decoder blocks")
     finally:
         setattr(parent, attr, blocks)
-        model.to("cpu")
+        if place:
+            model.to("cpu")
     return result

@@ -64,12 +64,16 @@ def token_streams(tokenizer, datasets: list[str], seqlen: int, max_tokens: int |
 
 def evaluate(model, tokenizer, datasets: list[str], seqlen: int, max_tokens: int | None,
              device: str | None, progress: bool, cache: dict[str, Any] | None = None) -> dict[str, float]:
-    """Perplexity of ``model`` on each data set's held-out split (token streams cached)."""
+    """Perplexity of ``model`` (loaded, or a :class:`~nmprune.streaming.StreamingModel`
+    evaluated block by block) on each data set's held-out split (token streams cached)."""
     from .evaluate import perplexity
+    from .streaming import StreamingModel
+    from .streaming.evaluate import streaming_perplexity
 
+    measure = streaming_perplexity if isinstance(model, StreamingModel) else perplexity
     cache = {} if cache is None else cache
     token_streams(tokenizer, datasets, seqlen, max_tokens, cache)
-    return {name: perplexity(model, cache[name], seqlen=seqlen, device=device, progress=progress)
+    return {name: measure(model, cache[name], seqlen=seqlen, device=device, progress=progress)
             for name in datasets}
 
 
@@ -79,6 +83,24 @@ def downstream_settings(config: RunConfig):
 
     return DownstreamSettings(parse_task_list(config.eval_tasks), config.eval_num_fewshot,
                               config.eval_limit, config.eval_batch_size, tuple(config.eval_include_path))
+
+
+def open_model(spec: str | None, gguf_file: str | None, dtype: str | None, offload: bool | None,
+               allow_pickle: bool = False):
+    """``(model, tokenizer, source)``: the model loaded whole, or a
+    :class:`~nmprune.streaming.StreamingModel` whose blocks stream from its safetensors
+    checkpoint when ``offload`` says so or the model does not fit in memory
+    (:func:`nmprune.streaming.fit.choose_streaming`)."""
+    from .models import check_causal, load_model, load_tokenizer, resolve_model
+    from .streaming import StreamingModel
+    from .streaming.fit import choose_streaming
+
+    source = resolve_model(spec, gguf_file)
+    check_causal(source)
+    if not choose_streaming(source, dtype, offload):
+        return load_model(spec, gguf_file=gguf_file, dtype=dtype, allow_pickle=allow_pickle)
+    print(f"streaming the weights of {source} block by block", file=sys.stderr)
+    return StreamingModel(source.path, dtype=dtype), load_tokenizer(source), source
 
 
 def versions() -> dict[str, str]:
@@ -107,7 +129,9 @@ def run_prune(config: RunConfig, *, progress: bool = True, on_block_done=None) -
     perplexity; save model + tokenizer + report into ``OUT.partial/`` renamed to ``out``
     (all three appear at once); delete the checkpoint. A rerun of the same command after a
     crash resumes from the checkpoint; a user error before the first block is finished
-    leaves no checkpoint of this run behind.
+    leaves no checkpoint of this run behind. When the weights stream (:func:`open_model`),
+    every stage runs block by block: the pruned blocks are written into
+    ``OUT.partial/unfinished`` as they finish and the pruned model is evaluated from there.
 
     Under ``torchrun`` with several ranks (:mod:`nmprune.distributed`) every rank loads the
     model and takes part in :func:`prune_model`; rank 0 alone keeps the checkpoint, evaluates
@@ -117,8 +141,9 @@ def run_prune(config: RunConfig, *, progress: bool = True, on_block_done=None) -
     from .checkpoint import Checkpoint
     from .data import calibration_batch
     from .downstream import check_tasks
-    from .models import load_model, remove_partial_save
+    from .models import remove_partial_save
     from .source import ModelBlocks
+    from .streaming import StreamingModel
     from .validate import check_finite, check_prune_inputs
 
     ranks = distributed.setup(config.device)
@@ -137,16 +162,24 @@ def run_prune(config: RunConfig, *, progress: bool = True, on_block_done=None) -
     t0 = time.perf_counter()
 
     with phase("loading the model"):
-        model, tokenizer, source = load_model(config.model, gguf_file=config.gguf_file,
-                                              dtype=config.dtype, allow_pickle=config.allow_pickle)
+        model, tokenizer, source = open_model(config.model, config.gguf_file, config.dtype,
+                                              config.offload, config.allow_pickle)
+        streaming = isinstance(model, StreamingModel)
+        if streaming and ranks is not None and ranks.world > 1:
+            raise ValueError("a streamed run (--offload, or a model larger than memory) runs in "
+                             "one process; run it without torchrun")
+        if streaming and downstream.tasks:
+            raise ValueError("--eval-tasks needs the model in memory; it cannot be combined with a "
+                             "streamed run (--offload, or a model larger than memory)")
         if tokenizer is None:
             raise ValueError(f"{source} has no tokenizer; nmprune needs one for calibration and "
                              "evaluation text (save one next to the model)")
         timings["load"] = time.perf_counter() - t0
-        check_finite(model, source)
+        if not streaming:  # a streamed model's weights are read block by block later
+            check_finite(model, source)
         with warnings.catch_warnings():  # prune_model warns about skipped layers itself
             warnings.simplefilter("ignore")
-            config.prune.planner().plan_layers(ModelBlocks(model).layer_shapes())
+            config.prune.planner().plan_layers((model if streaming else ModelBlocks(model)).layer_shapes())
         # the text is tokenised before the checkpoint exists: a text too short is refused with
         # nothing written
         cache: dict[str, Any] = {}
@@ -185,10 +218,12 @@ def _prune_and_save(config: RunConfig, model, tokenizer, source, ckpt, calibrati
     from .memory import release_memory
     from .models import save_pretrained_atomic
     from .pipeline import prune_model
+    from .streaming import ShardedWriter, StreamingModel
 
     out = Path(config.out)
     main_rank = ranks is None or ranks.is_main
     downstream = downstream_settings(config)
+    streaming = isinstance(model, StreamingModel)
     if ckpt is not None and ckpt.done_blocks:
         print(f"resuming from {ckpt.directory}: {ckpt.done_blocks} blocks already pruned", file=sys.stderr)
     device = ranks.device if ranks is not None else \
@@ -214,14 +249,24 @@ def _prune_and_save(config: RunConfig, model, tokenizer, source, ckpt, calibrati
         timings["downstream_dense"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    prune_report = prune_model(model, tokenizer, config.prune, calibration=calibration, device=device,
-                               checkpoint=ckpt, progress=progress, on_block_done=on_block_done)
+    # streaming: each pruned block goes straight into a shard of OUT.partial/unfinished/
+    sink = ShardedWriter(model, out) if streaming else None
+    try:
+        prune_report = prune_model(None if streaming else model, tokenizer, config.prune,
+                                   calibration=calibration, device=device, checkpoint=ckpt,
+                                   progress=progress, on_block_done=on_block_done,
+                                   source=model if streaming else None, sink=sink)
+    except BaseException:
+        if sink is not None:
+            sink.abandon()
+        raise
+    pruned_model = StreamingModel(sink.close(tokenizer), dtype=config.dtype) if streaming else model
     timings["prune"] = time.perf_counter() - t
     if not main_rank:
         return prune_report.to_dict()
 
     t = time.perf_counter()
-    pruned = evaluate(model, tokenizer, config.eval, config.eval_seqlen,
+    pruned = evaluate(pruned_model, tokenizer, config.eval, config.eval_seqlen,
                       config.eval_max_tokens or None, device, progress, cache) if config.eval else {}
     timings["eval_pruned"] = time.perf_counter() - t
     pruned_acc = {}
@@ -238,7 +283,7 @@ def _prune_and_save(config: RunConfig, model, tokenizer, source, ckpt, calibrati
     ratios = [r["loss_vs_wanda"] for r in layers if r.get("loss_vs_wanda") is not None]
     report = {
         "model": str(source), "config": to_dict(config), "identity": config.identity(),
-        "versions": versions(), "device": str(device),
+        "versions": versions(), "device": str(device), "streamed": streaming,
         "perplexity": {"dense": {d: dense[d] for d in config.eval}, "pruned": pruned,
                        "seqlen": config.eval_seqlen, "max_tokens": config.eval_max_tokens},
         "downstream": {"dense": dense_acc, "pruned": pruned_acc, "settings": downstream.to_dict()},
@@ -252,8 +297,11 @@ def _prune_and_save(config: RunConfig, model, tokenizer, source, ckpt, calibrati
     }
     report["seconds"]["total_before_save"] = time.perf_counter() - t0
     # model, tokenizer and report go to OUT.partial/ and appear together under OUT by one rename
-    save_pretrained_atomic(model, tokenizer, out,
-                           {REPORT_FILE: json.dumps(report, indent=1, default=str)})
+    extra = {REPORT_FILE: json.dumps(report, indent=1, default=str)}
+    if streaming:
+        sink.publish(extra)
+    else:
+        save_pretrained_atomic(model, tokenizer, out, extra)
     ckpt.remove()
     if table:
         print(table)
@@ -269,6 +317,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gguf-file", dest="gguf_file", help="GGUF file inside --model DIR")
     p.add_argument("--dtype", help="auto (default), float32, bfloat16, float16, float64")
     p.add_argument("--device", help="compute device, e.g. cuda or cpu (default: cuda if available)")
+    p.add_argument("--offload", action="store_true", default=None,
+                   help="stream the weights block by block from the safetensors checkpoint instead "
+                        "of loading the model whole (default: only when it does not fit in memory)")
     p.add_argument("--allow-pickle", dest="allow_pickle", action="store_true", default=None,
                    help="also load pickle weights (pytorch_model.bin), which can run code; "
                         "default: safetensors only")
@@ -356,7 +407,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         "model", "gguf_file", "dtype", "device", "out", "method", "refine", "pattern", "calib",
         "nsamples", "seqlen", "seed", "batch_size", "hessian_inputs", "hessian_dtype", "damp", "strict",
         "eval_seqlen", "checkpoint_dir", "restart", "allow_pickle", "eval_tasks", "eval_num_fewshot",
-        "eval_limit", "eval_batch_size", "eval_include_path")}
+        "eval_limit", "eval_batch_size", "eval_include_path", "offload")}
     if args.option:
         flags["options"] = dict(parse_option(o) for o in args.option)
     if args.override:
@@ -402,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
             run_prune(config_from_args(args), progress=not args.quiet)
         elif args.command == "eval":
             from .evaluate import perplexity_table
-            from .models import load_model
+            from .streaming import StreamingModel
             from .validate import check_eval_inputs, check_finite, check_finite_value
 
             from .downstream import (DownstreamSettings, accuracy_columns, check_tasks,
@@ -414,12 +465,16 @@ def main(argv: list[str] | None = None) -> int:
             check_eval_inputs(data, args.device, args.dtype, args.seqlen, args.max_tokens)
             if downstream.tasks:
                 check_tasks(downstream)
-            model, tokenizer, source = load_model(args.model, gguf_file=args.gguf_file,
-                                                  dtype=args.dtype or "auto",
-                                                  allow_pickle=bool(args.allow_pickle))
+            model, tokenizer, source = open_model(args.model, args.gguf_file, args.dtype or "auto",
+                                                  args.offload, bool(args.allow_pickle))
+            streaming = isinstance(model, StreamingModel)
+            if streaming and downstream.tasks:
+                raise ValueError("--tasks needs the model in memory; it cannot be combined with "
+                                 "--offload or a model larger than memory")
             if tokenizer is None:
                 raise ValueError(f"{source} has no tokenizer; save one next to the model")
-            check_finite(model, source)
+            if not streaming:
+                check_finite(model, source)
             result = evaluate(model, tokenizer, data, args.seqlen, args.max_tokens or None,
                               args.device, not args.quiet)
             for name, value in result.items():

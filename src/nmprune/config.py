@@ -86,6 +86,10 @@ class RunConfig:
     ``eval_num_fewshot``, ``eval_limit``, ``eval_batch_size`` and ``eval_include_path``
     passed through (:class:`nmprune.downstream.DownstreamSettings`).
     ``allow_pickle`` lets pickle weight files (``pytorch_model.bin``) load; they can run code.
+    ``offload``: stream the weights block by block from a safetensors checkpoint (True),
+    load the model whole (False), or pick streaming when the model does not fit in the
+    memory available (None; :func:`nmprune.streaming.fit.choose_streaming`). It does not
+    change the result, so it is not part of :meth:`identity`.
     """
 
     model: str | None = None
@@ -104,7 +108,12 @@ class RunConfig:
     checkpoint_dir: str | None = None
     restart: bool = False
     allow_pickle: bool = False
+    offload: bool | None = None
     prune: PruneSettings = field(default_factory=PruneSettings)
+
+    def __post_init__(self) -> None:
+        if self.offload is not None and not isinstance(self.offload, bool):
+            raise ValueError(f"offload must be true, false or left out, got {self.offload!r}")
 
     def identity(self) -> str:
         """Hash of what decides the pruned weights: the model, its dtype and the settings."""

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = [
+    "eval_windows",
     "perplexity",
     "perplexity_table",
     "window_nll",
@@ -50,6 +51,25 @@ def _input_device(model) -> torch.device:
     return next(model.parameters()).device
 
 
+def eval_windows(input_ids: Tensor, seqlen: int, batch_size: int = 1) -> Tensor:
+    """The ``(windows, seqlen)`` non-overlapping windows of a ``(1, N)`` token stream
+    (module docstring), after checking the arguments of :func:`perplexity`."""
+    if not isinstance(input_ids, Tensor) or input_ids.ndim != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"input_ids must be a tensor of shape (1, N), got {getattr(input_ids, 'shape', type(input_ids))}")
+    if input_ids.dtype != torch.long:
+        raise ValueError(f"input_ids must be a LongTensor, got {input_ids.dtype}")
+    if not isinstance(seqlen, int) or seqlen < 2:
+        raise ValueError(f"seqlen must be an integer >= 2, got {seqlen!r}")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    nwindows = input_ids.shape[1] // seqlen
+    if nwindows == 0:
+        raise ValueError(
+            f"{input_ids.shape[1]} tokens make no window of seqlen={seqlen}; lower seqlen or evaluate more text"
+        )
+    return input_ids[0, : nwindows * seqlen].reshape(nwindows, seqlen)
+
+
 @torch.no_grad()
 def perplexity(
     model,
@@ -68,20 +88,8 @@ def perplexity(
     and moved back afterwards. The model is put in eval mode during the call and its
     training flag restored. Raises ValueError when ``N < seqlen`` (no window).
     """
-    if not isinstance(input_ids, Tensor) or input_ids.ndim != 2 or input_ids.shape[0] != 1:
-        raise ValueError(f"input_ids must be a tensor of shape (1, N), got {getattr(input_ids, 'shape', type(input_ids))}")
-    if input_ids.dtype != torch.long:
-        raise ValueError(f"input_ids must be a LongTensor, got {input_ids.dtype}")
-    if not isinstance(seqlen, int) or seqlen < 2:
-        raise ValueError(f"seqlen must be an integer >= 2, got {seqlen!r}")
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-    nwindows = input_ids.shape[1] // seqlen
-    if nwindows == 0:
-        raise ValueError(
-            f"{input_ids.shape[1]} tokens make no window of seqlen={seqlen}; lower seqlen or evaluate more text"
-        )
-    windows = input_ids[0, : nwindows * seqlen].reshape(nwindows, seqlen)
+    windows = eval_windows(input_ids, seqlen, batch_size)
+    nwindows = windows.shape[0]
 
     home = _input_device(model)
     run_on = torch.device(device) if device is not None else home

@@ -163,6 +163,14 @@ def _read_config(source: ModelSource):
         raise ValueError(f"could not read a model configuration from {source}{where}: {e}") from e
 
 
+def check_causal(source: ModelSource):
+    """The model's configuration, after checking it is a decoder-only causal LM
+    (:func:`check_decoder_only`)."""
+    config = _read_config(source)
+    check_decoder_only(config, source)
+    return config
+
+
 #: Weight files that are Python pickles (loading one can run code).
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 
@@ -201,11 +209,11 @@ def load_model(spec: str | os.PathLike | None = None, *, gguf_file: str | None =
     fails to load is a one-line ValueError. ``tokenizer`` is ``None`` when the directory
     has none (or ``tokenizer=False``).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     torch_dtype = parse_dtype(dtype)
     source = resolve_model(spec, gguf_file)
-    check_decoder_only(_read_config(source), source)
+    check_causal(source)
     if not allow_pickle:
         _check_safetensors(source)
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
@@ -226,14 +234,20 @@ def load_model(spec: str | os.PathLike | None = None, *, gguf_file: str | None =
     if source.gguf_file and quantizer is not None:
         quantizer.remove_quantization_config(model)  # weights are dense now; save as plain safetensors
     model.eval()
-    tok = None
-    if tokenizer:
-        try:
-            tok = AutoTokenizer.from_pretrained(source.path, **kwargs)
-        except (OSError, ValueError, TypeError, KeyError):
-            tok = None
+    tok = load_tokenizer(source) if tokenizer else None
     release_memory()  # the de-quantisation buffers of a GGUF load
     return model, tok, source
+
+
+def load_tokenizer(source: ModelSource):
+    """The tokenizer saved with the model, or ``None`` when it has none."""
+    from transformers import AutoTokenizer
+
+    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    try:
+        return AutoTokenizer.from_pretrained(source.path, **kwargs)
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
 
 
 # ----------------------------------------------------------------------------- discovery
@@ -318,6 +332,32 @@ def remove_partial_save(out: str | os.PathLike) -> None:
     shutil.rmtree(partial_save_dir(out), ignore_errors=True)
 
 
+def staging_dir(out: str | os.PathLike) -> Path:
+    """The empty directory ``OUT.partial/unfinished`` a save writes into before
+    :func:`publish_atomic` renames it to ``out`` (which must not exist yet); a leftover
+    ``OUT.partial`` of a killed save is replaced."""
+    out = Path(out)
+    if out.exists():
+        raise ValueError(f"output directory {out} already exists; choose another --out or remove it")
+    remove_partial_save(out)
+    tmp = partial_save_dir(out) / UNFINISHED
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def publish_atomic(tmp: Path, out: str | os.PathLike) -> Path:
+    """Give every file in ``tmp`` the permissions the user's umask gives a new file
+    (transformers writes the weights through a private temporary file, mode 600), rename
+    ``tmp`` to ``out`` and remove the then empty ``OUT.partial``."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in tmp.iterdir():
+        f.chmod(0o666 & ~umask)
+    os.replace(tmp, out)
+    remove_partial_save(out)
+    return Path(out)
+
+
 def save_pretrained_atomic(model: nn.Module, tokenizer, out: str | os.PathLike,
                            extra_files: dict[str, str] | None = None) -> Path:
     """Save the model (safetensors, zeros stored densely), tokenizer and ``extra_files``
@@ -327,23 +367,10 @@ def save_pretrained_atomic(model: nn.Module, tokenizer, out: str | os.PathLike,
     GGUF-loaded models save as ordinary transformers checkpoints that load without
     ``gguf_file``.
     """
-    out = Path(out)
-    if out.exists():
-        raise ValueError(f"output directory {out} already exists; choose another --out or remove it")
-    remove_partial_save(out)
-    tmp = partial_save_dir(out) / UNFINISHED
-    tmp.mkdir(parents=True)
+    tmp = staging_dir(out)
     model.save_pretrained(tmp, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     for name, text in (extra_files or {}).items():
         (tmp / name).write_text(text)
-    # transformers writes the weights through a private temporary file (mode 600): give every
-    # file the permissions the user's umask gives a newly created file
-    umask = os.umask(0)
-    os.umask(umask)
-    for f in tmp.iterdir():
-        f.chmod(0o666 & ~umask)
-    os.replace(tmp, out)
-    remove_partial_save(out)
-    return out
+    return publish_atomic(tmp, out)

@@ -81,11 +81,12 @@ def _progress(iterable, progress: bool, **kwargs):
     return tqdm(iterable, disable=not progress, **kwargs)
 
 
-def prune_model(model: nn.Module, tokenizer: Any = None, settings: PruneSettings | None = None, *,
+def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneSettings | None = None, *,
                 calibration: Tensor | None = None, device: str | torch.device | None = None,
                 checkpoint: Checkpoint | None = None, progress: bool = True,
                 on_block_done: Callable[[int], None] | None = None,
-                hessians: dict[str, InputStats] | None = None, **setting_kwargs: Any) -> PruneReport:
+                hessians: dict[str, InputStats] | None = None, source=None, sink=None,
+                **setting_kwargs: Any) -> PruneReport:
     """Prune every linear layer inside ``model``'s decoder blocks to N:M, in place.
 
     ``settings`` (or the same fields as keyword arguments: ``method``, ``refine``,
@@ -98,6 +99,9 @@ def prune_model(model: nn.Module, tokenizer: Any = None, settings: PruneSettings
     block ``i`` is saved. Embeddings, norms, the LM head and tied weights are not touched.
     ``hessians`` (from :func:`collect_hessians`, dense inputs only) replaces the calibration
     forward passes, so several methods can be compared on one set of Hessians.
+    ``source`` and ``sink`` replace the in-memory block source and sink built from ``model``
+    (then ``None``): a :class:`nmprune.streaming.StreamingModel` and a
+    :class:`nmprune.streaming.ShardedWriter` prune a model larger than memory.
 
     Inside an initialised ``torch.distributed`` process group of several ranks (e.g. under
     ``torchrun``; :mod:`nmprune.distributed`) every rank calls this with the same model and
@@ -116,12 +120,14 @@ def prune_model(model: nn.Module, tokenizer: Any = None, settings: PruneSettings
     device = executor.device
     if not executor.is_main:
         checkpoint = None
-    source = ModelBlocks(model)
+    if (model is None) == (source is None):
+        raise ValueError("give either a model or a block source")
+    source = source if source is not None else ModelBlocks(model)
     plans = planner.plan_layers(source.layer_shapes())
     if hessians is not None and settings.hessian_inputs != "dense":
         raise ValueError("precomputed hessians come from the dense model; they cannot be used "
                          "with hessian_inputs='pruned'")
-    sink = ModelSink(source)
+    sink = sink if sink is not None else ModelSink(source)
 
     t_start = time.perf_counter()
     report = PruneReport(settings=asdict(settings), ranks=executor.world)
@@ -145,12 +151,13 @@ def prune_model(model: nn.Module, tokenizer: Any = None, settings: PruneSettings
                 sink.write(i, checkpoint.block_weights(i, {n: m.weight.shape for n, m in layers.items()}))
     start, resumed = executor.broadcast_object((start, resumed))
     report.layers, report.resumed_from_block = list(resumed), start
-    executor.broadcast_tensors([m.weight for i in range(start) for m in source.layers(i).values()])
+    if model is not None:  # a streaming sink holds the finished blocks itself
+        executor.broadcast_tensors([m.weight for i in range(start) for m in source.layers(i).values()])
     saving = executor.broadcast_object(checkpoint is not None)
 
     busy = {"calibration_seconds": 0.0}
-    was_training = model.training
-    model.eval()
+    was_training = source.model.training
+    source.model.eval()
     try:
         with torch.no_grad():
             if hessians is None:
@@ -189,7 +196,10 @@ def prune_model(model: nn.Module, tokenizer: Any = None, settings: PruneSettings
                         sink.write(j, w)
                     if checkpoint is not None:
                         checkpoint.save_blocks(i, weights, hidden, new)
-                    del hidden
+                    del hidden, weights
+                    for j in group:
+                        source.release(j)  # a streaming source drops the block's weights here
+                    release_memory()
                     if on_block_done is not None:
                         for j in group:
                             on_block_done(j)
@@ -197,7 +207,7 @@ def prune_model(model: nn.Module, tokenizer: Any = None, settings: PruneSettings
                 i += k
             bar.close()
     finally:
-        model.train(was_training)
+        source.model.train(was_training)
     mine = [r for r in report.layers[len(resumed):] if not r["skipped"] and r["rank"] == executor.rank]
     solve = sum(r["seconds"] for r in mine)
     report.per_rank = executor.per_rank({
@@ -224,12 +234,16 @@ def _prune_blocks(group: range, source: ModelBlocks, plans: dict[str, LayerPlan 
         modules.update(layers)
         active = {name: m for name, m in layers.items() if plans[name] is not None}
         started = time.perf_counter()
-        blocks[index] = source.load(index, executor.device) if load else None
+        if load:
+            blocks[index] = source.load(index, executor.device)
+        else:  # the weights stay on the CPU (a streaming source reads them from its files)
+            source.load(index, "cpu")
+            blocks[index] = None
         with executor.phase(f"calibration of block {index}"):
             stats = stage.collect(index, blocks[index], active)
         busy["calibration_seconds"] += time.perf_counter() - started
         if load and len(group) > 1:
-            source.release(index)
+            source.offload(index)
         jobs += [LayerJob(name, index, weight_matrix(m), stats[name], plans[name]) for name, m in active.items()]
         del stats
         records.update({name: {"name": name, "block": index, "shape": list(weight_matrix(m).shape),
@@ -252,7 +266,7 @@ def _prune_blocks(group: range, source: ModelBlocks, plans: dict[str, LayerPlan 
             stage.advance(index, blocks[index])
         busy["calibration_seconds"] += time.perf_counter() - started
         if load:
-            source.release(index)
+            source.offload(index)
     release_memory()
     return list(records.values())
 

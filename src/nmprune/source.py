@@ -60,6 +60,10 @@ class ModelBlocks:
         """Block ``index`` on ``device``."""
         return self.blocks[index].to(device)
 
-    def release(self, index: int) -> None:
-        """Block ``index`` back to the CPU."""
+    def offload(self, index: int) -> None:
+        """Block ``index`` back to the CPU, its weights kept."""
         self.blocks[index].to("cpu")
+
+    def release(self, index: int) -> None:
+        """Block ``index`` is saved: back to the CPU (the model keeps its weights)."""
+        self.offload(index)

@@ -1,0 +1,267 @@
+"""Peak memory of streamed pruning (``nmprune prune --offload``) against the checkpoint size.
+
+Builds random-weight Llama-architecture checkpoints (hidden 1024, intermediate 4096, 16
+heads, float32, tied embeddings; safetensors shards of at most 200 MB with an index) with
+``BLOCKS`` decoder blocks each, and a local tokenizer (byte-level BPE, 4096 entries, trained
+on the first 400k characters of the packaged wiki text, saved with it as ``text.txt``, as the
+tests make theirs), prunes each with every ``METHOD`` (small calibration: 8 x 128 tokens of
+that text; dense and pruned perplexity on 2048 tokens of its held-out tenth, streamed too)
+and records the peak resident set of
+the run (``wait4`` of the child: exact, like ``/usr/bin/time -v``) and of a bare
+``python -c "import torch, transformers, nmprune"``. Targets (issue 20): the run's peak
+above the bare one is at most 25% of the checkpoint and does not grow with the block count.
+Then the largest run repeats under ``prlimit --as=LIMIT`` (a hard cap on the address space,
+so on every byte of memory, mapped files included) with LIMIT below the checkpoint's size,
+and, as a control, the in-memory path (without ``--offload``) under the same cap.
+
+    flock /tmp/nmprune-bench.lock python benchmarks/memory.py [--blocks 12 24] [--methods wanda sparsegpt]
+
+Writes ``benchmarks/results/memory.{json,md}``; the generated checkpoints and outputs
+under ``runs/memory_bench`` are deleted at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from _machine import cpu_description
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+WORK = ROOT / "runs" / "memory_bench"
+HEADS = 16
+TARGET_FRACTION = 0.25
+MB = 1 << 20
+
+BUILD = r"""
+import sys, torch
+from pathlib import Path
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from nmprune.data import load_text
+out = Path(sys.argv[1])
+text = load_text("wiki", "calib")[:400_000]
+tok = Tokenizer(models.BPE(unk_token="<unk>"))
+tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+tok.decoder = decoders.ByteLevel()
+tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=4096, special_tokens=["<unk>", "<eos>"],
+                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+tok = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
+config = LlamaConfig(vocab_size=len(tok), hidden_size={hidden}, intermediate_size={inter},
+                     num_hidden_layers={blocks}, num_attention_heads={heads},
+                     num_key_value_heads={heads}, max_position_embeddings=2048,
+                     tie_word_embeddings=True, dtype="float32")
+torch.manual_seed(0)
+LlamaForCausalLM(config).save_pretrained(out, max_shard_size="200MB")
+tok.save_pretrained(out)
+(out / "text.txt").write_text(text)
+(out / "run.yaml").write_text(f"eval: [{{out / 'text.txt'}}]\ncalib: {{out / 'text.txt'}}\n")
+"""
+
+
+def measured(cmd: list[str]) -> dict:
+    """Run ``cmd`` and take its own peak RSS from ``wait4``."""
+    start = time.perf_counter()
+    with open(WORK / "stdout.txt", "w") as out, open(WORK / "stderr.txt", "w") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err)
+        _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return {"cmd": " ".join(cmd).replace(str(ROOT) + "/", ""), "rc": proc.returncode,
+            "seconds": time.perf_counter() - start, "peak_rss_bytes": usage.ru_maxrss * 1024,
+            "stdout_tail": (WORK / "stdout.txt").read_text()[-1500:],
+            "stderr_tail": (WORK / "stderr.txt").read_text()[-1500:]}
+
+
+# Llama-3.1-8B and Llama-3.1-70B shapes (their config.json): hidden, intermediate, blocks,
+# query heads, key/value heads, head dim, vocabulary, tied embeddings
+SHAPES = {"SmolLM2-135M": (576, 1536, 30, 9, 3, 64, 49152, True),
+          "8B": (4096, 14336, 32, 32, 8, 128, 128256, False),
+          "70B": (8192, 28672, 80, 64, 8, 128, 128256, False)}
+
+
+def memory_plan(name: str, dtype_bytes: int = 2, nsamples: int = 64, seqlen: int = 512,
+                batch_size: int = 2) -> dict[str, int]:
+    """Bytes a streamed run holds, from a Llama model's shapes: one block's weights (run
+    dtype), its float32 Hessians (one per distinct layer input: q/k/v share one, gate/up
+    one; all are held while the block's statistics are collected), the largest layer's
+    solver copies (float32 weight, pruned result and dampened Hessian), the calibration
+    hidden states (run dtype, one set), the MLP activations of one batch, and the modules
+    outside the blocks (embeddings and LM head) loaded for the capture and the evaluation
+    head."""
+    h, f, _, nq, nkv, hd, vocab, tied = SHAPES[name]
+    layers = {"q": (nq * hd, h), "k": (nkv * hd, h), "v": (nkv * hd, h), "o": (h, nq * hd),
+              "gate": (f, h), "up": (f, h), "down": (h, f)}
+    weights = sum(a * b for a, b in layers.values()) * dtype_bytes + 2 * h * dtype_bytes  # + 2 norms
+    hessians = 4 * (h * h + (nq * hd) ** 2 + h * h + f * f)
+    solver = 4 * (2 * h * f + f * f)
+    hidden = nsamples * seqlen * h * dtype_bytes
+    mlp = 3 * batch_size * seqlen * f * dtype_bytes
+    outside = vocab * h * dtype_bytes * (1 if tied else 2)
+    return {"block_weights": weights, "hessians": hessians, "solver_largest_layer": solver,
+            "calibration_hidden": hidden, "mlp_activations_one_batch": mlp,
+            "embeddings_and_head": outside,
+            "block_phase": weights + hessians + solver + hidden + mlp,
+            "capture_phase": outside + weights + hidden}
+
+
+def checkpoint_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+
+
+def prune_cmd(model: Path, out: Path, method: str, offload: bool = True) -> list[str]:
+    return ["nmprune", "prune", "--config", str(model / "run.yaml"), "--model", str(model),
+            "--out", str(out), "--method", method,
+            "--refine", "none", "--nsamples", "8", "--seqlen", "128", "--eval-seqlen", "128",
+            "--eval-max-tokens", "2048", "--quiet", *(["--offload"] if offload else [])]
+
+
+def plan_lines() -> list[str]:
+    """The memory plan of a streamed run (default calibration 64 x 512, batch 2) of
+    SmolLM2-135M in float32 and of an 8B and a 70B Llama in bfloat16, as Markdown."""
+    plans = {"SmolLM2-135M float32": memory_plan("SmolLM2-135M", 4),
+             "Llama-3.1-8B bfloat16": memory_plan("8B"), "Llama-3.1-70B bfloat16": memory_plan("70B")}
+    lines = ["## Memory plan of a streamed run, from the shapes (64 x 512 calibration tokens, batch 2)", "",
+             "| MiB | " + " | ".join(plans) + " |", "|---|" + "---:|" * len(plans)]
+    for key in next(iter(plans.values())):
+        lines.append(f"| {key.replace('_', ' ')} | " + " | ".join(f"{p[key] / MB:,.0f}" for p in plans.values()) + " |")
+    return lines + [""]
+
+
+CONVERT = r"""
+import sys
+from nmprune.models import load_model
+model, tok, _ = load_model(None)
+model.save_pretrained(sys.argv[1])
+tok.save_pretrained(sys.argv[1])
+"""
+
+
+def smollm2_runs(bare: dict) -> list[dict]:
+    """The packaged SmolLM2-135M saved as safetensors (float32), pruned with wanda at the
+    default calibration and evaluation, streamed and in memory."""
+    model = WORK / "smollm2"
+    subprocess.run([sys.executable, "-c", CONVERT, str(model)], check=True)
+    runs = []
+    for offload in (True, False):
+        out = WORK / f"smollm2-out-{offload}"
+        cmd = ["nmprune", "prune", "--model", str(model), "--out", str(out), "--method", "wanda",
+               "--refine", "none", "--quiet", *(["--offload"] if offload else [])]
+        r = measured(cmd)
+        if r["rc"] != 0:
+            raise RuntimeError(f"{r['cmd']} failed:\n{r['stderr_tail']}")
+        report = json.loads((out / "nmprune_report.json").read_text())
+        r.update(offload=offload, checkpoint_bytes=checkpoint_bytes(model),
+                 above_bare_bytes=r["peak_rss_bytes"] - bare["peak_rss_bytes"],
+                 perplexity=report["perplexity"], stage_seconds=report["seconds"])
+        runs.append(r)
+        shutil.rmtree(out)
+    shutil.rmtree(model)
+    return runs
+
+
+def main(blocks: list[int], methods: list[str], hidden: int, intermediate: int, smollm2: bool) -> None:
+    shutil.rmtree(WORK, ignore_errors=True)
+    WORK.mkdir(parents=True)
+    load = os.getloadavg()
+    bare = measured([sys.executable, "-c", "import torch, transformers, nmprune"])
+    runs, sizes = [], {}
+    try:
+        smollm2 = smollm2_runs(bare) if smollm2 else []
+        for n in blocks:
+            model = WORK / f"llama-{n}"
+            build = BUILD.format(hidden=hidden, inter=intermediate, blocks=n, heads=HEADS)
+            subprocess.run([sys.executable, "-c", build, str(model)], check=True)
+            sizes[n] = checkpoint_bytes(model)
+            for method in methods:
+                out = WORK / f"out-{n}-{method}"
+                r = measured(prune_cmd(model, out, method))
+                if r["rc"] != 0:
+                    raise RuntimeError(f"{r['cmd']} failed:\n{r['stderr_tail']}")
+                report = json.loads((out / "nmprune_report.json").read_text())
+                r.update(blocks=n, method=method, checkpoint_bytes=sizes[n],
+                         above_bare_bytes=r["peak_rss_bytes"] - bare["peak_rss_bytes"],
+                         perplexity=report["perplexity"], stage_seconds=report["seconds"],
+                         output_bytes=checkpoint_bytes(out))
+                r["fraction_of_checkpoint"] = r["above_bare_bytes"] / sizes[n]
+                runs.append(r)
+                shutil.rmtree(out)
+            if n != max(blocks):
+                shutil.rmtree(model)
+        largest = WORK / f"llama-{max(blocks)}"
+        limit = int(0.75 * sizes[max(blocks)]) // MB * MB
+        capped = measured(["prlimit", f"--as={limit}", *prune_cmd(largest, WORK / "out-capped", methods[0])])
+        capped.update(limit_bytes=limit, blocks=max(blocks), method=methods[0])
+        control = measured(["prlimit", f"--as={limit}",
+                            *prune_cmd(largest, WORK / "out-control", methods[0], offload=False)])
+        control.update(limit_bytes=limit, blocks=max(blocks), method=methods[0])
+    finally:
+        shutil.rmtree(WORK, ignore_errors=True)
+
+    worst = {n: max(r["above_bare_bytes"] for r in runs if r["blocks"] == n) for n in blocks}
+    growth = worst[max(blocks)] / worst[min(blocks)] if worst[min(blocks)] > 0 else None
+    res = {"bare": bare, "runs": runs, "capped": capped, "control_in_memory": control,
+           "smollm2": smollm2,
+           "target_fraction": TARGET_FRACTION,
+           "fraction_ok": all(r["fraction_of_checkpoint"] <= TARGET_FRACTION for r in runs),
+           "growth_largest_over_smallest": growth, "capped_ok": capped["rc"] == 0,
+           "cpus": os.cpu_count(), "cpu": cpu_description(), "load_average_start": load,
+           "load_average_end": os.getloadavg(),
+           "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                    capture_output=True, text=True).stdout.strip()}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "memory.json").write_text(json.dumps(res, indent=1))
+    lines = ["# Peak memory of streamed pruning (`nmprune prune --offload`)", "",
+             f"Random-weight Llama checkpoints (hidden {hidden}, intermediate {intermediate}, float32, "
+             f"tied embeddings, 200 MB shards, a 4096-entry BPE tokenizer trained on 400k characters "
+             f"of the wiki text), calibration 8 x 128 tokens of that text, "
+             f"dense and pruned perplexity on 2048 of its held-out tokens (windows of 128), all streamed. "
+             f"Commit {res['commit']}, {res['cpu']['model']} ({os.cpu_count()} cores, shared with "
+             f"other agents: load average {load[0]:.1f} at the start, {res['load_average_end'][0]:.1f} "
+             f"at the end). Peak RSS from `wait4` of each run; bare "
+             f"`python -c \"import torch, transformers, nmprune\"`: {bare['peak_rss_bytes'] / MB:.0f} MiB.", "",
+             "| blocks | checkpoint | method | peak RSS | above bare | / checkpoint (target <= 25%) | wall |",
+             "|---:|---:|---|---:|---:|---:|---:|"]
+    for r in runs:
+        lines.append(f"| {r['blocks']} | {r['checkpoint_bytes'] / MB:.0f} MiB | {r['method']} | "
+                     f"{r['peak_rss_bytes'] / MB:.0f} MiB | {r['above_bare_bytes'] / MB:.0f} MiB | "
+                     f"{100 * r['fraction_of_checkpoint']:.1f}% | {r['seconds']:.0f} s |")
+    lines += ["", f"Largest peak above bare, {max(blocks)} blocks over {min(blocks)} blocks: "
+              f"{growth:.2f}x (checkpoint {sizes[max(blocks)] / sizes[min(blocks)]:.1f}x).", "",
+              f"Under `prlimit --as={capped['limit_bytes']}` ({capped['limit_bytes'] / MB:.0f} MiB of "
+              f"address space, {100 * capped['limit_bytes'] / sizes[max(blocks)]:.0f}% of the "
+              f"{max(blocks)}-block checkpoint): the streamed {capped['method']} run "
+              f"{'passes' if capped['rc'] == 0 else 'FAILS (exit ' + str(capped['rc']) + ')'} "
+              f"(peak RSS {capped['peak_rss_bytes'] / MB:.0f} MiB, {capped['seconds']:.0f} s); the same "
+              f"run without `--offload` {'fails as expected' if control['rc'] != 0 else 'passes too'} "
+              f"(exit {control['rc']}). `systemd-run --scope -p MemoryMax=` does not work here "
+              "(no systemd as PID 1).", ""]
+    lines += [] if not smollm2 else ["## The packaged SmolLM2-135M (float32 safetensors), wanda, default calibration and evaluation", "",
+              f"Checkpoint {smollm2[0]['checkpoint_bytes'] / MB:.0f} MiB; 64 x 512 calibration tokens, "
+              "8192 evaluation tokens in windows of 512.", "",
+              "| run | peak RSS | above bare | wiki perplexity dense / pruned | wall |", "|---|---:|---:|---|---:|"]
+    for r in smollm2:
+        ppl = r["perplexity"]
+        lines.append(f"| {'streamed (--offload)' if r['offload'] else 'in memory'} | "
+                     f"{r['peak_rss_bytes'] / MB:.0f} MiB | {r['above_bare_bytes'] / MB:.0f} MiB | "
+                     f"{ppl['dense']['wiki']:.4f} / {ppl['pruned']['wiki']:.4f} | {r['seconds']:.0f} s |")
+    lines += [""] + plan_lines()
+    (RESULTS / "memory.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--blocks", type=int, nargs="+", default=[12, 24])
+    parser.add_argument("--methods", nargs="+", default=["wanda", "sparsegpt"])
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--intermediate", type=int, default=4096)
+    parser.add_argument("--skip-smollm2", action="store_true", help="no SmolLM2 runs (a quick check)")
+    args = parser.parse_args()
+    main(args.blocks, args.methods, args.hidden, args.intermediate, not args.skip_smollm2)

@@ -1,0 +1,137 @@
+"""A safetensors checkpoint on disk, checked before any work and read tensor by tensor.
+
+A checkpoint is either ``model.safetensors`` or shards listed by
+``model.safetensors.index.json`` (``weight_map``: tensor name -> shard file), the layout
+``save_pretrained`` writes. :meth:`SafetensorsFiles.open` checks up front that every
+shard exists and is a complete safetensors file (``safe_open`` parses its header and
+rejects a file shorter than the header says), that the index names each tensor once and
+that each shard holds the tensors the index gives it. Reads open the shard with
+``safe_open``, whose tensors are views of a private memory map of the file (copy on
+write): a tensor costs memory (and address space) only while the caller holds it, and no
+shard stays mapped after its tensors are dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from torch import Tensor
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+
+
+class CheckpointFileError(ValueError):
+    """A safetensors checkpoint that cannot be read as it stands."""
+
+
+def _unique_pairs(path: Path):
+    def hook(pairs: list[tuple[str, object]]) -> dict:
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise CheckpointFileError(f"{path} names tensor {key!r} twice")
+            seen.add(key)
+        return dict(pairs)
+    return hook
+
+
+def _read_index(path: Path) -> dict[str, str]:
+    try:
+        index = json.loads(path.read_text(), object_pairs_hook=_unique_pairs(path))
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointFileError(f"{path} is not a readable JSON index: {e}") from e
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointFileError(f"{path} has no weight_map of tensor names to shard files")
+    return weight_map
+
+
+class SafetensorsFiles:
+    """The tensors of a checkpoint directory: names, shapes, dtypes, sizes, and reads."""
+
+    def __init__(self, directory: Path, weight_map: dict[str, str]):
+        self.directory = directory
+        self.weight_map = weight_map
+        self._meta: dict[str, tuple[tuple[int, ...], str]] = {}
+
+    @classmethod
+    def open(cls, directory: str | os.PathLike) -> "SafetensorsFiles":
+        """Check and open the checkpoint in ``directory`` (module docstring); any problem is
+        a :class:`CheckpointFileError` naming the file."""
+        d = Path(directory)
+        if (d / INDEX).is_file():
+            weight_map = _read_index(d / INDEX)
+        elif (d / SINGLE).is_file():
+            weight_map = None
+        else:
+            raise CheckpointFileError(f"{d} holds neither {SINGLE} nor {INDEX}; streaming reads "
+                                      "safetensors checkpoints only")
+        shards = sorted(set(weight_map.values())) if weight_map is not None else [SINGLE]
+        files = cls(d, weight_map or {})
+        owner: dict[str, str] = {}
+        for shard in shards:
+            path = d / shard
+            if Path(shard).name != shard or not path.is_file():
+                raise CheckpointFileError(f"shard {path} named by {d / INDEX} does not exist")
+            keys = files._scan(path)
+            for key in keys:
+                if key in owner:
+                    raise CheckpointFileError(f"{path} and {d / owner[key]} both hold tensor {key!r}")
+                owner[key] = shard
+            if weight_map is None:
+                files.weight_map = dict.fromkeys(keys, shard)
+                continue
+            listed = {k for k, v in weight_map.items() if v == shard}
+            missing = sorted(listed - set(keys))
+            if missing:
+                raise CheckpointFileError(f"{path} lacks tensor {missing[0]!r} that {d / INDEX} "
+                                          "places in it")
+        return files
+
+    def _scan(self, path: Path) -> list[str]:
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                keys = list(handle.keys())
+                for key in keys:
+                    piece = handle.get_slice(key)
+                    self._meta.setdefault(key, (tuple(piece.get_shape()), piece.get_dtype()))
+        except Exception as e:  # safetensors raises its own error type on damaged files
+            raise CheckpointFileError(f"{path} is not a complete safetensors file "
+                                      f"(truncated or damaged): {e}") from e
+        return keys
+
+    # -- queries --------------------------------------------------------------------------
+
+    def keys(self) -> list[str]:
+        """Tensor names, in the order of the index (or file)."""
+        return list(self.weight_map)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.weight_map
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._meta[key][0]
+
+    def get(self, key: str) -> Tensor:
+        """Tensor ``key`` read from its shard (CPU, the stored dtype)."""
+        return self.read([key])[key]
+
+    def read(self, keys: list[str]) -> dict[str, Tensor]:
+        """Tensors ``keys`` (CPU, stored dtype), opening each shard once."""
+        from safetensors import safe_open
+
+        by_shard: dict[str, list[str]] = {}
+        for key in keys:
+            if key not in self.weight_map:
+                raise KeyError(key)
+            by_shard.setdefault(self.weight_map[key], []).append(key)
+        out = {}
+        for shard, names in by_shard.items():
+            with safe_open(str(self.directory / shard), framework="pt") as handle:
+                out.update((k, handle.get_tensor(k)) for k in names)
+        return {k: out[k] for k in keys}

@@ -1,0 +1,232 @@
+"""The model skeleton of a safetensors checkpoint, with weights materialised on demand.
+
+:class:`StreamingModel` builds the causal LM from its configuration under accelerate's
+``init_empty_weights`` (parameters on the meta device, no memory; buffers such as rotary
+tables are computed as usual) and fills parameters in from the checkpoint only while they
+are needed: one decoder block at a time (:meth:`load` / :meth:`release`, a per-block API,
+so a process reads only the blocks it works on), and the modules outside the blocks
+(embeddings, final norm, LM head: :meth:`load_outside`) for the input capture and the
+evaluation's head. Releasing puts the parameters back on the meta device. Parameters
+shared between modules (tied embeddings) are filled in once, for every holder. It is a
+block source for :func:`nmprune.pipeline.prune_model` like the in-memory one.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from ..block_runner import BlockInputs, capture_block_inputs
+from ..models import find_blocks, find_linears, parse_dtype
+from ..source import ModelBlocks
+from .files import CheckpointFileError, SafetensorsFiles
+
+
+def _resolve_dtype(dtype: str | torch.dtype | None, config, files: SafetensorsFiles) -> torch.dtype:
+    """The model dtype ``from_pretrained`` would pick: ``auto`` is the config's ``dtype``,
+    else the first floating tensor's in the checkpoint."""
+    parsed = parse_dtype(dtype)
+    if parsed != "auto":
+        return parsed
+    if getattr(config, "dtype", None) is not None:
+        return parse_dtype(config.dtype)
+    for key in files.keys():
+        t = files.get(key)
+        if t.is_floating_point():
+            return t.dtype
+    return torch.get_default_dtype()
+
+
+def _move_buffers(modules: list[nn.Module], device: torch.device | str) -> None:
+    """Move the buffers held directly by ``modules`` (not their children's)."""
+    for m in modules:
+        for name, buf in m._buffers.items():
+            if buf is not None and buf.device != torch.device(device):
+                m._buffers[name] = buf.to(device)
+
+
+class StreamingModel(ModelBlocks):
+    """A causal LM whose weights stay in its safetensors checkpoint until asked for.
+
+    ``directory``: a Hugging Face model directory with ``config.json`` and safetensors
+    weights (checked by :meth:`SafetensorsFiles.open`); ``dtype`` as in
+    :func:`nmprune.models.load_model`. ``model`` is the skeleton (use it like a loaded
+    model once the parts a computation needs are loaded); ``blocks_name`` / ``blocks``
+    its decoder blocks. The block-source interface (``layers``, ``layer_shapes``,
+    ``vocab_size``) is :class:`nmprune.source.ModelBlocks`'; a block's prunable layers
+    leave out those whose weight is the same parameter as one outside the blocks.
+    """
+
+    def __init__(self, directory: str | os.PathLike, dtype: str | torch.dtype | None = "auto"):
+        from accelerate import init_empty_weights
+        from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+        self.directory = Path(directory)  # ModelBlocks.__init__ reads data pointers: not on meta
+        self.files = SafetensorsFiles.open(self.directory)
+        config = AutoConfig.from_pretrained(self.directory)
+        self.dtype = _resolve_dtype(dtype, config, self.files)
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(config, dtype=self.dtype)
+        model.tie_weights()  # the meta context re-creates parameters, which unties them
+        if (self.directory / "generation_config.json").is_file():
+            model.generation_config = GenerationConfig.from_pretrained(self.directory)
+        self.model = model.eval()
+        self.blocks_name, self.blocks = find_blocks(model)
+        self._holders: dict[str, list[tuple[nn.Module, str]]] = {}
+        self._key: dict[str, str] = {}
+        self._aliases: dict[str, list[str]] = {}
+        first: dict[int, str] = {}
+        for module_name, module in model.named_modules(remove_duplicate=False):
+            for attr, p in module._parameters.items():
+                if p is None:
+                    continue
+                full = f"{module_name}.{attr}" if module_name else attr
+                canonical = first.setdefault(id(p), full)
+                if (module, attr) not in self._holders.setdefault(canonical, []):
+                    self._holders[canonical].append((module, attr))
+                self._aliases.setdefault(canonical, []).append(full)
+                if full in self.files and canonical not in self._key:
+                    self._key[canonical] = full
+        missing = [c for c in self._holders if c not in self._key]
+        if missing:
+            raise CheckpointFileError(f"{self.directory} holds no tensor for parameter {missing[0]!r}; "
+                                      "streaming needs a checkpoint saved by transformers for this "
+                                      "model class (load it whole instead, without offload)")
+        self._canonical_of = {key: canonical for canonical, key in self._key.items()}
+        self._buffer_keys = self._load_persistent_buffers()
+        prefix = f"{self.blocks_name}."
+        self._block_params: list[list[str]] = [[] for _ in self.blocks]
+        self._outside: list[str] = []
+        for canonical, aliases in self._aliases.items():
+            inside = [a for a in aliases if a.startswith(prefix)]
+            if inside:
+                self._block_params[int(inside[0][len(prefix):].split(".", 1)[0])].append(canonical)
+            if len(inside) < len(aliases):
+                self._outside.append(canonical)
+        self._alias_of = {alias: c for c, aliases in self._aliases.items() for alias in aliases}
+        tied = set(self._outside)  # a block layer whose weight also lives outside stays dense
+        self._layers = [{f"{self.blocks_name}.{i}.{sub}": m for sub, m in find_linears(b).items()
+                         if self._alias_of[f"{self.blocks_name}.{i}.{sub}.weight"] not in tied}
+                        for i, b in enumerate(self.blocks)]
+
+    def _load_persistent_buffers(self) -> list[str]:
+        """Buffers the checkpoint stores (``state_dict`` entries) are read once and kept."""
+        keys = []
+        persistent = set(self.model.state_dict())
+        for module_name, module in self.model.named_modules():
+            for attr, buf in module._buffers.items():
+                full = f"{module_name}.{attr}" if module_name else attr
+                if buf is not None and full in persistent and full in self.files:
+                    value = self.files.get(full)
+                    module._buffers[attr] = value.to(buf.dtype) if value.is_floating_point() else value
+                    keys.append(full)
+        return keys
+
+    # -- the block source interface ---------------------------------------------------------
+
+    def capture(self, batches, device: torch.device, keep_hidden: bool = True) -> BlockInputs:
+        """Hidden states entering block 0 and every block's call arguments
+        (:func:`capture_block_inputs`), with the modules outside the blocks and block 0
+        loaded for the capture only."""
+        with self.outside(device), self.block(0, device):
+            return capture_block_inputs(self.model, self.blocks_name, self.blocks, list(batches),
+                                        device, keep_hidden=keep_hidden, place=False)
+
+    # -- sizes and names ------------------------------------------------------------------
+
+    def block_keys(self, index: int) -> list[str]:
+        """Checkpoint tensor names of block ``index`` (parameters and stored buffers)."""
+        prefix = f"{self.blocks_name}.{index}."
+        return [self._key[c] for c in self._block_params[index]] + \
+            [k for k in self._buffer_keys if k.startswith(prefix)]
+
+    def outside_keys(self) -> list[str]:
+        """Checkpoint tensor names outside the blocks (embeddings, norms, LM head)."""
+        prefix = f"{self.blocks_name}."
+        return [self._key[c] for c in self._outside] + \
+            [k for k in self._buffer_keys if not k.startswith(prefix)]
+
+    def output_dtype(self, key: str) -> torch.dtype:
+        """The dtype tensor ``key`` has in the model (what a saved model stores)."""
+        canonical = self._canonical_of.get(key)
+        if canonical is None:
+            return self.model.get_buffer(key).dtype
+        module, attr = self._holders[canonical][0]
+        return module._parameters[attr].dtype
+
+    def weight_key(self, layer: str) -> str:
+        """The checkpoint tensor name of layer ``layer``'s weight (full module name)."""
+        return self._key[self._alias_of[f"{layer}.weight"]]
+
+    # -- materialising --------------------------------------------------------------------
+
+    def _load(self, canonicals: list[str], device: torch.device | str) -> None:
+        values = self.files.read([self._key[c] for c in canonicals])
+        for canonical in canonicals:
+            holders = self._holders[canonical]
+            old = holders[0][0]._parameters[holders[0][1]]
+            value = values.pop(self._key[canonical]).to(device=device, dtype=old.dtype)
+            new = nn.Parameter(value, requires_grad=False)
+            for module, attr in holders:
+                module._parameters[attr] = new
+
+    def _release(self, canonicals: list[str]) -> None:
+        for canonical in canonicals:
+            holders = self._holders[canonical]
+            old = holders[0][0]._parameters[holders[0][1]]
+            new = nn.Parameter(torch.empty(old.shape, dtype=old.dtype, device="meta"), requires_grad=False)
+            for module, attr in holders:
+                module._parameters[attr] = new
+
+    def load(self, index: int, device: torch.device | str = "cpu") -> nn.Module:
+        """Read block ``index``'s parameters onto ``device``; returns the block."""
+        self._load(self._block_params[index], device)
+        _move_buffers(list(self.blocks[index].modules()), device)
+        return self.blocks[index]
+
+    def offload(self, index: int) -> None:
+        """Move block ``index``'s parameters and buffers to the CPU, keeping their values
+        (until :meth:`release`: the block's pruned weights are written first)."""
+        self.blocks[index].to("cpu")
+
+    def release(self, index: int) -> None:
+        """Put block ``index``'s parameters back on the meta device."""
+        self._release(self._block_params[index])
+        _move_buffers(list(self.blocks[index].modules()), "cpu")
+
+    def load_outside(self, device: torch.device | str = "cpu") -> None:
+        """Read every parameter outside the blocks (embeddings, final norm, LM head)."""
+        self._load(self._outside, device)
+        _move_buffers(self._outside_modules(), device)
+
+    def release_outside(self) -> None:
+        """Put the parameters outside the blocks back on the meta device."""
+        self._release(self._outside)
+        _move_buffers(self._outside_modules(), "cpu")
+
+    def _outside_modules(self) -> list[nn.Module]:
+        prefix = f"{self.blocks_name}."
+        return [m for n, m in self.model.named_modules()
+                if n != self.blocks_name and not n.startswith(prefix)]
+
+    @contextmanager
+    def block(self, index: int, device: torch.device | str = "cpu") -> Iterator[nn.Module]:
+        """Block ``index`` loaded for the ``with`` body."""
+        try:
+            yield self.load(index, device)
+        finally:
+            self.release(index)
+
+    @contextmanager
+    def outside(self, device: torch.device | str = "cpu") -> Iterator[nn.Module]:
+        """The modules outside the blocks loaded for the ``with`` body; yields the model."""
+        try:
+            self.load_outside(device)
+            yield self.model
+        finally:
+            self.release_outside()
