@@ -28,6 +28,9 @@ from nmprune.downstream import (  # noqa: E402
 from test_models_tiny import tiny_config, tiny_tokenizer, write_text  # noqa: E402
 
 LIMIT = 12
+#: The task versions the YAML files declare (cloze 2.0: the space before the target word is
+#: part of the scored continuation).
+VERSIONS = {t: "2.0" if t.endswith("_cloze") else "1.0" for t in OFFLINE_TASKS}
 
 
 def _long_context_model(seed: int = 0):
@@ -71,15 +74,36 @@ def test_task_files_hold_a_few_hundred_well_formed_items():
 def test_offline_tasks_score_through_lm_eval_on_a_tiny_model(tiny):
     model, tok, _, _ = tiny
     settings = DownstreamSettings(["nmprune"], limit=LIMIT, batch_size=4)  # the tag of all four
-    assert check_tasks(settings) == {t: "1.0" for t in OFFLINE_TASKS}
+    assert check_tasks(settings) == VERSIONS
     result = evaluate_tasks(model, tok, settings)
     assert set(result) == set(OFFLINE_TASKS)
     for task, metrics in result.items():
-        assert metrics["n"] == LIMIT and metrics["version"] == "1.0"
+        assert metrics["n"] == LIMIT and metrics["version"] == VERSIONS[task]
         assert 0.0 <= metrics["acc"] <= 1.0
         if task.endswith("_next"):
             assert 0.0 <= metrics["acc_norm"] <= 1.0 and "acc_norm_stderr" in metrics
     assert model.training is False
+
+
+def test_requests_score_exactly_the_item_text():
+    """The (context, continuation) pairs lm-eval scores are the item's context and ``" " +``
+    the target word or each ending, for every item of every task (lm-eval joins no
+    delimiter into a loglikelihood continuation itself: a target without its space would
+    be scored glued to the last context word)."""
+    from lm_eval.tasks import get_task_dict
+
+    tasks = get_task_dict(list(OFFLINE_TASKS), task_manager(OFFLINE_TASKS))
+    for name, task in tasks.items():
+        task.build_all_requests(limit=None, rank=0, world_size=1)
+        records = {r["id"]: r for r in _records(name)}
+        pairs: dict[int, list] = {}
+        for inst in task.instances:
+            pairs.setdefault(inst.doc["id"], []).append(inst.args)
+        assert set(pairs) == set(records), name
+        for i, args in pairs.items():
+            r = records[i]
+            wanted = [" " + r["target"]] if "target" in r else [" " + e for e in r["endings"]]
+            assert args == [(r["context"], c) for c in wanted], (name, i, args)
 
 
 def test_uniform_model_picks_the_ending_with_fewest_tokens(tiny):
@@ -218,7 +242,7 @@ def test_eval_and_prune_report_accuracy_beside_perplexity(tiny, tmp_path, capsys
                  "--no-eval", "--eval-tasks", f"{task},nmprune_wiki_cloze",
                  "--limit", "4", "--eval-batch-size", "2", "--quiet"]) == 0
     table = capsys.readouterr().out
-    assert "| dense |" in table and "| wanda" in table and "nmprune_wiki_cloze acc% v1.0" in table
+    assert "| dense |" in table and "| wanda" in table and "nmprune_wiki_cloze acc% v2.0" in table
     report = json.loads((run / "nmprune_report.json").read_text())
     down = report["downstream"]
     assert down["settings"] == {"tasks": [task, "nmprune_wiki_cloze"], "num_fewshot": None,
