@@ -257,3 +257,16 @@ def test_proven_dense_cells_have_dense_answers_and_the_bound_is_sharper_than_z4_
     w = _newton(a[dense], lam[dense])
     assert bool((w != 0).all())
     assert float(((objective(w, a[dense], lam[dense], 2) - f_ref) / f_ref).max()) <= 1e-9
+
+
+def test_numba_is_loaded_only_when_the_compiled_prox_runs():
+    """Every method registers without numba; the first CPU prox loads it (a wanda or sparsegpt
+    run never pays for its compiler's memory)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch, nmprune.registry as r; r.methods(); print('numba' in sys.modules); "
+            "from nmprune.prox import prox_2of4; prox_2of4(torch.randn(8, 4), 0.1); "
+            "print('numba' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "True"]

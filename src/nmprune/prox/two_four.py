@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import reduced_simd
 from ..checks import non_finite_error
 from .cells import check_cells, lam_tensor, sort_abs, unsort
 from .gd_solver import solve_sorted_gd
@@ -62,7 +61,11 @@ def _reduced_compiled(zc: Tensor, lam_c: Tensor) -> Tensor:
     """``solver="reduced"`` on CPU: the compiled kernel (:mod:`nmprune.prox.reduced_simd`),
     with the cells it leaves undecided re-solved by the torch solver. The kernel also leaves
     the cells holding NaN or Inf undecided: they raise the ``ValueError`` that
-    :func:`check_cells` would (finding them as the kernel loads saves a pass over ``z``)."""
+    :func:`check_cells` would (finding them as the kernel loads saves a pass over ``z``).
+    numba is imported here, on first use, so that runs of the other methods never load its
+    compiler (about 55 MiB resident)."""
+    from . import reduced_simd
+
     kernel_dtype = zc.dtype if zc.dtype in (torch.float32, torch.float64) else torch.float32
     zk = zc.to(kernel_dtype).contiguous()
     out = torch.empty_like(zk)
