@@ -149,9 +149,10 @@ def markdown(r: dict) -> str:
     lines = ["# Pruning on several ranks: 2 ranks x 1 thread against 1 rank x 2 threads", "",
              f"`nmprune prune {' '.join(r['args'])}` (packaged SmolLM2-135M, default settings unless "
              f"flags are shown), {r['cpu']['model']} with 2 cores, commit {r['commit']}; load average "
-             f"{r['load_average'][0]:.1f} at the start, {r['load_average'][1]:.1f} at the end (other "
-             "agents shared the machine). The 2-rank run is `torchrun --standalone --nproc-per-node 2` "
-             "on gloo.", "",
+             f"{r['load_average'][0]:.1f} at the start, {r['load_average'][1]:.1f} at the end. The 2-rank "
+             "run is `torchrun --standalone --nproc-per-node 2` on gloo. On 2 cores, 2 ranks of 1 thread "
+             "have the compute of 1 rank of 2 threads, so the wall times show the overhead of the "
+             "second process, not a speed-up; the speed-up of more devices is the projection below.", "",
              "| run | wall s | CPU s (all processes) | peak RSS MiB (largest process) | prune s | layers s | rank: busy s / layer CPU s / layers solved |",
              "|---|---|---|---|---|---|---|"]
     for label, run_ in r["runs"].items():
