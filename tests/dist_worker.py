@@ -4,7 +4,8 @@ Python inside a process group this script initialises (gloo).
     python -m torch.distributed.run --nproc-per-node 2 tests/dist_worker.py FAMILY MODE OUT
 
 MODE ``run`` prunes a tiny model of FAMILY and rank 0 saves the state dict and the report
-under OUT; ``fail`` also keeps a checkpoint in OUT/ckpt and raises on rank 1 after block 1.
+under OUT; ``fail`` also keeps a checkpoint in OUT/ckpt and raises on rank 1 after block 1;
+``resume`` continues from the checkpoint in OUT/ckpt (made by any number of ranks).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def main(family: str, mode: str, out: Path) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     model = build(family)
-    checkpoint = Checkpoint.open(out / "ckpt", "test") if mode == "fail" and rank == 0 else None
+    checkpoint = Checkpoint.open(out / "ckpt", "test") if mode in ("fail", "resume") and rank == 0 else None
 
     def fail(i: int) -> None:
         if mode == "fail" and rank == 1 and i == 1:

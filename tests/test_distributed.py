@@ -1,6 +1,7 @@
 """Pruning on several ranks (nmprune/distributed.py): the assignment, and 2-rank gloo jobs
 under ``torchrun`` against 1-rank runs on tiny models of two families (the command line on
-Llama, ``prune_model`` from Python on OPT with propagation), plus a failing rank."""
+Llama, ``prune_model`` from Python on OPT with propagation), a failing rank whose
+checkpoint resumes on one rank, and a 1-rank checkpoint resumed on two."""
 
 from __future__ import annotations
 
@@ -164,3 +165,31 @@ def test_failing_rank_ends_the_job_with_its_error_and_resumes_on_one_rank(tmp_pa
     names = [r["name"] for r in reference["layers"] if not r["skipped"]]
     assert agreement(resumed.state_dict(), straight.state_dict(), names) >= 0.999
     assert total_loss(report["layers"]) == pytest.approx(total_loss(reference["layers"]), rel=1e-4)
+
+
+def test_one_rank_checkpoint_resumes_on_two_ranks(tmp_path):
+    """A 1-process run stopped after block 0 continues under torchrun with 2 ranks."""
+    sys.path.insert(0, str(WORKER.parent))
+    from dist_worker import SETTINGS, build
+
+    out = tmp_path / "two"
+    out.mkdir()
+    kwargs = dict(calibration=token_batch(8, 16), device="cpu", progress=False, **SETTINGS)
+
+    def stop(i: int) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        prune_model(build("llama"), checkpoint=Checkpoint.open(out / "ckpt", "test"),
+                    on_block_done=stop, **kwargs)
+    assert Checkpoint.open(out / "ckpt", "test").done_blocks == 1
+    run = torchrun([str(WORKER), "llama", "resume", str(out)], tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    two = json.loads((out / "report.json").read_text())
+    assert two["resumed_from_block"] == 1 and two["ranks"] == 2
+    straight = build("llama")
+    one = prune_model(straight, **kwargs).to_dict()
+    names = [r["name"] for r in one["layers"] if not r["skipped"]]
+    assert [r["name"] for r in two["layers"] if not r["skipped"]] == names
+    assert agreement(torch.load(out / "state.pt"), straight.state_dict(), names) >= 0.999
+    assert total_loss(two["layers"]) == pytest.approx(total_loss(one["layers"]), rel=1e-4)

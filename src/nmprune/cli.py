@@ -141,6 +141,7 @@ def run_prune(config: RunConfig, *, progress: bool = True, on_block_done=None) -
     from .checkpoint import Checkpoint
     from .data import calibration_batch
     from .downstream import check_tasks
+    from .memory import release_memory
     from .models import remove_partial_save
     from .source import ModelBlocks
     from .streaming import StreamingModel
@@ -192,6 +193,7 @@ def run_prune(config: RunConfig, *, progress: bool = True, on_block_done=None) -
                                             seqlen=p.seqlen, seed=p.seed)
         except ValueError as e:
             raise ValueError(f"--calib {p.calib}: {e}") from e
+        release_memory()  # the tokenised corpora, before the evaluation's activations
         ckpt = None
         if main_rank:  # only rank 0 keeps the checkpoint (and evaluates and saves)
             remove_partial_save(out)  # what a save killed in an earlier run left
