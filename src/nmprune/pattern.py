@@ -59,9 +59,13 @@ def _sortable_keys(cells: Tensor) -> Tensor:
     ``M - 1 - index``. Every key in a cell is distinct, so an unstable top-k is exact."""
     bits = cells.float().view(torch.int32)
     sign = bits >> 31  # 0 or -1
-    monotone = ((bits & 0x7FFFFFFF) ^ sign) - sign  # -|bits| for negative floats; -0.0 -> 0
+    monotone = bits & 0x7FFFFFFF  # in place from here: one int32 and one int64 copy at a time
+    monotone.bitwise_xor_(sign).sub_(sign)  # -|bits| for negative floats; -0.0 -> 0
+    del sign
     m = cells.shape[-1]
-    return monotone.to(torch.int64) * m + torch.arange(m - 1, -1, -1, device=cells.device)
+    keys = monotone.to(torch.int64)
+    del monotone
+    return keys.mul_(m).add_(torch.arange(m - 1, -1, -1, device=cells.device))
 
 
 def topn_mask(scores: Tensor, pattern: NMPattern) -> Tensor:

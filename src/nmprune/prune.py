@@ -72,9 +72,10 @@ def _sync(t: Tensor) -> None:
 def full_mask(w_pruned: Tensor, w_star: Tensor, h: Tensor, pattern: NMPattern) -> Tensor:
     """Exactly N positions per cell: the non-zeros of ``w_pruned`` first, then the highest
     Wanda scores ``|W*_ij| H_jj^{1/2}`` (a free slot can only help a mask-held refiner)."""
-    score = w_star.abs() * wanda_scale(h)
-    score = score / (1.0 + score.max()) if score.numel() else score
-    return topn_mask((w_pruned != 0).to(score.dtype) + score, pattern)
+    score = w_star.abs().mul_(wanda_scale(h))  # in place: one temporary of W's size
+    if score.numel():
+        score.div_(1.0 + score.max())
+    return topn_mask(score.add_(w_pruned != 0), pattern)
 
 
 def dampen(h: Tensor, damp: float) -> Tensor:

@@ -16,4 +16,4 @@ from ..registry import register_method
 @register_method("wanda", description="keep the N largest |W_ij| * sqrt(H_jj) per cell")
 def wanda(w: Tensor, h: Tensor, pattern: NMPattern) -> Tensor:
     """Zero the ``M - N`` weights with the smallest ``|W_ij| sqrt(H_jj)`` in every cell."""
-    return w * topn_mask(w.abs() * wanda_scale(h), pattern)
+    return w * topn_mask(w.abs().mul_(wanda_scale(h)), pattern)
