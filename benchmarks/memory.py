@@ -10,9 +10,12 @@ and records the peak resident set of
 the run (``wait4`` of the child: exact, like ``/usr/bin/time -v``) and of a bare
 ``python -c "import torch, transformers, nmprune"``. Targets (issue 20): the run's peak
 above the bare one is at most 25% of the checkpoint and does not grow with the block count.
-Then the largest run repeats under ``prlimit --as=LIMIT`` (a hard cap on the address space,
-so on every byte of memory, mapped files included) with LIMIT below the checkpoint's size,
-and, as a control, the in-memory path (without ``--offload``) under the same cap.
+Then the largest run repeats in a memory control group capped at 75% of the checkpoint's
+size (the kernel's hard limit on the group's resident memory, page cache included, which
+``systemd-run -p MemoryMax=`` sets too; created directly under ``/sys/fs/cgroup``, cgroup v1
+or v2, as root); then without ``--offload``, where nmprune must pick streaming itself from
+the group's headroom; and, as a control, forced to load the model whole (``offload: false``),
+which the kernel must kill.
 
     flock /tmp/nmprune-bench.lock python benchmarks/memory.py [--blocks 12 24] [--methods wanda sparsegpt]
 
@@ -63,7 +66,28 @@ LlamaForCausalLM(config).save_pretrained(out, max_shard_size="200MB")
 tok.save_pretrained(out)
 (out / "text.txt").write_text(text)
 (out / "run.yaml").write_text(f"eval: [{{out / 'text.txt'}}]\ncalib: {{out / 'text.txt'}}\n")
+(out / "run_in_memory.yaml").write_text((out / "run.yaml").read_text() + "offload: false\n")
 """
+
+
+def memory_cgroup(limit: int) -> Path:
+    """A new memory control group capped at ``limit`` bytes (no swap beyond it)."""
+    for root, files in ((Path("/sys/fs/cgroup/memory"), ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes")),
+                        (Path("/sys/fs/cgroup"), ("memory.max", "memory.swap.max"))):
+        if (root / files[0]).exists() or (root / "cgroup.controllers").exists() and \
+                "memory" in (root / "cgroup.controllers").read_text().split():
+            group = root / f"nmprune-memory-bench-{os.getpid()}"
+            group.mkdir()
+            (group / files[0]).write_text(str(limit))
+            if (group / files[1]).exists():
+                (group / files[1]).write_text(str(limit) if files[1].startswith("memory.memsw") else "0")
+            return group
+    raise RuntimeError("no writable memory control group (cgroup v1 or v2) on this machine")
+
+
+def in_cgroup(group: Path, cmd: list[str]) -> list[str]:
+    """``cmd`` run inside ``group`` (the shell joins it, then becomes ``cmd``)."""
+    return ["sh", "-c", f'echo $$ > {group / "cgroup.procs"} && exec "$@"', "sh", *cmd]
 
 
 def measured(cmd: list[str]) -> dict:
@@ -115,11 +139,14 @@ def checkpoint_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.glob("*.safetensors"))
 
 
-def prune_cmd(model: Path, out: Path, method: str, offload: bool = True) -> list[str]:
-    return ["nmprune", "prune", "--config", str(model / "run.yaml"), "--model", str(model),
+def prune_cmd(model: Path, out: Path, method: str, offload: bool | None = True) -> list[str]:
+    """``offload``: True streams (``--offload``), False loads the model whole (YAML
+    ``offload: false``), None lets nmprune choose from the memory available."""
+    config = model / ("run_in_memory.yaml" if offload is False else "run.yaml")
+    return ["nmprune", "prune", "--config", str(config), "--model", str(model),
             "--out", str(out), "--method", method,
             "--refine", "none", "--nsamples", "8", "--seqlen", "128", "--eval-seqlen", "128",
-            "--eval-max-tokens", "2048", "--quiet", *(["--offload"] if offload else [])]
+            "--eval-max-tokens", "2048", "--quiet", *(["--offload"] if offload is True else [])]
 
 
 def plan_lines() -> list[str]:
@@ -196,17 +223,24 @@ def main(blocks: list[int], methods: list[str], hidden: int, intermediate: int, 
                 shutil.rmtree(model)
         largest = WORK / f"llama-{max(blocks)}"
         limit = int(0.75 * sizes[max(blocks)]) // MB * MB
-        capped = measured(["prlimit", f"--as={limit}", *prune_cmd(largest, WORK / "out-capped", methods[0])])
-        capped.update(limit_bytes=limit, blocks=max(blocks), method=methods[0])
-        control = measured(["prlimit", f"--as={limit}",
-                            *prune_cmd(largest, WORK / "out-control", methods[0], offload=False)])
-        control.update(limit_bytes=limit, blocks=max(blocks), method=methods[0])
+        group = memory_cgroup(limit)
+        try:
+            capped = measured(in_cgroup(group, prune_cmd(largest, WORK / "out-capped", methods[0])))
+            automatic = measured(in_cgroup(group, prune_cmd(largest, WORK / "out-automatic", methods[0],
+                                                            offload=None)))
+            control = measured(in_cgroup(group, prune_cmd(largest, WORK / "out-control", methods[0],
+                                                          offload=False)))
+        finally:
+            group.rmdir()
+        for r in (capped, automatic, control):
+            r.update(limit_bytes=limit, cgroup=str(group.parent), blocks=max(blocks), method=methods[0])
     finally:
         shutil.rmtree(WORK, ignore_errors=True)
 
     worst = {n: max(r["above_bare_bytes"] for r in runs if r["blocks"] == n) for n in blocks}
     growth = worst[max(blocks)] / worst[min(blocks)] if worst[min(blocks)] > 0 else None
-    res = {"bare": bare, "runs": runs, "capped": capped, "control_in_memory": control,
+    res = {"bare": bare, "runs": runs, "capped": capped, "automatic": automatic,
+           "control_in_memory": control,
            "smollm2": smollm2,
            "target_fraction": TARGET_FRACTION,
            "fraction_ok": all(r["fraction_of_checkpoint"] <= TARGET_FRACTION for r in runs),
@@ -222,8 +256,7 @@ def main(blocks: list[int], methods: list[str], hidden: int, intermediate: int, 
              f"tied embeddings, 200 MB shards, a 4096-entry BPE tokenizer trained on 400k characters "
              f"of the wiki text), calibration 8 x 128 tokens of that text, "
              f"dense and pruned perplexity on 2048 of its held-out tokens (windows of 128), all streamed. "
-             f"Commit {res['commit']}, {res['cpu']['model']} ({os.cpu_count()} cores, shared with "
-             f"other agents: load average {load[0]:.1f} at the start, {res['load_average_end'][0]:.1f} "
+             f"Commit {res['commit']}, {res['cpu']['model']} ({os.cpu_count()} cores; load average {load[0]:.1f} at the start, {res['load_average_end'][0]:.1f} "
              f"at the end). Peak RSS from `wait4` of each run; bare "
              f"`python -c \"import torch, transformers, nmprune\"`: {bare['peak_rss_bytes'] / MB:.0f} MiB.", "",
              "| blocks | checkpoint | method | peak RSS | above bare | / checkpoint (target <= 25%) | wall |",
@@ -234,14 +267,16 @@ def main(blocks: list[int], methods: list[str], hidden: int, intermediate: int, 
                      f"{100 * r['fraction_of_checkpoint']:.1f}% | {r['seconds']:.0f} s |")
     lines += ["", f"Largest peak above bare, {max(blocks)} blocks over {min(blocks)} blocks: "
               f"{growth:.2f}x (checkpoint {sizes[max(blocks)] / sizes[min(blocks)]:.1f}x).", "",
-              f"Under `prlimit --as={capped['limit_bytes']}` ({capped['limit_bytes'] / MB:.0f} MiB of "
-              f"address space, {100 * capped['limit_bytes'] / sizes[max(blocks)]:.0f}% of the "
-              f"{max(blocks)}-block checkpoint): the streamed {capped['method']} run "
+              f"In a memory control group capped at {capped['limit_bytes'] / MB:.0f} MiB "
+              f"({100 * capped['limit_bytes'] / sizes[max(blocks)]:.0f}% of the {max(blocks)}-block "
+              f"checkpoint; `{capped['cgroup']}`, made directly since `systemd-run --scope -p MemoryMax=` "
+              f"needs systemd as PID 1, which this machine lacks): the streamed {capped['method']} run "
               f"{'passes' if capped['rc'] == 0 else 'FAILS (exit ' + str(capped['rc']) + ')'} "
-              f"(peak RSS {capped['peak_rss_bytes'] / MB:.0f} MiB, {capped['seconds']:.0f} s); the same "
-              f"run without `--offload` {'fails as expected' if control['rc'] != 0 else 'passes too'} "
-              f"(exit {control['rc']}). `systemd-run --scope -p MemoryMax=` does not work here "
-              "(no systemd as PID 1).", ""]
+              f"(peak RSS {capped['peak_rss_bytes'] / MB:.0f} MiB, {capped['seconds']:.0f} s); without "
+              f"`--offload` nmprune {'chooses streaming itself and passes' if automatic['rc'] == 0 else 'FAILS (exit ' + str(automatic['rc']) + ')'} "
+              f"(peak {automatic['peak_rss_bytes'] / MB:.0f} MiB, {automatic['seconds']:.0f} s); forced "
+              f"to load the model whole (`offload: false`) it "
+              f"{'is killed, as expected' if control['rc'] != 0 else 'passes too'} (exit {control['rc']}).", ""]
     lines += [] if not smollm2 else ["## The packaged SmolLM2-135M (float32 safetensors), wanda, default calibration and evaluation", "",
               f"Checkpoint {smollm2[0]['checkpoint_bytes'] / MB:.0f} MiB; 64 x 512 calibration tokens, "
               "8192 evaluation tokens in windows of 512.", "",
