@@ -266,7 +266,8 @@ def _smollm2():
 @pytest.mark.slow
 def test_smollm2_scores_above_chance_where_a_random_model_does_not():
     """Dense SmolLM2-135M beats chance on every offline task (cloze: chance ~0; four-way:
-    25%); the same architecture with random weights stays at chance."""
+    25%, and "above" means by more than two standard errors of 100 items, 0.34); the same
+    architecture with random weights does not."""
     from transformers import AutoModelForCausalLM
 
     model, tok = _smollm2()
@@ -277,9 +278,9 @@ def test_smollm2_scores_above_chance_where_a_random_model_does_not():
     rand = evaluate_tasks(random_model, tok, settings)
     for task in OFFLINE_TASKS:
         if task.endswith("_cloze"):
-            assert dense[task]["acc"] > 0.15 and rand[task]["acc"] < 0.05, (task, dense, rand)
+            assert dense[task]["acc"] > 0.05 and rand[task]["acc"] < 0.05, (task, dense, rand)
         else:
-            assert dense[task]["acc_norm"] > 0.40 and rand[task]["acc_norm"] < 0.40, (task, dense, rand)
+            assert dense[task]["acc_norm"] > 0.34 and rand[task]["acc_norm"] < 0.34, (task, dense, rand)
 
 
 @pytest.mark.slow
