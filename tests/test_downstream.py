@@ -291,7 +291,7 @@ def test_lm_eval_command_line_matches_the_in_memory_path(tiny, tmp_path):
     tok.save_pretrained(tmp_path / "m")
     task = "nmprune_wiki_cloze"
     proc = subprocess.run(["lm_eval", "run", "--model", "hf", "--model_args",
-                           f"pretrained={tmp_path / 'm'},device=cpu", "--tasks", task,
+                           f"pretrained={tmp_path / 'm'}", "--device", "cpu", "--tasks", task,
                            "--include_path", str(TASKS_DIR), "--limit", str(LIMIT),
                            "--output_path", str(tmp_path / "res")],
                           capture_output=True, text=True, timeout=1200)
