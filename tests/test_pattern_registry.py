@@ -37,7 +37,7 @@ def test_methods_function_survives_importing_the_algorithms_package():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
-@pytest.mark.parametrize("pattern", ["2:4", "1:4", "3:8"])
+@pytest.mark.parametrize("pattern", ["2:4", "1:4", "3:8", "5:16"])
 def test_topn_mask_matches_a_stable_sort_on_ties_signs_and_infinities(dtype, pattern):
     p = parse_pattern(pattern)
     gen = torch.Generator().manual_seed(1)

@@ -13,7 +13,7 @@ def local_loss_tensor(w: Tensor, w_star: Tensor, h: Tensor) -> Tensor:
     """
     dtype = torch.promote_types(torch.promote_types(w.dtype, h.dtype), torch.float32)
     d = (w - w_star).to(dtype)
-    return ((d @ h.to(dtype)) * d).sum()
+    return (d @ h.to(dtype)).mul_(d).sum()
 
 
 def local_loss(w: Tensor, w_star: Tensor, h: Tensor) -> float:

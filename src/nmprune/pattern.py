@@ -53,34 +53,21 @@ def from_cells(cells: Tensor) -> Tensor:
     return cells.reshape(*cells.shape[:-2], cells.shape[-2] * cells.shape[-1])
 
 
-def _sortable_keys(cells: Tensor) -> Tensor:
-    """int64 keys ordered like the scores of ``cells`` (float32 or narrower), ties broken
-    towards the lower index: the float's bits mapped to a monotone integer, times ``M``, plus
-    ``M - 1 - index``. Every key in a cell is distinct, so an unstable top-k is exact."""
-    bits = cells.float().view(torch.int32)
-    sign = bits >> 31  # 0 or -1
-    monotone = bits & 0x7FFFFFFF  # in place from here: one int32 and one int64 copy at a time
-    monotone.bitwise_xor_(sign).sub_(sign)  # -|bits| for negative floats; -0.0 -> 0
-    del sign
-    m = cells.shape[-1]
-    keys = monotone.to(torch.int64)
-    del monotone
-    return keys.mul_(m).add_(torch.arange(m - 1, -1, -1, device=cells.device))
-
-
 def topn_mask(scores: Tensor, pattern: NMPattern) -> Tensor:
     """Boolean mask keeping the ``n`` largest scores of every cell (ties: lowest index first).
 
-    This is the mask rule of Wanda and magnitude pruning (paper Theorem 1) for any score.
+    This is the mask rule of Wanda and magnitude pruning (paper Theorem 1) for any score
+    (NaN scores are kept first). A score's rank in its cell is the number of scores that beat
+    it (larger, or equal at a lower index), counted with ``M`` whole-matrix comparisons: one
+    byte of working memory per score, where a sort or top-k needs an int64 index per score.
     """
     cells = to_cells(scores, pattern.m)
-    if cells.dtype == torch.float64:  # no integer key can hold 64 bits and the index
-        order = torch.sort(cells, dim=-1, descending=True, stable=True).indices[..., : pattern.n]
-    else:  # one top-k over distinct integer keys: faster than a stable sort
-        order = torch.topk(_sortable_keys(cells), pattern.n, dim=-1, sorted=False).indices
-    keep = torch.zeros_like(cells, dtype=torch.bool)
-    keep.scatter_(-1, order, True)
-    return from_cells(keep)
+    rank = torch.zeros_like(cells, dtype=torch.uint8 if pattern.m < 256 else torch.int32)
+    for j in range(pattern.m):  # a loop over the M positions of a cell, not over weights
+        column = cells[..., j:j + 1]
+        rank += cells < column
+        rank[..., j + 1:] += cells[..., j + 1:] == column
+    return from_cells(rank < pattern.n)
 
 
 _PACKED = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # M bytes as one integer
