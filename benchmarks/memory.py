@@ -17,7 +17,7 @@ or v2, as root); then without ``--offload``, where nmprune must pick streaming i
 the group's headroom; and, as a control, forced to load the model whole (``offload: false``),
 which the kernel must kill.
 
-    flock /tmp/nmprune-bench.lock python benchmarks/memory.py [--blocks 12 24] [--methods wanda sparsegpt]
+    flock /tmp/nmprune-bench.lock python benchmarks/memory.py [--blocks 12 24 32] [--methods wanda sparsegpt]
 
 Writes ``benchmarks/results/memory.{json,md}``; the generated checkpoints and outputs
 under ``runs/memory_bench`` are deleted at the end.
@@ -115,7 +115,8 @@ def memory_plan(name: str, dtype_bytes: int = 2, nsamples: int = 64, seqlen: int
     """Bytes a streamed run holds, from a Llama model's shapes: one block's weights (run
     dtype), its float32 Hessians (one per distinct layer input: q/k/v share one, gate/up
     one; all are held while the block's statistics are collected), the largest layer's
-    solver copies (float32 weight, pruned result and dampened Hessian), the calibration
+    solver memory (float32 working weight and pruned result, and SparseGPT's two ``d_in x
+    d_in`` factorisations; the Hessian itself is dampened in place), the calibration
     hidden states (run dtype, one set), the MLP activations of one batch, and the modules
     outside the blocks (embeddings and LM head) loaded for the capture and the evaluation
     head."""
@@ -124,7 +125,7 @@ def memory_plan(name: str, dtype_bytes: int = 2, nsamples: int = 64, seqlen: int
               "gate": (f, h), "up": (f, h), "down": (h, f)}
     weights = sum(a * b for a, b in layers.values()) * dtype_bytes + 2 * h * dtype_bytes  # + 2 norms
     hessians = 4 * (h * h + (nq * hd) ** 2 + h * h + f * f)
-    solver = 4 * (2 * h * f + f * f)
+    solver = 4 * (2 * h * f + 2 * f * f)
     hidden = nsamples * seqlen * h * dtype_bytes
     mlp = 3 * batch_size * seqlen * f * dtype_bytes
     outside = vocab * h * dtype_bytes * (1 if tied else 2)
@@ -293,7 +294,7 @@ def main(blocks: list[int], methods: list[str], hidden: int, intermediate: int, 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--blocks", type=int, nargs="+", default=[12, 24])
+    parser.add_argument("--blocks", type=int, nargs="+", default=[12, 24, 32])
     parser.add_argument("--methods", nargs="+", default=["wanda", "sparsegpt"])
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--intermediate", type=int, default=4096)

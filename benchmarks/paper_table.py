@@ -221,7 +221,7 @@ class Bench:
         if path.exists() and not recalibrate:
             saved = torch.load(path, weights_only=True)
             if torch.equal(saved["calibration"], self.calibration):
-                stats = {n: InputStats(s["xtx"], s["xsum"], int(s["count"])) for n, s in saved["stats"].items()}
+                stats = {n: InputStats(**s) for n, s in saved["stats"].items()}
                 return stats, float(saved["seconds"]), True
         from nmprune.pipeline import collect_hessians
 
@@ -231,7 +231,7 @@ class Bench:
         seconds = time.perf_counter() - start
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"calibration": self.calibration, "seconds": seconds,
-                    "stats": {n: {"xtx": s.xtx, "xsum": s.xsum, "count": s.count} for n, s in stats.items()}},
+                    "stats": {n: vars(s) for n, s in stats.items()}},
                    path)
         return stats, seconds, False
 

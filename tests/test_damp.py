@@ -1,10 +1,12 @@
-"""Hessian dampening (``prune_layer(..., damp=...)``, :func:`nmprune.prune.dampen`)."""
+"""Hessian dampening (``prune_layer(..., damp=...)``, :func:`nmprune.prune.dampened`)."""
 
 import pytest
 import torch
 
+import nmprune
 from nmprune import local_loss
-from nmprune.prune import dampen, prune_layer
+from nmprune.prune import dampened, prune_layer
+from nmprune.registry import get_method
 
 
 def _few_token_problem(d_in: int = 64, d_out: int = 32, tokens: int = 24, seed: int = 0):
@@ -18,11 +20,51 @@ def _few_token_problem(d_in: int = 64, d_out: int = 32, tokens: int = 24, seed: 
     return w, x @ x.T / tokens, chol @ chol.T
 
 
-def test_dampen_adds_a_multiple_of_the_mean_diagonal():
+def test_dampened_adds_a_multiple_of_the_mean_diagonal_and_restores_it():
     h = torch.diag(torch.tensor([1.0, 3.0]))
-    assert dampen(h, 0.0) is h
-    torch.testing.assert_close(dampen(h, 0.5), torch.diag(torch.tensor([2.0, 4.0])))
-    assert torch.equal(h, torch.diag(torch.tensor([1.0, 3.0])))  # not modified in place
+    h[0, 1] = h[1, 0] = 0.25
+    original = h.clone()
+    with dampened(h, 0.0) as d:
+        assert d is h
+    with dampened(h, 0.5) as d:
+        assert d is h  # in place: no second d_in x d_in matrix
+        torch.testing.assert_close(d, original + torch.eye(2))
+    assert torch.equal(h, original)
+    with pytest.raises(RuntimeError, match="solver failed"):
+        with dampened(h, 0.5):
+            raise RuntimeError("solver failed")
+    assert torch.equal(h, original)  # restored on an error too
+
+
+@pytest.mark.parametrize("kind", ["transposed view", "inference", "requires grad"])
+def test_dampened_copies_a_hessian_it_cannot_write(kind):
+    base = torch.tensor([[1.0, 0.5, 0.0], [0.5, 3.0, 0.0], [0.0, 0.0, 2.0]])
+    if kind == "transposed view":
+        h = base.clone()[:, :2][:2].t()  # not contiguous
+    elif kind == "inference":
+        with torch.inference_mode():
+            h = base.clone()
+    else:
+        h = base.clone().requires_grad_()
+    original = h.detach().clone()
+    with dampened(h, 0.5) as d:
+        assert d is not h
+        torch.testing.assert_close(d.detach(), original + original.diagonal().mean() * 0.5 * torch.eye(len(h)))
+    assert torch.equal(h.detach(), original)
+
+
+@pytest.mark.parametrize("method", sorted(nmprune.methods()))
+@pytest.mark.parametrize("refine", ["gd", "exact"])
+def test_solve_leaves_the_callers_weights_and_hessian_unchanged(method, refine):
+    """The pipeline hands the module's own weight and the statistics' own H to the solvers
+    (no copies): every method and refiner must leave both as they were, dampening included."""
+    w, h, _ = _few_token_problem()
+    w32, h32 = w.float(), h.float()
+    w_before, h_before = w32.clone(), h32.clone()
+    options = {name: torch.zeros(w.shape[1]) for name in get_method(method).statistics}
+    refine_options = {"refine_max_iter": 20} if refine == "exact" else {"refine_steps": 20}
+    prune_layer(w32, h32, method=method, refine=refine, damp=0.05, **refine_options, **options)
+    assert torch.equal(w32, w_before) and torch.equal(h32, h_before)
 
 
 def test_losses_are_reported_on_the_undamped_hessian():

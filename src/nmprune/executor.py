@@ -48,7 +48,7 @@ def run_job(job: LayerJob, device: torch.device) -> tuple[Tensor, dict[str, Any]
     (``seconds``, ``cpu_seconds``: this process's, all its threads)."""
     started, cpu_started = time.perf_counter(), time.process_time()
     h = job.stats.hessian().to(device)
-    w = job.weight.detach().to(device=device, dtype=h.dtype, copy=True)
+    w = job.weight.detach().to(device=device, dtype=h.dtype)  # the solvers leave it as it is
     try:
         result = solve(w, h, job.plan, statistic_values(job.plan.statistics, job.stats, device))
     except ValueError as e:  # bad tensors (NaN/Inf weights or statistics): say which layer

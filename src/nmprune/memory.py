@@ -3,12 +3,12 @@
 glibc keeps freed heap memory for reuse, and its mmap threshold grows each time a large block
 is freed, so later large tensors come from the heap and fragment it: on the packaged model the
 resident set grows by about 100 MB per decoder block. :func:`prefer_mmap` (called by the CLI)
-pins the threshold at 32 MiB, so the large activation tensors are always mapped and unmapped
-directly while the many small temporaries of the layer solvers keep reusing the heap (a
-1 MiB threshold gives the same peak but makes the run slower through page faults);
-:func:`release_memory` (after loading, evaluating, every block and, without the garbage
-collection, every layer) returns the free heap pages, the layer solvers' temporaries
-included. Measured in docs/pipeline.md#measured-packaged-smollm2-135m-instruct-this-2-core-cpu.
+pins the threshold at 4 MiB, so every tensor of a weight's or a Hessian's size (the
+activations, the layer solvers' copies and temporaries) is mapped and unmapped directly and
+the heap keeps only small ones; with 32 MiB the 16 MiB temporaries of the layer solvers
+fragmented the heap (a streamed SparseGPT run of a hidden-1024 model peaked about 160 MiB
+higher; docs/pipeline.md#large-models). :func:`release_memory` (after loading, evaluating,
+every block and, without the garbage collection, every layer) returns the free heap pages.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ LIBC = _glibc()
 _M_MMAP_THRESHOLD = -3
 
 
-def prefer_mmap(threshold: int = 32 << 20) -> None:
+def prefer_mmap(threshold: int = 4 << 20) -> None:
     """Serve allocations of ``threshold`` bytes or more by mmap (glibc; process-wide, so only
     the command-line entry point calls it)."""
     if LIBC is not None:

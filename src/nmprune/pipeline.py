@@ -296,7 +296,7 @@ def collect_hessians(model: nn.Module, calibration: Tensor, *, device: str | tor
                 stats = stage.collect(i, source.load(i, device), source.layers(i))
                 on_cpu: dict[int, InputStats] = {}
                 for name, s in stats.items():
-                    result[name] = on_cpu.setdefault(id(s), InputStats(s.xtx.cpu(), s.xsum.cpu(), s.count))
+                    result[name] = on_cpu.setdefault(id(s), InputStats(s.xtx.cpu(), s.xsum.cpu(), s.count, s.averaged))
                 source.release(i)
     finally:
         model.train(was_training)

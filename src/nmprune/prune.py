@@ -12,8 +12,9 @@ models or files.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -78,8 +79,12 @@ def full_mask(w_pruned: Tensor, w_star: Tensor, h: Tensor, pattern: NMPattern) -
     return topn_mask(score.add_(w_pruned != 0), pattern)
 
 
-def dampen(h: Tensor, damp: float) -> Tensor:
-    """``H + damp * mean(diag H) * I`` (a new tensor; ``h`` itself when ``damp == 0``).
+@contextmanager
+def dampened(h: Tensor, damp: float) -> Iterator[Tensor]:
+    """``H + damp * mean(diag H) * I`` for the ``with`` body: ``h`` itself with its diagonal
+    raised in place and restored bit for bit on exit (also on an error), so no second
+    ``d_in x d_in`` matrix exists; a new tensor where ``h`` cannot be written in place
+    (non-contiguous, an inference tensor, one requiring grad).
 
     The local loss with this ``H`` is ``Tr((W-W*) H (W-W*)^T) + damp * mean(diag H) *
     ||W - W*||_F^2``: a Tikhonov pull towards the dense weights, scaled like SparseGPT's
@@ -87,10 +92,21 @@ def dampen(h: Tensor, damp: float) -> Tensor:
     calibration tokens than inputs) does not see.
     """
     if damp == 0.0:
-        return h
-    out = h.clone()
-    out.diagonal().add_(damp * float(torch.diagonal(h).mean()))
-    return out
+        yield h
+        return
+    diagonal = torch.diagonal(h)
+    shift = damp * float(diagonal.detach().mean())
+    if not h.is_contiguous() or h.is_inference() or h.requires_grad:
+        out = h.clone()
+        out.diagonal().add_(shift)
+        yield out
+        return
+    original = diagonal.clone()
+    diagonal.add_(shift)
+    try:
+        yield h
+    finally:
+        diagonal.copy_(original)
 
 
 def solve(W: Tensor, H: Tensor, plan: LayerPlan, statistics: Mapping[str, Tensor] | None = None
@@ -100,8 +116,9 @@ def solve(W: Tensor, H: Tensor, plan: LayerPlan, statistics: Mapping[str, Tensor
 
     ``statistics`` holds input statistics the method declared (``plan.statistics``; one not
     given takes the method's default).
-    With ``plan.damp > 0`` the method and the refiner see :func:`dampen` ``(H, damp)``
-    instead of ``H``; the reported losses are always on ``H`` itself. Raises ValueError on
+    With ``plan.damp > 0`` the method and the refiner see :func:`dampened` ``(H, damp)``
+    instead of ``H`` (``H``'s diagonal is raised in place while they run); the reported
+    losses are always on ``H`` itself. Raises ValueError on
     bad tensors (shapes, dtypes, devices, NaN/Inf, a non-symmetric ``H``).
     """
     p = plan.pattern
@@ -112,11 +129,11 @@ def solve(W: Tensor, H: Tensor, plan: LayerPlan, statistics: Mapping[str, Tensor
         raise ValueError(f"method {plan.method.name!r} takes no statistic {unknown[0]!r}")
     dtype = _compute_dtype(W, H)
     w_star, h = W.to(dtype), H.to(dtype)
-    h_solve = dampen(h, plan.damp)
 
     start = time.perf_counter()
-    w = plan.method.fn(w_star, h_solve, p, **extra, **plan.method_options)
-    _sync(w)
+    with dampened(h, plan.damp) as h_solve:
+        w = plan.method.fn(w_star, h_solve, p, **extra, **plan.method_options)
+        _sync(w)
     seconds_method = time.perf_counter() - start
     if w.shape != w_star.shape or not is_nm_sparse(w, p):
         raise RuntimeError(f"method {plan.method.name!r} did not return an exactly {p} sparse matrix")
@@ -126,8 +143,9 @@ def solve(W: Tensor, H: Tensor, plan: LayerPlan, statistics: Mapping[str, Tensor
     loss_refined, seconds_refine = None, 0.0
     if plan.refiner is not None:
         start = time.perf_counter()
-        w = plan.refiner.fn(w, w_star, h_solve, mask, **plan.refiner_options)
-        _sync(w)
+        with dampened(h, plan.damp) as h_solve:
+            w = plan.refiner.fn(w, w_star, h_solve, mask, **plan.refiner_options)
+            _sync(w)
         seconds_refine = time.perf_counter() - start
         if bool((w[~mask] != 0).any()):
             raise RuntimeError(f"refiner {plan.refiner.name!r} changed weights outside the mask")

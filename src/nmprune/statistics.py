@@ -30,23 +30,36 @@ from .block_runner import BlockInputs, run_block
 
 @dataclass
 class InputStats:
-    """Running sums of a layer input: ``sum x x^T``, ``sum x`` and the token count."""
+    """Running sums of a layer input: ``sum x x^T``, ``sum x`` and the token count; after
+    :meth:`average_`, their means (``averaged``)."""
 
     xtx: Tensor
     xsum: Tensor
     count: int = 0
+    averaged: bool = False
 
     def hessian(self) -> Tensor:
-        """``H = X X^T / n``."""
+        """``H = X X^T / n`` (the stored tensor itself once averaged, else a new one)."""
         if self.count == 0:
             raise ValueError("no inputs were accumulated")
-        return self.xtx / self.count
+        return self.xtx if self.averaged else self.xtx / self.count
 
     def mean(self) -> Tensor:
         """The mean input vector (``d_in``)."""
         if self.count == 0:
             raise ValueError("no inputs were accumulated")
-        return self.xsum / self.count
+        return self.xsum if self.averaged else self.xsum / self.count
+
+    def average_(self) -> "InputStats":
+        """Divide the sums by the count in place, once all processes' sums are added: the
+        same values as :meth:`hessian` / :meth:`mean`, without a second ``d_in^2`` copy."""
+        if self.count == 0:
+            raise ValueError("no inputs were accumulated")
+        if not self.averaged:
+            self.xtx.div_(self.count)
+            self.xsum.div_(self.count)
+            self.averaged = True
+        return self
 
 
 def new_stats(d: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> InputStats:
@@ -60,6 +73,8 @@ def new_stats(d: int, dtype: torch.dtype = torch.float32, device: torch.device |
 def accumulate(stats: InputStats, x: Tensor) -> InputStats:
     """Add the tokens of ``x`` (``(..., d)``) to ``stats`` in place and return it."""
     d = stats.xsum.shape[0]
+    if stats.averaged:
+        raise ValueError("these statistics are averaged already; accumulate before average_()")
     if x.shape[-1] != d:
         raise ValueError(f"input of width {x.shape[-1]} does not match accumulator of width {d}")
     rows = x.detach().reshape(-1, d).to(stats.xtx.dtype)
@@ -146,7 +161,8 @@ class CalibrationStatistics:
     ``inputs.hidden`` holds the hidden states entering the current block (this process's
     share of the calibration batches). :meth:`collect` runs them through a block with
     :class:`HessianCollector` on its layers and hands the sums to ``reduce`` (identity in one
-    process, an all-reduce across ranks) before anyone reads them. With ``dense_inputs``
+    process, an all-reduce across ranks) before they are averaged in place
+    (:meth:`InputStats.average_`) and read. With ``dense_inputs``
     (the paper's default) each batch's dense output replaces its input at once, so only one
     set of activations is held; otherwise :meth:`advance` propagates the inputs through the
     pruned block (Appendix ``app:use_unpruned_inputs``).
@@ -169,7 +185,10 @@ class CalibrationStatistics:
                 if self.dense_inputs:
                     self.inputs.hidden[j] = out
         stats = {name: collector.of(name) for name in layers}
-        self.reduce(_unique(stats))
+        unique = _unique(stats)
+        self.reduce(unique)
+        for s in unique:
+            s.average_()
         return stats
 
     def advance(self, index: int, block: nn.Module) -> None:

@@ -32,7 +32,10 @@ def sparsegpt_hinv_factor(h: Tensor, percdamp: float) -> tuple[Tensor, Tensor]:
     if int(info) != 0:
         raise ValueError("H plus SparseGPT's dampening is not positive definite; H must be positive "
                          f"semi-definite (or raise percdamp, now {percdamp})")
-    return torch.linalg.cholesky(torch.cholesky_inverse(chol), upper=True), dead
+    del h  # at most two d_in x d_in matrices at a time
+    inverse = torch.cholesky_inverse(chol)
+    del chol
+    return torch.linalg.cholesky(inverse, upper=True), dead
 
 
 @register_method("sparsegpt", description="SparseGPT: OBS mask per M columns with lazy-batched updates")
