@@ -91,6 +91,7 @@ def open_model(spec: str | None, gguf_file: str | None, dtype: str | None, offlo
     :class:`~nmprune.streaming.StreamingModel` whose blocks stream from its safetensors
     checkpoint when ``offload`` says so or the model does not fit in memory
     (:func:`nmprune.streaming.fit.choose_streaming`)."""
+    from .memory import prefer_mmap
     from .models import check_causal, load_model, load_tokenizer, resolve_model
     from .streaming import StreamingModel
     from .streaming.fit import choose_streaming
@@ -100,6 +101,7 @@ def open_model(spec: str | None, gguf_file: str | None, dtype: str | None, offlo
     if not choose_streaming(source, dtype, offload):
         return load_model(spec, gguf_file=gguf_file, dtype=dtype, allow_pickle=allow_pickle)
     print(f"streaming the weights of {source} block by block", file=sys.stderr)
+    prefer_mmap(4 << 20)  # the lowest peak: weight-sized temporaries are mapped too (nmprune/memory.py)
     return StreamingModel(source.path, dtype=dtype), load_tokenizer(source), source
 
 

@@ -3,11 +3,13 @@
 glibc keeps freed heap memory for reuse, and its mmap threshold grows each time a large block
 is freed, so later large tensors come from the heap and fragment it: on the packaged model the
 resident set grows by about 100 MB per decoder block. :func:`prefer_mmap` (called by the CLI)
-pins the threshold at 4 MiB, so every tensor of a weight's or a Hessian's size (the
-activations, the layer solvers' copies and temporaries) is mapped and unmapped directly and
-the heap keeps only small ones; with 32 MiB the 16 MiB temporaries of the layer solvers
-fragmented the heap (a streamed SparseGPT run of a hidden-1024 model peaked about 160 MiB
-higher; docs/pipeline.md#large-models). :func:`release_memory` (after loading, evaluating,
+pins the threshold at 32 MiB, so the large activation tensors are always mapped and unmapped
+directly while the many small temporaries of the layer solvers keep reusing the heap; a
+streamed run (a model larger than memory) lowers it to 4 MiB, so that every tensor of a
+weight's size is mapped too: at 32 MiB the 16 MiB solver temporaries of a hidden-1024 model
+fragmented the heap (a streamed SparseGPT run peaked about 160 MiB higher;
+docs/pipeline.md#large-models), while the main job's layer solvers ran a few percent slower
+at 4 MiB. :func:`release_memory` (after loading, evaluating,
 every block and, without the garbage collection, every layer) returns the free heap pages.
 """
 
@@ -34,7 +36,7 @@ LIBC = _glibc()
 _M_MMAP_THRESHOLD = -3
 
 
-def prefer_mmap(threshold: int = 4 << 20) -> None:
+def prefer_mmap(threshold: int = 32 << 20) -> None:
     """Serve allocations of ``threshold`` bytes or more by mmap (glibc; process-wide, so only
     the command-line entry point calls it)."""
     if LIBC is not None:
