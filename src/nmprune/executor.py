@@ -48,9 +48,7 @@ def run_job(job: LayerJob, device: torch.device) -> tuple[Tensor, dict[str, Any]
     (``seconds``, ``cpu_seconds``: this process's, all its threads)."""
     started, cpu_started = time.perf_counter(), time.process_time()
     h = job.stats.hessian().to(device)
-    # a fresh, aligned float32 copy: a loaded weight need not start on a 64-byte boundary, and
-    # the solvers ran ~5% slower on one (the main job, d087519); a bfloat16 weight is copied anyway
-    w = job.weight.detach().to(device=device, dtype=h.dtype, copy=True)
+    w = job.weight.detach().to(device=device, dtype=h.dtype)  # the solvers leave it as it is
     try:
         result = solve(w, h, job.plan, statistic_values(job.plan.statistics, job.stats, device))
     except ValueError as e:  # bad tensors (NaN/Inf weights or statistics): say which layer
