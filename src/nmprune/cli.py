@@ -97,9 +97,9 @@ def open_model(spec: str | None, gguf_file: str | None, dtype: str | None, offlo
     from .streaming.fit import choose_streaming
 
     source = resolve_model(spec, gguf_file)
-    check_causal(source)
-    if not choose_streaming(source, dtype, offload):
-        return load_model(spec, gguf_file=gguf_file, dtype=dtype, allow_pickle=allow_pickle)
+    config = check_causal(source)  # read once: a GGUF file's takes seconds to parse
+    if not choose_streaming(source, dtype, offload, config):
+        return load_model(spec, gguf_file=gguf_file, dtype=dtype, allow_pickle=allow_pickle, config=config)
     print(f"streaming the weights of {source} block by block", file=sys.stderr)
     prefer_mmap(4 << 20)  # the lowest peak: weight-sized temporaries are mapped too (nmprune/memory.py)
     return StreamingModel(source.path, dtype=dtype), load_tokenizer(source), source

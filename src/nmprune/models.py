@@ -152,7 +152,9 @@ def check_decoder_only(config, source: object) -> None:
                          f"(AutoModelForCausalLM); {_DECODERS}")
 
 
-def _read_config(source: ModelSource):
+def read_config(source: ModelSource):
+    """The model's transformers configuration (a GGUF file's is parsed from its metadata,
+    which takes seconds: callers pass it on rather than read it again)."""
     from transformers import AutoConfig
 
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
@@ -166,7 +168,7 @@ def _read_config(source: ModelSource):
 def check_causal(source: ModelSource):
     """The model's configuration, after checking it is a decoder-only causal LM
     (:func:`check_decoder_only`)."""
-    config = _read_config(source)
+    config = read_config(source)
     check_decoder_only(config, source)
     return config
 
@@ -199,7 +201,7 @@ def _load_errors() -> tuple[type[BaseException], ...]:
 
 def load_model(spec: str | os.PathLike | None = None, *, gguf_file: str | None = None,
                dtype: str | torch.dtype | None = "auto", tokenizer: bool = True,
-               allow_pickle: bool = False):
+               allow_pickle: bool = False, config=None):
     """Load ``(model, tokenizer, source)`` on the CPU in eval mode.
 
     ``spec`` as in :func:`resolve_model`. GGUF files are de-quantised by transformers
@@ -207,13 +209,15 @@ def load_model(spec: str | os.PathLike | None = None, *, gguf_file: str | None =
     ``allow_pickle`` (``pytorch_model.bin`` and other pickles, which can run code when
     loaded). A model that is not a decoder-only causal LM (:func:`check_decoder_only`) or
     fails to load is a one-line ValueError. ``tokenizer`` is ``None`` when the directory
-    has none (or ``tokenizer=False``).
+    has none (or ``tokenizer=False``). ``config`` is the configuration :func:`check_causal`
+    returned for this model, when the caller has checked it already.
     """
     from transformers import AutoModelForCausalLM
 
     torch_dtype = parse_dtype(dtype)
     source = resolve_model(spec, gguf_file)
-    check_causal(source)
+    if config is None:
+        config = check_causal(source)
     if not allow_pickle:
         _check_safetensors(source)
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
@@ -226,7 +230,8 @@ def load_model(spec: str | os.PathLike | None = None, *, gguf_file: str | None =
     elif not allow_pickle:
         model_kwargs["use_safetensors"] = True
     try:
-        model = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch_dtype, **model_kwargs)
+        model = AutoModelForCausalLM.from_pretrained(source.path, config=config, dtype=torch_dtype,
+                                                     **model_kwargs)
     except _load_errors() as e:
         first = (str(e).strip().splitlines() or [""])[0]
         raise ValueError(f"could not load the model {source}: {type(e).__name__}: {first}") from e

@@ -13,12 +13,13 @@ when that exceeds the memory available.
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 
 import torch
 
-from ..models import ModelSource, parse_dtype
+from ..models import ModelSource, parse_dtype, read_config
 from .files import INDEX, SINGLE
 
 IN_MEMORY_FACTOR = 2.5
@@ -31,18 +32,18 @@ def streamable(source: ModelSource) -> bool:
     return source.gguf_file is None and p.is_dir() and ((p / SINGLE).is_file() or (p / INDEX).is_file())
 
 
-def weight_bytes(source: ModelSource, dtype: str | torch.dtype | None = "auto") -> int:
-    """Bytes of the model's distinct parameters in the run dtype (module docstring)."""
+def weight_bytes(source: ModelSource, dtype: str | torch.dtype | None = "auto", config=None) -> int:
+    """Bytes of the model's distinct parameters in the run dtype (module docstring);
+    ``config`` is the model's configuration when the caller has read it already."""
     from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
-    config = AutoConfig.from_pretrained(source.path, **kwargs)
+    config = config if config is not None else read_config(source)
     parsed = parse_dtype(dtype)
     if parsed == "auto":
         parsed = parse_dtype(getattr(config, "dtype", None) or "float32")
-    with init_empty_weights():
-        model = AutoModelForCausalLM.from_config(config)
+    with init_empty_weights():  # on a copy: building a model may edit its configuration
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
     model.tie_weights()  # the meta context unties shared parameters
     return sum(p.numel() for p in model.parameters()) * parsed.itemsize
 
@@ -87,10 +88,12 @@ def available_memory() -> int:
     return min(avail, headroom) if headroom is not None else avail
 
 
-def choose_streaming(source: ModelSource, dtype: str | torch.dtype | None, offload: bool | None) -> bool:
+def choose_streaming(source: ModelSource, dtype: str | torch.dtype | None, offload: bool | None,
+                     config=None) -> bool:
     """Stream (True) or load whole (False): ``offload`` decides when given; otherwise
     streaming is picked when an in-memory run would not fit (module docstring). A model
-    that must stream but is no local safetensors checkpoint is a ValueError."""
+    that must stream but is no local safetensors checkpoint is a ValueError. ``config`` as
+    in :func:`weight_bytes`."""
     if offload is False:
         return False
     if offload:
@@ -100,7 +103,7 @@ def choose_streaming(source: ModelSource, dtype: str | torch.dtype | None, offlo
                              "which loads whole (download or save it as a safetensors directory "
                              "with save_pretrained to stream it)")
         return True
-    need = IN_MEMORY_FACTOR * weight_bytes(source, dtype)
+    need = IN_MEMORY_FACTOR * weight_bytes(source, dtype, config)
     avail = available_memory()
     if need <= avail:
         return False
