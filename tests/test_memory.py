@@ -41,3 +41,31 @@ def test_prefer_mmap_maps_large_blocks():
     del block
     # a mapped block is unmapped on free: the memory is back without any trim
     assert _rss_mb() - before < 20
+
+
+def test_frozen_heap_hides_the_objects_alive_at_entry_and_collects_new_cycles():
+    import gc
+    import weakref
+
+    class Node:
+        pass
+
+    old = Node()
+    old.self = old  # a cycle alive at entry: frozen, so never collected inside the block
+    ref_old = weakref.ref(old)
+    with memory.frozen_heap():
+        assert gc.get_freeze_count() > 0
+        del old
+        new = Node()
+        new.self = new
+        ref_new = weakref.ref(new)
+        del new
+        gc.collect()
+        assert ref_new() is None  # garbage made inside the block is still collected
+        assert ref_old() is not None
+        with memory.frozen_heap():  # nested: leaves the outer freeze alone
+            pass
+        assert gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert ref_old() is None

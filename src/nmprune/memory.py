@@ -11,14 +11,20 @@ fragmented the heap (a streamed SparseGPT run peaked about 160 MiB higher;
 docs/pipeline.md#large-models), while the main job's layer solvers ran a few percent slower
 at 4 MiB. :func:`release_memory` (after loading, evaluating,
 every block and, without the garbage collection, every layer) returns the free heap pages.
+:func:`frozen_heap` keeps the objects that live for the whole run (a loaded model, its
+tokenizer and the imported libraries: about 400,000 objects on the packaged model) out of
+the garbage collector's view while the blocks are pruned, so that each full collection
+walks only what the run created since, instead of 0.2 s of walking everything.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import gc
 import sys
+from collections.abc import Iterator
 
 
 def _glibc():
@@ -50,3 +56,19 @@ def release_memory(collect: bool = True) -> None:
         gc.collect()
     if LIBC is not None:
         LIBC.malloc_trim(0)
+
+
+@contextlib.contextmanager
+def frozen_heap() -> Iterator[None]:
+    """Collect garbage, then exclude every object alive now from later collections
+    (:func:`gc.freeze`) until the block exits. Inside another ``gc.freeze`` it does
+    nothing."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from . import distributed
 from .checkpoint import Checkpoint
-from .memory import release_memory
+from .memory import frozen_heap, release_memory
 from .config import PruneSettings
 from .distributed import DistributedExecutor, balance_window, job_cost
 from .executor import LayerJob, LocalExecutor
@@ -159,7 +159,7 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
     was_training = source.model.training
     source.model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), frozen_heap():
             if hessians is None:
                 with executor.phase("capturing the block inputs"):
                     inputs = source.capture(batches, device, keep_hidden=start == 0 or executor.world > 1)
