@@ -193,3 +193,17 @@ def test_one_rank_checkpoint_resumes_on_two_ranks(tmp_path):
     assert [r["name"] for r in two["layers"] if not r["skipped"]] == names
     assert agreement(torch.load(out / "state.pt"), straight.state_dict(), names) >= 0.999
     assert total_loss(two["layers"]) == pytest.approx(total_loss(one["layers"]), rel=1e-4)
+
+
+def test_reduce_refuses_averaged_statistics():
+    """Summing means over ranks (and adding the counts) would be wrong: only sums reduce."""
+    from types import SimpleNamespace
+
+    from nmprune.distributed import DistributedExecutor
+    from nmprune.statistics import accumulate, new_stats
+
+    ranks = SimpleNamespace(device=torch.device("cpu"), rank=0, world=2, is_main=True,
+                            check=lambda *args: [])
+    stats = accumulate(new_stats(4), torch.randn(3, 4)).average_()
+    with pytest.raises(ValueError, match="before they are averaged"):
+        DistributedExecutor(ranks).reduce([stats])

@@ -265,3 +265,31 @@ def test_methods_see_the_dampened_hessian():
         expected = h + 0.25 * h.diagonal().mean() * torch.eye(h.shape[0], dtype=h.dtype)
         torch.testing.assert_close(rec["h"], expected)
     assert all(r["damp"] == 0.25 for r in damped_report.layers)
+
+
+def test_a_solved_layers_statistics_are_freed_before_the_next_layer(monkeypatch):
+    """While a block's last layer is solved, no statistics of its other layers are held
+    (q/k/v and gate/up share theirs until the last of them is solved)."""
+    import weakref
+
+    from nmprune import executor
+
+    model = tiny_model("llama", 1)
+    stats: dict[str, weakref.ref] = {}
+    alive: dict[str, list[str]] = {}
+    real = executor.run_job
+
+    def watching(job, device):
+        alive[job.name] = [n for n, r in stats.items() if r() is not None]
+        stats[job.name] = weakref.ref(job.stats)
+        return real(job, device)
+
+    monkeypatch.setattr(executor, "run_job", watching)
+    prune_model(model, calibration=token_batch(4, 12), method="wanda", refine=None, progress=False)
+    names = list(stats)
+    assert [n.rsplit(".", 1)[1] for n in names] == ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                     "gate_proj", "up_proj", "down_proj"]
+    assert alive[names[1]] == names[:1] and alive[names[2]] == names[:2]  # q/k/v share one
+    assert alive[names[3]] == []  # ... freed once v_proj is done
+    assert alive[names[5]] == names[4:5]  # gate/up share theirs
+    assert alive[names[6]] == []

@@ -332,8 +332,11 @@ class DistributedExecutor:
 
     def reduce(self, stats: list[Any]) -> None:
         """Sum each :class:`~nmprune.statistics.InputStats` (``xtx``, ``xsum``, ``count``) over
-        all ranks, in place (``stats`` in the same order on every rank)."""
+        all ranks, in place (``stats`` in the same order on every rank); they must still be
+        sums (not :meth:`~nmprune.statistics.InputStats.average_`-d)."""
         self.ranks.check("calibration")
+        if any(s.averaged for s in stats):
+            raise ValueError("statistics are summed over ranks before they are averaged")
         for s in stats:
             count = torch.tensor([s.count], dtype=torch.float64, device=self.device)
             self.ranks.all_reduce_sum([s.xtx, s.xsum, count])

@@ -108,6 +108,7 @@ def perplexity(
                 batch = windows[start : start + batch_size].to(run_on)
                 logits = model(input_ids=batch, use_cache=False).logits
                 nll, n = window_nll(logits, batch)
+                del logits  # before the next batch's: one batch of logits at a time
                 total += nll.cpu()
                 count += n
                 bar.update(batch.shape[0])

@@ -50,6 +50,12 @@ def wanda_scale(h: Tensor) -> Tensor:
     return torch.diagonal(h).clamp_min(0.0).sqrt()
 
 
+def wanda_score(w: Tensor, h: Tensor) -> Tensor:
+    """Wanda's score ``|W_ij| H_jj^{1/2}`` (a new tensor of ``w``'s size, built in place):
+    the loss of pruning one weight when ``H`` is diagonal (paper eq. ``wanda_loss``)."""
+    return w.abs().mul_(wanda_scale(h))
+
+
 def column_scale(h: Tensor) -> Tensor:
     """``s_j = H_jj^{1/2}``, with 1 for dead inputs (``H_jj == 0``, whose row and column of a
     PSD ``H`` are zero, so the weights there are left as they are)."""

@@ -143,7 +143,7 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
         start, resumed = 0, []
         if checkpoint is not None:
             checkpoint.bind("calibration_sha256", _digest(calibration) if hessians is None
-                            else _digest(torch.stack([hessians[n].xtx.trace() for n in plans
+                            else _digest(torch.stack([hessians[n].hessian().trace() for n in plans
                                                       if n in hessians])))
             start, resumed = checkpoint.done_blocks, checkpoint.records
             for i in range(start):
@@ -251,6 +251,7 @@ def _prune_blocks(group: range, source: ModelBlocks, plans: dict[str, LayerPlan 
 
     def done(job: LayerJob, weight: Tensor, record: dict[str, Any]) -> None:
         set_weight_matrix(modules[job.name], weight)
+        job.stats = None  # freed unless a later layer of the block shares them (q/k/v, gate/up)
         del weight
         release_memory(collect=False)  # the solvers' temporaries: heap pages back to the system
         records[job.name] = {**records[job.name], **record, "skipped": False}

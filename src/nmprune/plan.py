@@ -4,9 +4,10 @@ This is the only place where a pattern string, a method or refiner name, a solve
 the dampening is parsed and validated; the solvers and the pipeline trust a plan. A plan
 holds the parsed :class:`~nmprune.pattern.NMPattern`, the registry entries of its method and
 refiner, their options (checked against the types, choices and ranges the solvers'
-signatures declare, see :mod:`nmprune.registry`) and the dampening of :func:`nmprune.prune.dampen`. :class:`Planner` does this once for the global
-settings and every override of a :class:`~nmprune.config.PruneSettings`, then picks a
-layer's plan by name and shape.
+signatures declare, see :mod:`nmprune.registry`) and the dampening of
+:func:`nmprune.prune.dampened`. :class:`Planner` does this once for the global settings and
+every override of a :class:`~nmprune.config.PruneSettings`, then picks a layer's plan by
+name and shape.
 """
 
 from __future__ import annotations
@@ -175,8 +176,8 @@ class Planner:
     """The plans of a :class:`~nmprune.config.PruneSettings`.
 
     The global plan and the plan of every override (``glob -> "skip"`` or a mapping with any
-    of ``method``, ``refine``, ``pattern``, ``options``) are resolved once, on construction. An override naming another method starts from empty options; otherwise its
-    options are merged onto the global ones. The first matching glob wins.
+    of ``method``, ``refine``, ``pattern``, ``options``) are resolved once, on construction. An override naming another method starts from empty
+    options; otherwise its options are merged onto the global ones. The first matching glob wins.
     """
 
     def __init__(self, settings: PruneSettings):

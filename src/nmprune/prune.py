@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from .checks import check_float, check_symmetric
-from .linalg import wanda_scale
+from .linalg import wanda_score
 from .loss import local_loss
 from .pattern import NMPattern, is_nm_sparse, topn_mask
 from .plan import LayerPlan, resolve_plan
@@ -73,7 +73,7 @@ def _sync(t: Tensor) -> None:
 def full_mask(w_pruned: Tensor, w_star: Tensor, h: Tensor, pattern: NMPattern) -> Tensor:
     """Exactly N positions per cell: the non-zeros of ``w_pruned`` first, then the highest
     Wanda scores ``|W*_ij| H_jj^{1/2}`` (a free slot can only help a mask-held refiner)."""
-    score = w_star.abs().mul_(wanda_scale(h))  # in place: one temporary of W's size
+    score = wanda_score(w_star, h)  # one temporary of W's size
     if score.numel():
         score.div_(1.0 + score.max())
     return topn_mask(score.add_(w_pruned != 0), pattern)

@@ -40,25 +40,24 @@ class InputStats:
 
     def hessian(self) -> Tensor:
         """``H = X X^T / n`` (the stored tensor itself once averaged, else a new one)."""
-        if self.count == 0:
-            raise ValueError("no inputs were accumulated")
-        return self.xtx if self.averaged else self.xtx / self.count
+        return self.xtx if self._counted().averaged else self.xtx / self.count
 
     def mean(self) -> Tensor:
         """The mean input vector (``d_in``)."""
-        if self.count == 0:
-            raise ValueError("no inputs were accumulated")
-        return self.xsum if self.averaged else self.xsum / self.count
+        return self.xsum if self._counted().averaged else self.xsum / self.count
 
     def average_(self) -> "InputStats":
         """Divide the sums by the count in place, once all processes' sums are added: the
         same values as :meth:`hessian` / :meth:`mean`, without a second ``d_in^2`` copy."""
-        if self.count == 0:
-            raise ValueError("no inputs were accumulated")
-        if not self.averaged:
+        if not self._counted().averaged:
             self.xtx.div_(self.count)
             self.xsum.div_(self.count)
             self.averaged = True
+        return self
+
+    def _counted(self) -> "InputStats":
+        if self.count == 0:
+            raise ValueError("no inputs were accumulated")
         return self
 
 

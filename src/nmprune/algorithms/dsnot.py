@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..linalg import wanda_scale
+from ..linalg import wanda_score
 from ..pattern import NMPattern, from_cells, to_cells, topn_mask
 from ..registry import NonNegativeFloat, NonNegativeInt, register_method
 
@@ -45,8 +45,8 @@ def dsnot(w: Tensor, h: Tensor, pattern: NMPattern, *, input_mean: Tensor | None
         if not bool(torch.isfinite(input_mean).all()):
             raise ValueError("input_mean contains NaN or Inf")
         mean = input_mean.to(w.dtype).to(w.device)
-    wanda_score = w.abs() * wanda_scale(h)
-    keep = topn_mask(wanda_score, pattern)
+    score = wanda_score(w, h)
+    keep = topn_mask(score, pattern)
     if d_out == 0 or d_in == 0 or max_cycle_time == 0:
         return w * keep
 
@@ -62,7 +62,7 @@ def dsnot(w: Tensor, h: Tensor, pattern: NMPattern, *, input_mean: Tensor | None
     rows = torch.arange(d_out, device=w.device)
     lo = torch.zeros(d_out, dtype=torch.long, device=w.device)       # next most negative
     hi = torch.full((d_out,), d_in - 1, dtype=torch.long, device=w.device)  # next most positive
-    prune_score = torch.where(keep, wanda_score, torch.inf)  # only kept weights can be pruned
+    prune_score = torch.where(keep, score, torch.inf)  # only kept weights can be pruned
     active = torch.ones(d_out, dtype=torch.bool, device=w.device)
     m = pattern.m
     offsets = torch.arange(m, device=w.device)

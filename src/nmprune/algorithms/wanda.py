@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from ..linalg import wanda_scale
+from ..linalg import wanda_score
 from ..pattern import NMPattern, topn_mask
 from ..registry import register_method
 
@@ -16,4 +16,4 @@ from ..registry import register_method
 @register_method("wanda", description="keep the N largest |W_ij| * sqrt(H_jj) per cell")
 def wanda(w: Tensor, h: Tensor, pattern: NMPattern) -> Tensor:
     """Zero the ``M - N`` weights with the smallest ``|W_ij| sqrt(H_jj)`` in every cell."""
-    return w * topn_mask(w.abs().mul_(wanda_scale(h)), pattern)
+    return w * topn_mask(wanda_score(w, h), pattern)

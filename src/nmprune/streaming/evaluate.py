@@ -77,6 +77,7 @@ def streaming_perplexity(source: StreamingModel, input_ids: Tensor, seqlen: int 
     count = 0
     for ids, logits in zip(batches, head_logits(source, inputs, batches, device)):
         nll, n = window_nll(logits, ids.to(device))
+        del logits  # before the next batch's: one batch of logits at a time
         total += nll.cpu()
         count += n
     return math.exp(float(total) / count)
