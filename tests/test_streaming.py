@@ -330,3 +330,28 @@ def test_offload_with_downstream_tasks_is_refused_before_anything_is_written(cli
                  "--out", str(tmp_path / "out")]) == 2
     assert "--eval-tasks needs the model in memory" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def test_a_streamed_block_is_freed_before_the_next_block_starts(sharded, tmp_path, monkeypatch):
+    """The memory bound of a streamed run: when block i+1 starts, nothing holds block i's
+    weights any more (they came from the input checkpoint and went to the sink)."""
+    import weakref
+
+    from nmprune import pipeline
+
+    source = StreamingModel(sharded)
+    sink = ShardedWriter(source, tmp_path / "out")
+    refs: dict[int, list[weakref.ref]] = {}
+    alive: dict[int, list[int]] = {}
+    real = pipeline._prune_blocks
+
+    def watching(group, *args, **kwargs):
+        alive[group[0]] = [j for j, rs in refs.items() if any(r() is not None for r in rs)]
+        records = real(group, *args, **kwargs)
+        refs[group[0]] = [weakref.ref(m.weight) for m in source.layers(group[0]).values()]
+        return records
+
+    monkeypatch.setattr(pipeline, "_prune_blocks", watching)
+    prune_model(None, source=source, sink=sink, calibration=token_batch(4, 12), method="wanda",
+                refine=None, progress=False)
+    assert alive == {i: [] for i in range(len(source))}

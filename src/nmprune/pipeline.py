@@ -192,8 +192,8 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
                     if saving and stage.hidden is not None else None
                 with executor.phase(f"saving block {i}" if k == 1 else f"saving blocks {i}-{i + k - 1}"):
                     weights = [{name: m.weight for name, m in source.layers(j).items()} for j in group]
-                    for j, w in zip(group, weights):
-                        sink.write(j, w)
+                    for j in group:  # no loop variable keeps the last block's weights alive
+                        sink.write(j, weights[j - i])
                     if checkpoint is not None:
                         checkpoint.save_blocks(i, weights, hidden, new)
                     del hidden, weights
