@@ -17,7 +17,7 @@ or v2, as root); then without ``--offload``, where nmprune must pick streaming i
 the group's headroom; and, as a control, forced to load the model whole (``offload: false``),
 which the kernel must kill.
 
-    flock /tmp/nmprune-bench.lock python benchmarks/memory.py [--blocks 12 24 32] [--methods wanda sparsegpt]
+    flock /tmp/nmprune-bench.lock python benchmarks/memory.py [--blocks 16 24 32] [--methods wanda sparsegpt]
 
 Writes ``benchmarks/results/memory.{json,md}``; the generated checkpoints and outputs
 under ``runs/memory_bench`` are deleted at the end.
@@ -294,7 +294,7 @@ def main(blocks: list[int], methods: list[str], hidden: int, intermediate: int, 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--blocks", type=int, nargs="+", default=[12, 24, 32])
+    parser.add_argument("--blocks", type=int, nargs="+", default=[16, 24, 32])
     parser.add_argument("--methods", nargs="+", default=["wanda", "sparsegpt"])
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--intermediate", type=int, default=4096)
