@@ -332,26 +332,28 @@ def test_offload_with_downstream_tasks_is_refused_before_anything_is_written(cli
     assert not list(tmp_path.iterdir())
 
 
-def test_a_streamed_block_is_freed_before_the_next_block_starts(sharded, tmp_path, monkeypatch):
-    """The memory bound of a streamed run: when block i+1 starts, nothing holds block i's
-    weights any more (they came from the input checkpoint and went to the sink)."""
+def test_a_streamed_block_is_freed_once_it_is_written(sharded, tmp_path, monkeypatch):
+    """The memory bound of a streamed run: once block i is written (``on_block_done(i)``),
+    nothing holds its weights any more (they came from the input checkpoint and went to the
+    sink)."""
     import weakref
 
-    from nmprune import pipeline
+    from nmprune import executor
 
     source = StreamingModel(sharded)
     sink = ShardedWriter(source, tmp_path / "out")
     refs: dict[int, list[weakref.ref]] = {}
-    alive: dict[int, list[int]] = {}
-    real = pipeline._prune_blocks
+    held: dict[int, int] = {}
+    real = executor.run_job
 
-    def watching(group, *args, **kwargs):
-        alive[group[0]] = [j for j, rs in refs.items() if any(r() is not None for r in rs)]
-        records = real(group, *args, **kwargs)
-        refs[group[0]] = [weakref.ref(m.weight) for m in source.layers(group[0]).values()]
-        return records
+    def watching(job, device):
+        refs.setdefault(job.block, []).append(weakref.ref(job.weight))
+        return real(job, device)
 
-    monkeypatch.setattr(pipeline, "_prune_blocks", watching)
+    def written(i: int) -> None:
+        held[i] = sum(r() is not None for r in refs[i])
+
+    monkeypatch.setattr(executor, "run_job", watching)
     prune_model(None, source=source, sink=sink, calibration=token_batch(4, 12), method="wanda",
-                refine=None, progress=False)
-    assert alive == {i: [] for i in range(len(source))}
+                refine=None, progress=False, on_block_done=written)
+    assert held == {i: 0 for i in range(len(source))}
