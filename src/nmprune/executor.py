@@ -53,23 +53,20 @@ def run_job(job: LayerJob, device: torch.device) -> tuple[Tensor, dict[str, Any]
         result = solve(w, h, job.plan, statistic_values(job.plan.statistics, job.stats, device))
     except ValueError as e:  # bad tensors (NaN/Inf weights or statistics): say which layer
         raise ValueError(f"layer {job.name}: {e}") from e
-    result.mask = None  # freed before the reference's temporaries
+    record = {**job.plan.describe(), "loss_method": result.loss_method,
+              "loss_refined": result.loss_refined, "seconds_method": result.seconds_method,
+              "seconds_refine": result.seconds_refine}
+    weight = result.weight
+    del result  # its mask is freed before the reference's temporaries are made
     start = time.perf_counter()
     reference = wanda_reference(job.plan.pattern, job.plan.damp)
-    loss_wanda = result.loss_method if job.plan == reference else \
+    loss_wanda = record["loss_method"] if job.plan == reference else \
         local_loss(solve(w, h, reference).weight, w, h)  # the plan is the reference itself
-    seconds_wanda = time.perf_counter() - start
-    final = result.loss_refined if result.loss_refined is not None else result.loss_method
-    record = {
-        **job.plan.describe(),
-        "loss_method": result.loss_method, "loss_refined": result.loss_refined,
-        "loss_wanda": loss_wanda,
-        "loss_vs_wanda": final / loss_wanda if loss_wanda > 0 else None,
-        "seconds_method": result.seconds_method, "seconds_refine": result.seconds_refine,
-        "seconds_wanda_reference": seconds_wanda,
-        "seconds": time.perf_counter() - started, "cpu_seconds": time.process_time() - cpu_started,
-    }
-    return result.weight, record
+    final = record["loss_refined"] if record["loss_refined"] is not None else record["loss_method"]
+    record.update(loss_wanda=loss_wanda, loss_vs_wanda=final / loss_wanda if loss_wanda > 0 else None,
+                  seconds_wanda_reference=time.perf_counter() - start,
+                  seconds=time.perf_counter() - started, cpu_seconds=time.process_time() - cpu_started)
+    return weight, record
 
 
 Done = Callable[[LayerJob, Tensor, dict[str, Any]], None]

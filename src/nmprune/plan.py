@@ -176,8 +176,9 @@ class Planner:
     """The plans of a :class:`~nmprune.config.PruneSettings`.
 
     The global plan and the plan of every override (``glob -> "skip"`` or a mapping with any
-    of ``method``, ``refine``, ``pattern``, ``options``) are resolved once, on construction. An override naming another method starts from empty
-    options; otherwise its options are merged onto the global ones. The first matching glob wins.
+    of ``method``, ``refine``, ``pattern``, ``options``) are resolved once, on construction.
+    An override naming another method starts from empty options; otherwise its options are
+    merged onto the global ones. The first matching glob wins.
     """
 
     def __init__(self, settings: PruneSettings):
