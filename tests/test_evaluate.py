@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nmprune.evaluate import perplexity, perplexity_table
+from nmprune.evaluate import perplexity, perplexity_table, window_nll
 
 VOCAB = 97
 
@@ -46,6 +46,21 @@ def test_perplexity_equals_direct_computation(tiny_llama):
     for batch_size in (1, 2, 5, 8):
         got = perplexity(tiny_llama, ids, seqlen=40, batch_size=batch_size, progress=False)
         assert got == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk_bytes", [1, 3 * VOCAB * 4, 16 << 20])
+def test_window_nll_over_chunks_equals_float64_log_softmax(dtype, chunk_bytes):
+    """Runs of one position, of three (the last run shorter) and the whole window give the
+    summed NLL of a float64 log-softmax over the whole batch."""
+    g = torch.Generator().manual_seed(4)
+    logits = (torch.randn(3, 11, VOCAB, generator=g) * 5).to(dtype)
+    ids = torch.randint(0, VOCAB, (3, 11), generator=g)
+    logp = torch.log_softmax(logits.double(), dim=-1)[:, :-1]
+    expected = -logp.gather(2, ids[:, 1:, None]).sum()
+    nll, count = window_nll(logits, ids, chunk_bytes=chunk_bytes)
+    assert count == 3 * 10 and nll.dtype == torch.float64
+    assert float(nll) == pytest.approx(float(expected), rel=1e-6)
 
 
 def test_perplexity_drops_the_tail(tiny_llama):

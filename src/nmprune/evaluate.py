@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .memory import release_memory
+
 __all__ = [
     "eval_windows",
     "perplexity",
@@ -27,20 +29,25 @@ __all__ = [
 ]
 
 
-def window_nll(logits: Tensor, input_ids: Tensor) -> tuple[Tensor, int]:
+def window_nll(logits: Tensor, input_ids: Tensor, chunk_bytes: int = 16 << 20) -> tuple[Tensor, int]:
     """Summed next-token negative log-likelihood (float64) of a batch of windows, and the count.
 
     ``logits`` (batch, seqlen, vocab) are the model outputs on ``input_ids`` (batch, seqlen);
-    position ``t`` predicts token ``t + 1``. The cross-entropy is taken in fp32 at least.
+    position ``t`` predicts token ``t + 1``. The cross-entropy is taken in fp32 at least, over
+    runs of positions of about ``chunk_bytes`` each, whose sums add up in float64: the
+    log-softmax (and a bfloat16 model's fp32 copy) never exists for a whole batch at once.
     """
     if logits.ndim != 3 or logits.shape[:2] != input_ids.shape:
         raise ValueError(f"logits {tuple(logits.shape)} do not match input_ids {tuple(input_ids.shape)}")
-    pred = logits[:, :-1, :]
-    if pred.dtype not in (torch.float32, torch.float64):
-        pred = pred.float()
-    target = input_ids[:, 1:].to(pred.device)
-    nll = F.cross_entropy(pred.reshape(-1, pred.shape[-1]), target.reshape(-1), reduction="sum")
-    return nll.double(), target.numel()
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    rows = max(1, chunk_bytes // (logits.shape[-1] * dtype.itemsize))
+    target = input_ids[:, 1:].to(logits.device)
+    nll = torch.zeros((), dtype=torch.float64, device=logits.device)
+    for pred, tgt in zip(logits[:, :-1], target):
+        for start in range(0, tgt.shape[0], rows):
+            chunk = pred[start:start + rows].to(dtype)
+            nll += F.cross_entropy(chunk, tgt[start:start + rows], reduction="sum").double()
+    return nll, target.numel()
 
 
 def _input_device(model) -> torch.device:
@@ -109,6 +116,7 @@ def perplexity(
                 logits = model(input_ids=batch, use_cache=False).logits
                 nll, n = window_nll(logits, batch)
                 del logits  # before the next batch's: one batch of logits at a time
+                release_memory(collect=False)  # the batch's activations: heap pages back
                 total += nll.cpu()
                 count += n
                 bar.update(batch.shape[0])
