@@ -9,8 +9,9 @@ streamed run (a model larger than memory) lowers it to 4 MiB, so that every tens
 weight's size is mapped too: at 32 MiB the 16 MiB solver temporaries of a hidden-1024 model
 fragmented the heap (a streamed SparseGPT run peaked about 160 MiB higher;
 docs/pipeline.md#large-models), while the main job's layer solvers ran a few percent slower
-at 4 MiB. :func:`release_memory` (after loading, evaluating,
-every block and, without the garbage collection, every layer) returns the free heap pages.
+at 4 MiB. :func:`release_memory` (after loading, evaluating and every block, and, without
+the garbage collection, after every layer, every evaluation batch and every block of a
+streamed evaluation) returns the free heap pages.
 :func:`frozen_heap` keeps the objects that live for the whole run (a loaded model, its
 tokenizer and the imported libraries: about 400,000 objects on the packaged model) out of
 the garbage collector's view while the blocks are pruned, so that each full collection
