@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 from transformers.pytorch_utils import Conv1D
 
 from nmprune.models import (
+    evaluating,
     find_blocks,
     find_linears,
     load_model,
@@ -69,6 +70,25 @@ def test_tied_block_weight_stays_out():
 def test_model_without_block_list_is_a_clear_error():
     with pytest.raises(ValueError, match="no list of decoder blocks"):
         find_blocks(nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 10)))
+
+
+def test_evaluating_sets_eval_mode_without_grad_and_restores_the_model_on_error():
+    model = tiny_model("llama", layers=1).train()
+    moves: list[torch.device] = []
+    model.to = lambda device: moves.append(torch.device(device)) or model  # record, stay put
+    with pytest.raises(RuntimeError, match="inside"):
+        with evaluating(model, "meta") as device:
+            assert device == torch.device("meta") and moves == [device]
+            assert not model.training and not torch.is_grad_enabled()
+            raise RuntimeError("inside")
+    assert moves == [torch.device("meta"), torch.device("cpu")]
+    assert model.training and torch.is_grad_enabled()
+    with evaluating(model) as device:  # by default where the input embeddings are: no move
+        assert device == torch.device("cpu")
+    model.hf_device_map = {"": "cpu"}  # dispatched by accelerate: never moved
+    with evaluating(model, "meta"):
+        pass
+    assert len(moves) == 2
 
 
 def test_resolve_model_paths(tmp_path):

@@ -166,26 +166,17 @@ def evaluate_tasks(model, tokenizer, settings: DownstreamSettings, *,
     for the call and back. Eval mode during the call; the training flag is restored.
     """
     _lm_eval()
-    import torch
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
+    from .models import evaluating
+
     manager = task_manager(settings.tasks, settings.include_path)
-    home = next(model.parameters()).device
-    run_on = torch.device(device) if device is not None else home
-    move = run_on != home and not getattr(model, "hf_device_map", None)
-    was_training = model.training
-    if move:
-        model.to(run_on)
-    try:
+    with evaluating(model, device):
         lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size)
         out = simple_evaluate(model=lm, tasks=list(settings.tasks), num_fewshot=settings.num_fewshot,
                               limit=settings.limit, task_manager=manager, log_samples=False,
                               bootstrap_iters=100)
-    finally:
-        if move:
-            model.to(home)
-        model.train(was_training)
     return results_of(out)
 
 

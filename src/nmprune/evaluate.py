@@ -13,13 +13,14 @@ Downstream accuracy (lm-evaluation-harness tasks) is :mod:`nmprune.downstream`.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from .memory import release_memory
+from .models import evaluating
 
 __all__ = [
     "eval_windows",
@@ -50,14 +51,6 @@ def window_nll(logits: Tensor, input_ids: Tensor, chunk_bytes: int = 16 << 20) -
     return nll, target.numel()
 
 
-def _input_device(model) -> torch.device:
-    """Where the model takes its inputs: the device of its input embeddings."""
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    if emb is not None and getattr(emb, "weight", None) is not None:
-        return emb.weight.device
-    return next(model.parameters()).device
-
-
 def eval_windows(input_ids: Tensor, seqlen: int, batch_size: int = 1) -> Tensor:
     """The ``(windows, seqlen)`` non-overlapping windows of a ``(1, N)`` token stream
     (module docstring), after checking the arguments of :func:`perplexity`."""
@@ -77,7 +70,6 @@ def eval_windows(input_ids: Tensor, seqlen: int, batch_size: int = 1) -> Tensor:
     return input_ids[0, : nwindows * seqlen].reshape(nwindows, seqlen)
 
 
-@torch.no_grad()
 def perplexity(
     model,
     input_ids: Tensor,
@@ -96,34 +88,32 @@ def perplexity(
     training flag restored. Raises ValueError when ``N < seqlen`` (no window).
     """
     windows = eval_windows(input_ids, seqlen, batch_size)
-    nwindows = windows.shape[0]
+    from tqdm.auto import tqdm
 
-    home = _input_device(model)
-    run_on = torch.device(device) if device is not None else home
-    move = run_on != home and not getattr(model, "hf_device_map", None)
-    was_training = model.training
-    if move:
-        model.to(run_on)
-    model.eval()
-    try:
-        total = torch.zeros((), dtype=torch.float64)
-        count = 0
-        from tqdm.auto import tqdm
+    with evaluating(model, device) as run_on, \
+            tqdm(total=windows.shape[0], desc="perplexity", unit="window", disable=not progress) as bar:
+        def batches() -> Iterator[tuple[Tensor, Tensor]]:
+            for ids in windows.split(batch_size):
+                ids = ids.to(run_on)
+                yield ids, model(input_ids=ids, use_cache=False).logits  # no local keeps them
+                bar.update(ids.shape[0])
 
-        with tqdm(total=nwindows, desc="perplexity", unit="window", disable=not progress) as bar:
-            for start in range(0, nwindows, batch_size):
-                batch = windows[start : start + batch_size].to(run_on)
-                logits = model(input_ids=batch, use_cache=False).logits
-                nll, n = window_nll(logits, batch)
-                del logits  # before the next batch's: one batch of logits at a time
-                release_memory(collect=False)  # the batch's activations: heap pages back
-                total += nll.cpu()
-                count += n
-                bar.update(batch.shape[0])
-    finally:
-        if move:
-            model.to(home)
-        model.train(was_training)
+        return batch_perplexity(batches())
+
+
+def batch_perplexity(batches: Iterable[tuple[Tensor, Tensor]]) -> float:
+    """``exp`` of the mean next-token negative log-likelihood (:func:`window_nll`) over
+    ``(ids, logits)`` batches, summed in float64. Each batch's logits are dropped and the
+    heap's free pages returned before the next batch is drawn, so one batch of logits (and
+    of activations) is alive at a time."""
+    total = torch.zeros((), dtype=torch.float64)
+    count = 0
+    for ids, logits in batches:
+        nll, n = window_nll(logits, ids)
+        del logits
+        release_memory(collect=False)
+        total += nll.cpu()
+        count += n
     return math.exp(float(total) / count)
 
 

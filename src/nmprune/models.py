@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -253,6 +255,29 @@ def load_tokenizer(source: ModelSource):
         return AutoTokenizer.from_pretrained(source.path, **kwargs)
     except (OSError, ValueError, TypeError, KeyError):
         return None
+
+
+@contextmanager
+def evaluating(model: nn.Module, device: str | torch.device | None = None) -> Iterator[torch.device]:
+    """``model`` in eval mode, without gradients, for the ``with`` body, which receives the
+    device its inputs go to: ``device``, by default that of its input embeddings. A model
+    living elsewhere (and not dispatched over devices by accelerate) is moved there for the
+    body and back afterwards; its training flag is restored."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    home = emb.weight.device if getattr(emb, "weight", None) is not None else next(model.parameters()).device
+    run_on = torch.device(device) if device is not None else home
+    move = run_on != home and not getattr(model, "hf_device_map", None)
+    was_training = model.training
+    if move:
+        model.to(run_on)
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield run_on
+    finally:
+        if move:
+            model.to(home)
+        model.train(was_training)
 
 
 # ----------------------------------------------------------------------------- discovery

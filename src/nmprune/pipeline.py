@@ -1,20 +1,14 @@
 """Prune a whole causal LM block by block: :func:`prune_model`.
 
-For each decoder block (paper Section ``sec:llm_experiments``) the stages run in order:
-
-1. block source (:mod:`nmprune.source`): the block's modules on the compute device;
-2. statistics (:mod:`nmprune.statistics`): every layer's input sums from this process's
-   calibration batches, reduced across processes by the executor;
-3. plans (:mod:`nmprune.plan`): made once for all layers before the first block;
-4. solver (:mod:`nmprune.executor`): each layer pruned to N:M with its plan, written into the
-   block as soon as it is done;
-5. the hidden states move on to the next block: the dense block's outputs
-   (``hessian_inputs="dense"``, the paper's default, every layer's Hessian comes from the
-   unpruned model) or the pruned block's (``"pruned"``, Appendix ``app:use_unpruned_inputs``);
-6. sink (:mod:`nmprune.sink`) and checkpoint: the finished block is kept, and progress saved
-   so that a rerun resumes after it.
-
-This module only wires the stages; it writes no files except through the checkpoint.
+Per decoder block (paper Section ``sec:llm_experiments``): the block source
+(:mod:`nmprune.source`) puts it on the compute device; the statistics stage
+(:mod:`nmprune.statistics`) runs this process's calibration batches through it, reduced across
+processes by the executor; the executor (:mod:`nmprune.executor`) solves each layer with the
+plan made once for all layers (:mod:`nmprune.plan`) and writes it into the block; the hidden
+states move on (the dense block's outputs with ``hessian_inputs="dense"``, the paper's
+default, or the pruned block's with ``"pruned"``, Appendix ``app:use_unpruned_inputs``); the
+sink (:mod:`nmprune.sink`) and the checkpoint keep the finished block, so a rerun resumes
+after it. This module only wires the stages.
 """
 
 from __future__ import annotations
@@ -33,7 +27,7 @@ from .memory import frozen_heap, release_memory
 from .config import PruneSettings
 from .distributed import DistributedExecutor, balance_window, job_cost
 from .executor import LayerJob, LocalExecutor
-from .models import set_weight_matrix, weight_matrix
+from .models import evaluating, set_weight_matrix, weight_matrix
 from .plan import LayerPlan
 from .sink import ModelSink
 from .source import ModelBlocks
@@ -54,6 +48,12 @@ class PruneReport:
         return asdict(self)
 
 
+def _check_ids(calibration: Tensor) -> Tensor:
+    if not isinstance(calibration, Tensor) or calibration.ndim != 2 or calibration.dtype != torch.long:
+        raise ValueError("calibration must be a LongTensor of token ids with shape (nsamples, seqlen)")
+    return calibration
+
+
 def _calibration(vocab: int, tokenizer: Any, settings: PruneSettings,
                  calibration: Tensor | None) -> Tensor:
     if calibration is None:
@@ -64,8 +64,7 @@ def _calibration(vocab: int, tokenizer: Any, settings: PruneSettings,
 
         calibration = calibration_batch(tokenizer, source=settings.calib, nsamples=settings.nsamples,
                                         seqlen=settings.seqlen, seed=settings.seed)
-    if not isinstance(calibration, Tensor) or calibration.ndim != 2 or calibration.dtype != torch.long:
-        raise ValueError("calibration must be a LongTensor of token ids with shape (nsamples, seqlen)")
+    _check_ids(calibration)
     if calibration.numel() and (int(calibration.min()) < 0 or int(calibration.max()) >= vocab):
         raise ValueError(f"calibration token ids must lie in [0, {vocab}) (the model's vocabulary)")
     return calibration
@@ -156,58 +155,53 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
     saving = executor.broadcast_object(checkpoint is not None)
 
     busy = {"calibration_seconds": 0.0}
-    was_training = source.model.training
-    source.model.eval()
-    try:
-        with torch.no_grad(), frozen_heap():
-            if hessians is None:
-                with executor.phase("capturing the block inputs"):
-                    inputs = source.capture(batches, device, keep_hidden=start == 0 or executor.world > 1)
-                    saved = checkpoint.hidden() if start > 0 and checkpoint is not None else None
-                if start > 0:
-                    inputs.hidden = executor.scatter_batches(
-                        None if saved is None else [h.to(device) for h in saved], inputs.hidden)
-                del saved
-                stage = CalibrationStatistics(inputs, getattr(torch, settings.hessian_dtype),
-                                              settings.hessian_inputs == "dense", executor.reduce)
-            else:
-                stage = PrecomputedStatistics(hessians)
-            t_capture = time.perf_counter() - t_start
-            shapes = source.layer_shapes()
-            costs = [[job_cost(*shapes[name], p.method.name,
-                               p.refiner.name if p.refiner is not None else None)
-                      for name in source.layers(i) if (p := plans[name]) is not None]
-                     for i in range(len(source))]
-            bar = _progress(None, progress and executor.is_main, desc="pruning blocks",
-                            initial=start, total=len(source))
-            i = start
-            while i < len(source):
-                # dense inputs: solve as many blocks together as it takes to balance the ranks
-                k = balance_window(costs[i:], executor.world) if settings.hessian_inputs == "dense" else 1
-                group = range(i, i + k)
-                new = _prune_blocks(group, source, plans, stage, executor, hessians is None,
-                                    progress and executor.is_main, busy)
-                report.layers += new
-                hidden = executor.gather_batches(stage.hidden, sizes) \
-                    if saving and stage.hidden is not None else None
-                with executor.phase(f"saving block {i}" if k == 1 else f"saving blocks {i}-{i + k - 1}"):
-                    weights = [{name: m.weight for name, m in source.layers(j).items()} for j in group]
-                    for j in group:  # no loop variable keeps the last block's weights alive
-                        sink.write(j, weights[j - i])
-                    if checkpoint is not None:
-                        checkpoint.save_blocks(i, weights, hidden, new)
-                    del hidden, weights
+    with evaluating(source.model), frozen_heap():
+        if hessians is None:
+            with executor.phase("capturing the block inputs"):
+                inputs = source.capture(batches, device, keep_hidden=start == 0 or executor.world > 1)
+                saved = checkpoint.hidden() if start > 0 and checkpoint is not None else None
+            if start > 0:
+                inputs.hidden = executor.scatter_batches(
+                    None if saved is None else [h.to(device) for h in saved], inputs.hidden)
+            del saved
+            stage = CalibrationStatistics(inputs, getattr(torch, settings.hessian_dtype),
+                                          settings.hessian_inputs == "dense", executor.reduce)
+        else:
+            stage = PrecomputedStatistics(hessians)
+        t_capture = time.perf_counter() - t_start
+        shapes = source.layer_shapes()
+        costs = [[job_cost(*shapes[name], p.method.name,
+                           p.refiner.name if p.refiner is not None else None)
+                  for name in source.layers(i) if (p := plans[name]) is not None]
+                 for i in range(len(source))]
+        bar = _progress(None, progress and executor.is_main, desc="pruning blocks",
+                        initial=start, total=len(source))
+        i = start
+        while i < len(source):
+            # dense inputs: solve as many blocks together as it takes to balance the ranks
+            k = balance_window(costs[i:], executor.world) if settings.hessian_inputs == "dense" else 1
+            group = range(i, i + k)
+            new = _prune_blocks(group, source, plans, stage, executor, hessians is None,
+                                progress and executor.is_main, busy)
+            report.layers += new
+            hidden = executor.gather_batches(stage.hidden, sizes) \
+                if saving and stage.hidden is not None else None
+            with executor.phase(f"saving block {i}" if k == 1 else f"saving blocks {i}-{i + k - 1}"):
+                weights = [{name: m.weight for name, m in source.layers(j).items()} for j in group]
+                for j in group:  # no loop variable keeps the last block's weights alive
+                    sink.write(j, weights[j - i])
+                if checkpoint is not None:
+                    checkpoint.save_blocks(i, weights, hidden, new)
+                del hidden, weights
+                for j in group:
+                    source.release(j)  # a streaming source drops the block's weights here
+                release_memory()
+                if on_block_done is not None:
                     for j in group:
-                        source.release(j)  # a streaming source drops the block's weights here
-                    release_memory()
-                    if on_block_done is not None:
-                        for j in group:
-                            on_block_done(j)
-                bar.update(k)
-                i += k
-            bar.close()
-    finally:
-        source.model.train(was_training)
+                        on_block_done(j)
+            bar.update(k)
+            i += k
+        bar.close()
     mine = [r for r in report.layers[len(resumed):] if not r["skipped"] and r["rank"] == executor.rank]
     solve = sum(r["seconds"] for r in mine)
     report.per_rank = executor.per_rank({
@@ -282,23 +276,17 @@ def collect_hessians(model: nn.Module, calibration: Tensor, *, device: str | tor
     Pass the result to :func:`prune_model` (``hessians=``) to prune with several methods
     without repeating the calibration forward passes. One block at a time visits ``device``.
     """
-    if not isinstance(calibration, Tensor) or calibration.ndim != 2 or calibration.dtype != torch.long:
-        raise ValueError("calibration must be a LongTensor of token ids with shape (nsamples, seqlen)")
+    _check_ids(calibration)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     source = ModelBlocks(model)
     result: dict[str, InputStats] = {}
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            inputs = source.capture(calibration.split(batch_size), device)
-            stage = CalibrationStatistics(inputs, dtype, dense_inputs=True, reduce=LocalExecutor(device).reduce)
-            for i in _progress(range(len(source)), progress, desc="collecting Hessians"):
-                stats = stage.collect(i, source.load(i, device), source.layers(i))
-                on_cpu: dict[int, InputStats] = {}
-                for name, s in stats.items():
-                    result[name] = on_cpu.setdefault(id(s), InputStats(s.xtx.cpu(), s.xsum.cpu(), s.count, s.averaged))
-                source.release(i)
-    finally:
-        model.train(was_training)
+    with evaluating(model):
+        inputs = source.capture(calibration.split(batch_size), device)
+        stage = CalibrationStatistics(inputs, dtype, dense_inputs=True, reduce=LocalExecutor(device).reduce)
+        for i in _progress(range(len(source)), progress, desc="collecting Hessians"):
+            stats = stage.collect(i, source.load(i, device), source.layers(i))
+            on_cpu = {id(s): InputStats(s.xtx.cpu(), s.xsum.cpu(), s.count, s.averaged)
+                      for s in stats.values()}  # layers sharing an input keep sharing it
+            result.update({name: on_cpu[id(s)] for name, s in stats.items()})
+            source.release(i)
     return result

@@ -1,19 +1,13 @@
 """Layer input statistics: ``H = X X^T / n`` and what else a method declares it needs.
 
-The local problem of every linear layer (paper eq. ``squared_loss``) needs the Hessian
-``H = X X^T`` of the layer's inputs ``X`` (``d_in x n`` over all calibration tokens); we
-keep it normalised by the token count ``n`` (the minimiser does not change). The running
-sums (``sum x x^T``, ``sum x``, ``n``) are kept rather than means, so that sums from
-several processes add up exactly. Accumulation is pure tensor code (:func:`accumulate`);
-the hooks of :class:`HessianCollector` only route inputs to it. Layers reading the very same
-input tensor (q/k/v, gate/up) share one accumulator, so each distinct input is multiplied
-out once.
-
-A method names the statistics beyond ``H`` it takes when it registers
-(:func:`nmprune.registry.register_method`); :data:`STATISTICS` says how each is computed from
-the sums. The statistics stage of the pipeline is :class:`CalibrationStatistics` (run the
-calibration hidden states through a block with the hooks on) or
-:class:`PrecomputedStatistics` (from :func:`nmprune.pipeline.collect_hessians`).
+The local problem of every linear layer (paper eq. ``squared_loss``) needs the Hessian of its
+inputs ``X`` (``d_in x n`` over all calibration tokens), kept normalised by the token count
+(the minimiser does not change). Running sums (``sum x x^T``, ``sum x``, ``n``) are kept until
+every process's sums are added, so the reduction is exact. :func:`accumulate` is the pure
+tensor code; the hooks of :class:`HessianCollector` route inputs to it, one accumulator per
+distinct input tensor (q/k/v and gate/up share one). A method names the statistics beyond
+``H`` it takes when it registers; :data:`STATISTICS` computes each from the sums. The
+pipeline's statistics stage is :class:`CalibrationStatistics` or :class:`PrecomputedStatistics`.
 """
 
 from __future__ import annotations
@@ -147,13 +141,6 @@ def statistic_values(names: Sequence[str], stats: InputStats, device: torch.devi
     return {n: STATISTICS[n](stats).to(device) for n in names}
 
 
-def _unique(stats: Mapping[str, InputStats]) -> list[InputStats]:
-    seen: dict[int, InputStats] = {}
-    for s in stats.values():
-        seen.setdefault(id(s), s)
-    return list(seen.values())
-
-
 class CalibrationStatistics:
     """The statistics stage from calibration activations.
 
@@ -184,7 +171,7 @@ class CalibrationStatistics:
                 if self.dense_inputs:
                     self.inputs.hidden[j] = out
         stats = {name: collector.of(name) for name in layers}
-        unique = _unique(stats)
+        unique = list({id(s): s for s in stats.values()}.values())
         self.reduce(unique)
         for s in unique:
             s.average_()

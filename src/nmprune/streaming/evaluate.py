@@ -13,13 +13,12 @@ batches as :func:`nmprune.evaluate.perplexity` give the same number.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from ..evaluate import eval_windows, window_nll
+from ..evaluate import batch_perplexity, eval_windows
 from ..block_runner import BlockInputs, Recorder, output_like, run_block
 from ..memory import release_memory
 from .source import StreamingModel
@@ -75,12 +74,5 @@ def streaming_perplexity(source: StreamingModel, input_ids: Tensor, seqlen: int 
     device = torch.device(device or "cpu")
     batches = list(eval_windows(input_ids, seqlen, batch_size).split(batch_size))
     inputs = block_outputs(source, batches, device, progress)
-    total = torch.zeros((), dtype=torch.float64)
-    count = 0
-    for ids, logits in zip(batches, head_logits(source, inputs, batches, device)):
-        nll, n = window_nll(logits, ids.to(device))
-        del logits  # before the next batch's: one batch of logits at a time
-        release_memory(collect=False)
-        total += nll.cpu()
-        count += n
-    return math.exp(float(total) / count)
+    return batch_perplexity(zip((ids.to(device) for ids in batches),
+                                head_logits(source, inputs, batches, device)))
