@@ -22,12 +22,9 @@ HESSIAN_DTYPES = ("float32", "float64")
 class PruneSettings:
     """Everything that decides the pruned weights (and so the resume hash).
 
-    ``method``, ``refine``, ``pattern``, ``options``, ``overrides``, ``damp`` and ``strict``
-    are parsed and validated by :meth:`planner` (:mod:`nmprune.plan`), the others here.
-    ``overrides`` maps layer-name globs (``fnmatch``, e.g. ``"*.mlp.down_proj"``) to
-    ``"skip"`` or to a dict with any of ``method``, ``refine``, ``pattern``, ``options``.
-    An override naming another method starts from empty options; otherwise its options
-    are merged onto the global ones. The first matching glob wins.
+    ``method``, ``refine``, ``pattern``, ``options``, ``overrides`` (layer-name globs such as
+    ``"*.mlp.down_proj"`` -> ``"skip"`` or some of those settings; :class:`~nmprune.plan.Planner`),
+    ``damp`` and ``strict`` are parsed and validated by :meth:`planner`, the others here.
     ``hessian_inputs`` is ``"dense"`` (every block sees the dense model's activations,
     the paper's default) or ``"pruned"`` (activations pass through the already pruned
     blocks; Appendix ``app:use_unpruned_inputs``).
