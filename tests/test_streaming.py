@@ -5,6 +5,7 @@ of several families saved like hub checkpoints (one file and sharded with an ind
 from __future__ import annotations
 
 import json
+import weakref
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,36 @@ def test_skeleton_holds_no_weights_and_loads_one_block(sharded):
         assert torch.equal(p, reference[f"model.layers.1.{name}"]), name
     source.release(1)
     assert all(p.is_meta for p in source.model.parameters())
+
+
+def _watch_logits(model: torch.nn.Module) -> list:
+    """Hooks failing a forward pass that starts while the previous call's logits are alive;
+    returns the list of weak references to each call's logits."""
+    made: list = []
+
+    def before(module, args, kwargs):
+        assert not made or made[-1]() is None, "the previous batch's logits are still alive"
+
+    def after(module, args, kwargs, out):
+        made.append(weakref.ref(out.logits))
+
+    model.register_forward_pre_hook(before, with_kwargs=True)
+    model.register_forward_hook(after, with_kwargs=True)
+    return made
+
+
+def test_evaluation_holds_one_batch_of_logits_at_a_time(sharded):
+    """In memory and streamed, a batch's logits are freed before the next batch's forward
+    pass starts (a zip over the batches would keep the last ones alive one batch longer)."""
+    ids = _stream(2, 100)  # 6 windows of 16
+    source = StreamingModel(sharded)
+    made = _watch_logits(source.model)
+    streamed = streaming_perplexity(source, ids, seqlen=16, batch_size=1, progress=False)
+    assert len(made) == 6
+    model = AutoModelForCausalLM.from_pretrained(sharded)
+    made = _watch_logits(model)
+    assert perplexity(model, ids, seqlen=16, batch_size=1, progress=False) == streamed
+    assert len(made) == 6
 
 
 def _copy_through_writer(source: StreamingModel, out: Path) -> Path:

@@ -105,7 +105,8 @@ def batch_perplexity(batches: Iterable[tuple[Tensor, Tensor]]) -> float:
     """``exp`` of the mean next-token negative log-likelihood (:func:`window_nll`) over
     ``(ids, logits)`` batches, summed in float64. Each batch's logits are dropped and the
     heap's free pages returned before the next batch is drawn, so one batch of logits (and
-    of activations) is alive at a time."""
+    of activations) is alive at a time, provided ``batches`` keeps no reference to the
+    tuples it yields (a generator yielding fresh tuples; not a ``zip``)."""
     total = torch.zeros((), dtype=torch.float64)
     count = 0
     for ids, logits in batches:

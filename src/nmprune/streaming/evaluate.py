@@ -44,7 +44,10 @@ def block_outputs(source: StreamingModel, batches: list[Tensor], device: torch.d
 
 def head_logits(source: StreamingModel, inputs: BlockInputs, batches: list[Tensor],
                 device: torch.device):
-    """Yield the logits of each batch from its last-block output (``inputs.hidden``)."""
+    """Yield each batch's ids (on ``device``) and logits, from its last-block output
+    (``inputs.hidden``). One tuple per batch and no local holds the logits, so a consumer
+    that drops them frees them before the next batch's are made (a ``zip`` would keep
+    its last tuple, and so one more batch of logits, alive)."""
     parent_name, _, attr = source.blocks_name.rpartition(".")
     parent = source.model.get_submodule(parent_name) if parent_name else source.model
     current: dict[str, Tensor] = {}
@@ -59,7 +62,8 @@ def head_logits(source: StreamingModel, inputs: BlockInputs, batches: list[Tenso
         try:
             for ids, final in zip(batches, inputs.hidden):
                 current["final"] = final
-                yield source.model(input_ids=ids.to(device), use_cache=False).logits
+                ids = ids.to(device)
+                yield ids, source.model(input_ids=ids, use_cache=False).logits
         finally:
             setattr(parent, attr, source.blocks)
 
@@ -74,5 +78,4 @@ def streaming_perplexity(source: StreamingModel, input_ids: Tensor, seqlen: int 
     device = torch.device(device or "cpu")
     batches = list(eval_windows(input_ids, seqlen, batch_size).split(batch_size))
     inputs = block_outputs(source, batches, device, progress)
-    return batch_perplexity(zip((ids.to(device) for ids in batches),
-                                head_logits(source, inputs, batches, device)))
+    return batch_perplexity(head_logits(source, inputs, batches, device))
