@@ -267,9 +267,10 @@ def test_methods_see_the_dampened_hessian():
     assert all(r["damp"] == 0.25 for r in damped_report.layers)
 
 
-def test_a_solved_layers_statistics_are_freed_before_the_next_layer(monkeypatch):
+def test_a_solved_layers_statistics_and_result_are_freed_before_the_next_layer(monkeypatch):
     """While a block's last layer is solved, no statistics of its other layers are held
-    (q/k/v and gate/up share theirs until the last of them is solved)."""
+    (q/k/v and gate/up share theirs until the last of them is solved), and no earlier
+    layer's pruned result (written into its module) is held while a layer is solved."""
     import weakref
 
     from nmprune import executor
@@ -279,10 +280,16 @@ def test_a_solved_layers_statistics_are_freed_before_the_next_layer(monkeypatch)
     alive: dict[str, list[str]] = {}
     real = executor.run_job
 
+    results: list[weakref.ref] = []
+    results_alive: list[bool] = []
+
     def watching(job, device):
         alive[job.name] = [n for n, r in stats.items() if r() is not None]
         stats[job.name] = weakref.ref(job.stats)
-        return real(job, device)
+        results_alive.append(any(r() is not None for r in results))
+        weight, record = real(job, device)
+        results.append(weakref.ref(weight))
+        return weight, record
 
     monkeypatch.setattr(executor, "run_job", watching)
     prune_model(model, calibration=token_batch(4, 12), method="wanda", refine=None, progress=False)
@@ -293,3 +300,4 @@ def test_a_solved_layers_statistics_are_freed_before_the_next_layer(monkeypatch)
     assert alive[names[3]] == []  # ... freed once v_proj is done
     assert alive[names[5]] == names[4:5]  # gate/up share theirs
     assert alive[names[6]] == []
+    assert len(results_alive) == 7 and not any(results_alive)

@@ -371,6 +371,7 @@ class DistributedExecutor:
                 weight = torch.empty(tuple(job.weight.shape), dtype=job.stats.xtx.dtype, device=self.device)
             dist.broadcast(weight, src=owner[k])
             done(job, weight, records[k])
+            del weight
 
     def broadcast_object(self, value: T) -> T:
         return self.ranks.broadcast_object(value)
