@@ -48,10 +48,9 @@ class PruneReport:
         return asdict(self)
 
 
-def _check_ids(calibration: Tensor) -> Tensor:
+def _check_ids(calibration: Tensor) -> None:
     if not isinstance(calibration, Tensor) or calibration.ndim != 2 or calibration.dtype != torch.long:
         raise ValueError("calibration must be a LongTensor of token ids with shape (nsamples, seqlen)")
-    return calibration
 
 
 def _calibration(vocab: int, tokenizer: Any, settings: PruneSettings,
@@ -246,7 +245,6 @@ def _prune_blocks(group: range, source: ModelBlocks, plans: dict[str, LayerPlan 
     def done(job: LayerJob, weight: Tensor, record: dict[str, Any]) -> None:
         set_weight_matrix(modules[job.name], weight)
         job.stats = None  # freed unless a later layer of the block shares them (q/k/v, gate/up)
-        del weight
         release_memory(collect=False)  # the solvers' temporaries: heap pages back to the system
         records[job.name] = {**records[job.name], **record, "skipped": False}
 
