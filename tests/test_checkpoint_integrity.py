@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from nmprune.checkpoint import MANIFEST, Checkpoint, CheckpointError, content_sha256, file_sha256
 from nmprune.config import PruneSettings
+from nmprune.output import MARKER
 from nmprune.pipeline import prune_model
 from test_models_tiny import tiny_model, token_batch
 from test_pipeline import fail_after, Stop
@@ -30,7 +31,7 @@ def partial_checkpoint(tmp_path_factory):
         prune_model(tiny_model("llama", layers=3), settings=SETTINGS, calibration=IDS, progress=False,
                     checkpoint=Checkpoint.open(d, "id"), on_block_done=fail_after(1))
     assert sorted(p.name for p in d.iterdir()) == [
-        "block_0000.safetensors", "block_0001.safetensors", "hidden_0001.safetensors", MANIFEST]
+        MARKER, "block_0000.safetensors", "block_0001.safetensors", "hidden_0001.safetensors", MANIFEST]
     return d
 
 

@@ -17,11 +17,11 @@ from nmprune.models import (
     load_model,
     parse_dtype,
     resolve_model,
-    save_pretrained_atomic,
     set_weight_matrix,
     shared_weight_ptrs,
     weight_matrix,
 )
+from nmprune.output import save_pretrained_atomic
 from test_models_tiny import FAMILIES, save_tiny_model_dir, tiny_model, token_batch, write_text
 
 

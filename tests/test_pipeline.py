@@ -14,6 +14,7 @@ from transformers.pytorch_utils import Conv1D
 from nmprune.checkpoint import Checkpoint, CheckpointError
 from nmprune.config import PruneSettings
 from nmprune.models import find_blocks, find_linears, weight_matrix
+from nmprune.output import NotOwnedError
 from nmprune.pattern import is_nm_sparse, topn_mask
 from nmprune.pipeline import prune_model
 from nmprune.registry import register_method
@@ -247,8 +248,10 @@ def test_checkpoint_errors(tmp_path):
     other = tmp_path / "other"
     other.mkdir()
     (other / "x").write_text("x")
-    with pytest.raises(CheckpointError, match="not an nmprune checkpoint"):
-        Checkpoint.open(other, "run-a")
+    for restart in (False, True):  # never deleted, not even with --restart
+        with pytest.raises(NotOwnedError, match="not made by nmprune"):
+            Checkpoint.open(other, "run-a", restart=restart)
+    assert [p.name for p in other.iterdir()] == ["x"]
 
 
 def test_methods_see_the_dampened_hessian():

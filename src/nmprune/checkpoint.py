@@ -5,6 +5,8 @@ A checkpoint directory holds
 * ``block_NNNN.safetensors``: the pruned weights of each finished block;
 * ``hidden_NNNN.safetensors``: the hidden states entering the next block (dense or
   pruned activations, whichever the run propagates), one tensor per calibration batch;
+* ``.nmprune``: the marker that it is an nmprune checkpoint (:mod:`nmprune.output`);
+  nothing else is ever deleted or replaced;
 * ``manifest.json``: the run's identity hash, the number of finished blocks, the
   per-layer records so far, the size and SHA-256 of every file above, free-form extras
   (e.g. dense perplexities) and the SHA-256 of the manifest's own content.
@@ -23,7 +25,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,10 +32,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .output import check_owned, mark, marker, remove_owned
+
 FORMAT = 2
 MANIFEST = "manifest.json"
 #: The only file names a manifest may list (nothing outside the directory is ever touched).
 _FILE_NAME = re.compile(r"(block|hidden)_\d{4}\.safetensors")
+#: What a checkpoint directory may hold besides its marker (temporary names included).
+_OWN_ENTRY = re.compile(rf"({_FILE_NAME.pattern}|{re.escape(MANIFEST)})(\.tmp)?")
+KIND = "checkpoint"
+FLAG = "--checkpoint-dir"
 _RESTART = "delete the directory or pass --restart to start over"
 
 
@@ -58,8 +65,14 @@ def content_sha256(manifest: Mapping[str, Any]) -> str:
 
 
 def _atomic_write_bytes(path: Path, write) -> None:
+    """``write`` a temporary file and rename it to ``path``; a failed write (a full disk,
+    say) removes the temporary file."""
     tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
+    try:
+        write(tmp)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
 
 
@@ -84,33 +97,52 @@ class Checkpoint:
     def open(cls, directory: str | os.PathLike, identity: str, *, restart: bool = False) -> "Checkpoint":
         """Open (or create) the checkpoint in ``directory`` for a run with ``identity``.
 
-        ``restart`` discards what is there. A checkpoint of another run, or a damaged one
-        (manifest or any file not as written), raises :class:`CheckpointError` saying how
-        to proceed. ``created`` tells whether this call made the directory.
+        A directory that is neither empty nor marked as an nmprune checkpoint is refused
+        (:func:`nmprune.output.check_owned`), ``restart`` included. ``restart`` discards what
+        a checkpoint holds, and so does a checkpoint killed before its first manifest was
+        written. A checkpoint of another run, or a damaged one (manifest or any file not as
+        written), raises :class:`CheckpointError` saying how to proceed. ``created`` tells
+        whether this call started the checkpoint afresh.
         """
         d = Path(directory)
-        if restart and d.exists():
-            shutil.rmtree(d)
-        path = d / MANIFEST
-        if not path.exists():
-            if d.exists() and any(d.iterdir()):
-                raise CheckpointError(f"{d} exists but holds no {MANIFEST}; it is not an nmprune "
-                                      "checkpoint (or is corrupt): delete it or pass --restart")
-            d.mkdir(parents=True, exist_ok=True)
-            ck = cls(d, {"format": FORMAT, "identity": identity, "done_blocks": 0, "records": [],
-                         "files": {}, "extra": {}})
-            ck._write_manifest()
-            ck.created = True
+        exists = check_owned(d, KIND, FLAG)
+        if exists and (d / MANIFEST).exists() and not restart:
+            manifest = cls._read_manifest(d)
+            if manifest["identity"] != identity:
+                raise CheckpointError(f"the checkpoint in {d} belongs to a run with other settings "
+                                      f"(identity {manifest['identity']}, this run {identity}); rerun "
+                                      "with the original settings to resume it, or pass --restart "
+                                      "(or delete the directory) to start over")
+            ck = cls(d, manifest)
+            ck._check_files()
             return ck
-        manifest = cls._read_manifest(d)
-        if manifest["identity"] != identity:
-            raise CheckpointError(f"the checkpoint in {d} belongs to a run with other settings "
-                                  f"(identity {manifest['identity']}, this run {identity}); rerun "
-                                  "with the original settings to resume it, or pass --restart "
-                                  "(or delete the directory) to start over")
-        ck = cls(d, manifest)
-        ck._check_files()
+        made = not exists or bool((marker(d) or {}).get("made_directory"))
+        if exists:
+            remove_owned(d, KIND, FLAG, names=_own_entries(d))
+        d.mkdir(parents=True, exist_ok=True)
+        mark(d, KIND, made)
+        ck = cls(d, {"format": FORMAT, "identity": identity, "done_blocks": 0, "records": [],
+                     "files": {}, "extra": {}})
+        ck._write_manifest()
+        ck.created = True
         return ck
+
+    @classmethod
+    def discard_completed(cls, directory: str | os.PathLike, out: str | os.PathLike) -> bool:
+        """Delete the checkpoint in ``directory`` when its run has published ``out`` (a run
+        killed between its output's rename and the checkpoint's removal leaves one);
+        whether it did."""
+        d, out = Path(directory), Path(out)
+        if not out.is_dir() or (marker(d) or {}).get("kind") != KIND or not (d / MANIFEST).is_file():
+            return False
+        try:
+            manifest = cls._read_manifest(d)
+        except CheckpointError:
+            return False
+        if manifest["extra"].get("published_to") != str(out.resolve()):
+            return False
+        cls(d, manifest).remove()
+        return True
 
     @staticmethod
     def _read_manifest(d: Path) -> dict[str, Any]:
@@ -253,5 +285,11 @@ class Checkpoint:
         return [tensors[k] for k in sorted(tensors)]
 
     def remove(self) -> None:
-        """Delete the checkpoint directory (after the run's output is complete)."""
-        shutil.rmtree(self.directory, ignore_errors=True)
+        """Delete the files this checkpoint wrote, and its directory if nmprune made it
+        (after the run's output is complete)."""
+        remove_owned(self.directory, KIND, FLAG, names=_own_entries(self.directory))
+
+
+def _own_entries(directory: Path) -> list[str]:
+    """The entries of ``directory`` a checkpoint writes (finished or temporary files)."""
+    return [p.name for p in directory.iterdir() if _OWN_ENTRY.fullmatch(p.name)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import platform
 import sys
@@ -22,6 +23,8 @@ from . import __version__
 from .config import RunConfig, build_config, load_yaml, to_dict
 
 REPORT_FILE = "nmprune_report.json"
+#: Errors of the machine rather than of the input (a full disk, a failing device): exit code 1.
+IO_FAILURES = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS})
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -143,24 +146,27 @@ def run_prune(config: RunConfig, *, progress: bool = True, on_block_done=None) -
     from .checkpoint import Checkpoint
     from .data import calibration_batch
     from .downstream import check_tasks
+    from .identity import model_digest
     from .memory import release_memory
-    from .models import remove_partial_save
+    from .output import RunLock, remove_partial_save
     from .source import ModelBlocks
     from .streaming import StreamingModel
-    from .validate import check_finite, check_prune_inputs
+    from .validate import check_finite, check_positions, check_prune_inputs
 
     ranks = distributed.setup(config.device)
     main_rank = ranks is None or ranks.is_main
     phase = ranks.phase if ranks is not None else lambda name: contextlib.nullcontext()
+    out = Path(config.out) if config.out else None
+    ckpt_dir = Path(config.checkpoint_dir or f"{out}.checkpoint")
     with phase("checking the settings"):
         if main_rank:  # rank 0 alone writes --out and the checkpoint
+            if out is not None and Checkpoint.discard_completed(ckpt_dir, out):
+                print(f"removed {ckpt_dir}, left by the completed run that saved {out}", file=sys.stderr)
             check_prune_inputs(config)
         downstream = downstream_settings(config)
         if downstream.tasks:
             check_tasks(downstream)
         config.prune.planner()  # every method, refiner, pattern and option, before the model loads
-    out = Path(config.out)
-    ckpt_dir = Path(config.checkpoint_dir or f"{out}.checkpoint")
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
 
@@ -177,6 +183,10 @@ def run_prune(config: RunConfig, *, progress: bool = True, on_block_done=None) -
         if tokenizer is None:
             raise ValueError(f"{source} has no tokenizer; nmprune needs one for calibration and "
                              "evaluation text (save one next to the model)")
+        model_config = (model.model if streaming else model).config
+        check_positions(model_config, {"--seqlen": config.prune.seqlen, **(
+            {"--eval-seqlen": config.eval_seqlen} if config.eval else {})})
+        digest = model_digest(source, model_config)
         timings["load"] = time.perf_counter() - t0
         if not streaming:  # a streamed model's weights are read block by block later
             check_finite(model, source)
@@ -196,17 +206,25 @@ def run_prune(config: RunConfig, *, progress: bool = True, on_block_done=None) -
         except ValueError as e:
             raise ValueError(f"--calib {p.calib}: {e}") from e
         release_memory()  # the tokenised corpora, before the evaluation's activations
-        ckpt = None
-        if main_rank:  # only rank 0 keeps the checkpoint (and evaluates and saves)
-            remove_partial_save(out)  # what a save killed in an earlier run left
-            ckpt = Checkpoint.open(ckpt_dir, config.identity(), restart=config.restart)
+    if ranks is not None:
+        ranks.agree({"settings": config.identity(), "model files": digest})
+    lock = RunLock([out, ckpt_dir] if main_rank else [])
+    ckpt = None
     try:
+        with phase("opening the checkpoint"):
+            if main_rank:  # only rank 0 keeps the checkpoint (and evaluates and saves)
+                lock.acquire()  # another run on the same --out or checkpoint is refused here
+                remove_partial_save(out)  # what a save killed in an earlier run left
+                ckpt = Checkpoint.open(ckpt_dir, config.identity(), restart=config.restart)
+                ckpt.bind("model files", digest)
         return _prune_and_save(config, model, tokenizer, source, ckpt, calibration, cache, timings,
                                t0, progress, on_block_done, ranks)
     except ValueError:
         if ckpt is not None and ckpt.created and ckpt.done_blocks == 0:
             ckpt.remove()  # refused before any progress: leave no checkpoint of this run
         raise
+    finally:
+        lock.release()
 
 
 def _prune_and_save(config: RunConfig, model, tokenizer, source, ckpt, calibration, cache,
@@ -220,7 +238,7 @@ def _prune_and_save(config: RunConfig, model, tokenizer, source, ckpt, calibrati
     from .downstream import accuracy_columns, evaluate_tasks
     from .evaluate import perplexity_table
     from .memory import release_memory
-    from .models import save_pretrained_atomic
+    from .output import save_pretrained_atomic
     from .pipeline import prune_model
     from .streaming import ShardedWriter, StreamingModel
 
@@ -260,11 +278,11 @@ def _prune_and_save(config: RunConfig, model, tokenizer, source, ckpt, calibrati
                                    calibration=calibration, device=device, checkpoint=ckpt,
                                    progress=progress, on_block_done=on_block_done,
                                    source=model if streaming else None, sink=sink)
+        pruned_model = StreamingModel(sink.close(tokenizer), dtype=config.dtype) if streaming else model
     except BaseException:
         if sink is not None:
             sink.abandon()
         raise
-    pruned_model = StreamingModel(sink.close(tokenizer), dtype=config.dtype) if streaming else model
     timings["prune"] = time.perf_counter() - t
     if not main_rank:
         return prune_report.to_dict()
@@ -286,7 +304,8 @@ def _prune_and_save(config: RunConfig, model, tokenizer, source, ckpt, calibrati
     layers = [r for r in prune_report.layers if not r.get("skipped")]
     ratios = [r["loss_vs_wanda"] for r in layers if r.get("loss_vs_wanda") is not None]
     report = {
-        "model": str(source), "config": to_dict(config), "identity": config.identity(),
+        "model": str(source), "model_files": ckpt.get("model files"), "config": to_dict(config),
+        "identity": config.identity(),
         "versions": versions(), "device": str(device), "streamed": streaming,
         "perplexity": {"dense": {d: dense[d] for d in config.eval}, "pruned": pruned,
                        "seqlen": config.eval_seqlen, "max_tokens": config.eval_max_tokens},
@@ -302,6 +321,7 @@ def _prune_and_save(config: RunConfig, model, tokenizer, source, ckpt, calibrati
     report["seconds"]["total_before_save"] = time.perf_counter() - t0
     # model, tokenizer and report go to OUT.partial/ and appear together under OUT by one rename
     extra = {REPORT_FILE: json.dumps(report, indent=1, default=str)}
+    ckpt.put("published_to", str(out.resolve()))  # a kill after the rename: the next run cleans up
     if streaming:
         sink.publish(extra)
     else:
@@ -489,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
             print(perplexity_table({str(source): result}))
     except (ValueError, OSError) as e:  # the user's input or environment; anything else is a bug
         print(f"nmprune: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
+        return 1 if isinstance(e, OSError) and e.errno in IO_FAILURES else 2
     except RankError as e:
         print(f"nmprune: error: {e}", file=sys.stderr)
         return 1

@@ -85,6 +85,20 @@ class Ranks:
             raise RankError(text)
         return [p for _, p in gathered]
 
+    def agree(self, digests: dict[str, str]) -> None:
+        """Every rank brings the same ``digests`` (name -> digest: the settings, the model
+        files, ...), or every rank raises the same ValueError naming what differs and on
+        which ranks: ranks started with other settings or other files never work together."""
+        gathered = self.check("comparing the ranks' settings and model files", payload=digests)
+        differ = [f"{name} (rank 0: {value}; " + ", ".join(
+                      f"rank {r}: {g.get(name)}" for r, g in enumerate(gathered) if g.get(name) != value) + ")"
+                  for name, value in gathered[0].items()
+                  if any(g.get(name) != value for g in gathered)]
+        if differ:
+            raise ValueError(f"the {self.world} ranks were not started on the same job: their "
+                             f"{'; '.join(differ)} differ; start every rank with the same "
+                             "command, settings and model files")
+
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Run a phase's local work; on leaving, :meth:`check` all ranks' status (an error

@@ -72,6 +72,28 @@ def check_creatable_dir(path: str | os.PathLike, flag: str, *, must_not_exist: b
                          f"directories ({e.strerror})") from None
 
 
+def check_apart(out: str | os.PathLike, checkpoint_dir: str | os.PathLike) -> None:
+    """``--out`` and ``--checkpoint-dir`` are two directories, neither inside the other
+    (the checkpoint is deleted once the output is complete, and the output must not exist)."""
+    a, b = (Path(p).expanduser().resolve() for p in (out, checkpoint_dir))
+    if a == b or a in b.parents or b in a.parents:
+        raise ValueError(f"--checkpoint-dir {checkpoint_dir} and --out {out} overlap (the same "
+                         "directory, or one inside the other); give them separate directories")
+
+
+def check_positions(model_config, seqlens: dict[str, int]) -> None:
+    """Every sequence length (flag -> tokens) fits the positions the model was trained on
+    (``max_position_embeddings``, when its configuration has one): longer windows either
+    fail inside the model (learned position embeddings) or run where it never learned to."""
+    limit = getattr(model_config, "max_position_embeddings", None)
+    if not isinstance(limit, int):
+        return
+    for flag, seqlen in seqlens.items():
+        if seqlen > limit:
+            raise ValueError(f"{flag} {seqlen} is longer than the {limit} positions the model "
+                             f"knows (max_position_embeddings); use {flag} {limit} or less")
+
+
 def check_text_sources(sources: Iterable[str], flag: str, split: str) -> None:
     """Every text source exists and its ``split`` can be read and decoded
     (:func:`nmprune.data.sources.check_readable`); the message names the flag."""
@@ -102,6 +124,7 @@ def check_prune_inputs(config) -> None:
     check_creatable_dir(config.out, "--out", must_not_exist=True)
     if config.checkpoint_dir:
         check_creatable_dir(config.checkpoint_dir, "--checkpoint-dir", must_not_exist=False)
+        check_apart(config.out, config.checkpoint_dir)
     check_device(config.device)
     parse_dtype(config.dtype)
     _check_window(config.eval_seqlen, config.eval_max_tokens, ("--eval-seqlen", "--eval-max-tokens"))

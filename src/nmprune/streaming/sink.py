@@ -11,7 +11,7 @@ are named ``model-NNNNN-of-NNNNN.safetensors`` and listed by a standard
 ``model.safetensors.index.json``, so the directory loads with ``from_pretrained``.
 Everything goes into ``OUT.partial/unfinished`` (:meth:`ShardedWriter.close` completes it as a model
 directory that can be read back, e.g. to evaluate it) and appears under ``OUT`` by one
-rename at :meth:`ShardedWriter.publish`, as :func:`nmprune.models.save_pretrained_atomic`
+rename at :meth:`ShardedWriter.publish`, as :func:`nmprune.output.save_pretrained_atomic`
 does.
 """
 
@@ -25,7 +25,7 @@ from typing import Any
 
 from torch import Tensor
 
-from ..models import publish_atomic, remove_partial_save, staging_dir
+from ..output import publish_atomic, remove_partial_save, staging_dir
 from .files import INDEX
 from .source import StreamingModel
 
@@ -109,9 +109,14 @@ class ShardedWriter:
         return self.tmp
 
     def publish(self, extra_files: dict[str, str] | None = None) -> Path:
-        """Add ``extra_files`` (name -> text) and rename the directory to ``out``."""
-        for name, text in (extra_files or {}).items():
-            (self.tmp / name).write_text(text)
+        """Add ``extra_files`` (name -> text) and rename the directory to ``out``; a failed
+        write (a full disk, say) abandons the output."""
+        try:
+            for name, text in (extra_files or {}).items():
+                (self.tmp / name).write_text(text)
+        except BaseException:
+            self.abandon()
+            raise
         return publish_atomic(self.tmp, self.out)
 
     def abandon(self) -> None:
