@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from itertools import product
@@ -207,3 +208,37 @@ def test_reduce_refuses_averaged_statistics():
     stats = accumulate(new_stats(4), torch.randn(3, 4)).average_()
     with pytest.raises(ValueError, match="before they are averaged"):
         DistributedExecutor(ranks).reduce([stats])
+
+
+# Runs the CLI on every rank, rank 1 with the extra arguments given after "--rank1".
+SPLIT_ARGS = """
+import os, sys
+from nmprune.cli import main
+common, _, extra = " ".join(sys.argv[1:]).partition(" --rank1 ")
+argv = common.split() + (extra.split() if os.environ["RANK"] == "1" else [])
+sys.exit(main(argv))
+"""
+
+
+@pytest.mark.parametrize("differ", ["settings", "model files"])
+def test_ranks_started_on_different_jobs_all_stop_with_one_message(tiny_dir, tmp_path, differ):
+    base, model_dir, text, yaml_file = tiny_dir
+    script = tmp_path / "split.py"
+    script.write_text(SPLIT_ARGS)
+    if differ == "model files":  # the same layout, other weights (another node's copy, say)
+        other = tmp_path / "other"
+        shutil.copytree(model_dir, other)
+        from test_models_tiny import tiny_model
+
+        tiny_model("llama", layers=3, seed=1).save_pretrained(other)
+    extra = ["--seed", "3"] if differ == "settings" else ["--model", str(other)]
+    run = torchrun([str(script), "prune", "--config", str(yaml_file), "--quiet", "--out",
+                    str(tmp_path / "o"), "--rank1", *extra], tmp_path)
+    assert run.returncode != 0
+    # one message from each rank (the two may share a line: both write to one pipe at once)
+    errors = run.stderr.split("nmprune: error: ")[1:]
+    assert len(errors) == 2, run.stderr[-3000:]
+    assert all(e.startswith("the 2 ranks were not started on the same job") and f"{differ} (rank 0:" in e
+               for e in errors)
+    assert "nmprune/" not in run.stderr.replace(str(tmp_path), "")  # no nmprune frame (torchrun prints its own)
+    assert not [p for p in tmp_path.iterdir() if p.name == "o" or p.name.startswith("o.")]

@@ -158,9 +158,12 @@ def run_prune(config: RunConfig, *, progress: bool = True, on_block_done=None) -
     phase = ranks.phase if ranks is not None else lambda name: contextlib.nullcontext()
     out = Path(config.out) if config.out else None
     ckpt_dir = Path(config.checkpoint_dir or f"{out}.checkpoint")
+    # one lock per folder written: the default checkpoint is named after --out
+    lock = RunLock(([out] + ([ckpt_dir] if config.checkpoint_dir else [])) if main_rank else [])
     with phase("checking the settings"):
         if main_rank:  # rank 0 alone writes --out and the checkpoint
             if out is not None and Checkpoint.discard_completed(ckpt_dir, out):
+                lock.acquire().release()  # and the lock files of the run killed after its rename
                 print(f"removed {ckpt_dir}, left by the completed run that saved {out}", file=sys.stderr)
             check_prune_inputs(config)
         downstream = downstream_settings(config)
@@ -208,7 +211,6 @@ def run_prune(config: RunConfig, *, progress: bool = True, on_block_done=None) -
         release_memory()  # the tokenised corpora, before the evaluation's activations
     if ranks is not None:
         ranks.agree({"settings": config.identity(), "model files": digest})
-    lock = RunLock([out, ckpt_dir] if main_rank else [])
     ckpt = None
     try:
         with phase("opening the checkpoint"):
@@ -467,6 +469,8 @@ def main(argv: list[str] | None = None) -> int:
     from .distributed import RankError, teardown
 
     args = build_parser().parse_args(argv)
+    failure: BaseException | None = None
+    code = 0
     try:
         if args.command == "methods":
             print(_methods_text())
@@ -509,13 +513,13 @@ def main(argv: list[str] | None = None) -> int:
             print(perplexity_table({str(source): result}))
     except (ValueError, OSError) as e:  # the user's input or environment; anything else is a bug
         print(f"nmprune: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 1 if isinstance(e, OSError) and e.errno in IO_FAILURES else 2
+        failure, code = e, 1 if isinstance(e, OSError) and e.errno in IO_FAILURES else 2
     except RankError as e:
         print(f"nmprune: error: {e}", file=sys.stderr)
-        return 1
+        failure, code = e, 1
     finally:
-        teardown()
-    return 0
+        teardown(failure)  # a bug's traceback goes on after it
+    return code
 
 
 if __name__ == "__main__":

@@ -54,6 +54,10 @@ class RankError(RuntimeError):
     """Another rank (or this one) failed; the message names the rank and its error."""
 
 
+class JobMismatch(ValueError):
+    """The ranks were started with other settings or model files (raised on every rank)."""
+
+
 @dataclass(frozen=True)
 class Ranks:
     """This process's place in the initialised process group."""
@@ -87,7 +91,7 @@ class Ranks:
 
     def agree(self, digests: dict[str, str]) -> None:
         """Every rank brings the same ``digests`` (name -> digest: the settings, the model
-        files, ...), or every rank raises the same ValueError naming what differs and on
+        files, ...), or every rank raises the same :class:`JobMismatch` naming what differs and on
         which ranks: ranks started with other settings or other files never work together."""
         gathered = self.check("comparing the ranks' settings and model files", payload=digests)
         differ = [f"{name} (rank 0: {value}; " + ", ".join(
@@ -95,7 +99,7 @@ class Ranks:
                   for name, value in gathered[0].items()
                   if any(g.get(name) != value for g in gathered)]
         if differ:
-            raise ValueError(f"the {self.world} ranks were not started on the same job: their "
+            raise JobMismatch(f"the {self.world} ranks were not started on the same job: their "
                              f"{'; '.join(differ)} differ; start every rank with the same "
                              "command, settings and model files")
 
@@ -259,9 +263,13 @@ def setup(device: str | torch.device | None = None) -> Ranks | None:
     return current(device)
 
 
-def teardown() -> None:
-    """Leave the process group (if this process is in one)."""
+def teardown(error: BaseException | None = None) -> None:
+    """Leave the process group (if this process is in one). After an ``error`` every rank
+    raised alike (:class:`RankError`, :class:`JobMismatch`), wait for all ranks first, so
+    that each has said why it stops before the launcher ends the slower ones."""
     if dist.is_available() and dist.is_initialized():
+        if isinstance(error, (RankError, JobMismatch)):
+            dist.barrier()
         dist.destroy_process_group()
 
 

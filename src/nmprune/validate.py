@@ -115,9 +115,12 @@ def _check_window(seqlen: object, max_tokens: object, flags: tuple[str, str]) ->
 
 def check_prune_inputs(config) -> None:
     """Everything about a ``nmprune prune`` run (a :class:`nmprune.config.RunConfig`) that
-    can be judged before the model loads: ``--out``, ``--checkpoint-dir``, ``--device``,
+    can be judged before the model loads: ``--out``, ``--checkpoint-dir`` (apart from
+    ``--out``; it and ``OUT.partial`` are nmprune's or empty when they exist), ``--device``,
     ``--dtype``, the evaluation window, the calibration source and the evaluation sources."""
     from .models import parse_dtype
+
+    from .output import check_owned, partial_save_dir
 
     if not config.out:
         raise ValueError("--out DIR is required (where the pruned model is saved)")
@@ -125,6 +128,8 @@ def check_prune_inputs(config) -> None:
     if config.checkpoint_dir:
         check_creatable_dir(config.checkpoint_dir, "--checkpoint-dir", must_not_exist=False)
         check_apart(config.out, config.checkpoint_dir)
+    check_owned(partial_save_dir(config.out), "partial", "--out")  # replaced by the save
+    check_owned(Path(config.checkpoint_dir or f"{config.out}.checkpoint"), "checkpoint", "--checkpoint-dir")
     check_device(config.device)
     parse_dtype(config.dtype)
     _check_window(config.eval_seqlen, config.eval_max_tokens, ("--eval-seqlen", "--eval-max-tokens"))
