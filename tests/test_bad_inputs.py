@@ -2,13 +2,16 @@
 line ``nmprune: error: ...`` naming the input, no traceback, and nothing left on disk (no
 ``OUT``, no ``OUT.checkpoint``, no ``OUT.partial``, no probe directory).
 
-The table runs the CLI in-process (``nmprune.cli.main``) on tiny models; one case also runs
+The table runs the CLI in-process (``nmprune.cli.main``) on tiny models; two cases also run
 it as a subprocess, where the exit code and the absence of a traceback are observed on the
-real process. An internal error (a bug) is not caught, so it keeps its traceback (exit 1).
+real process (one of them with ``y`` piped into its stdin, which must answer no question
+about running a model's code). An internal error (a bug) is not caught, so it keeps its
+traceback (exit 1).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -59,6 +62,36 @@ def inputs(tmp_path_factory):
         w = d / "model.safetensors"
         w.write_bytes(w.read_bytes()[:-100])
 
+    def stored(change):
+        """A tiny model whose safetensors file ``change`` edits (name -> tensor, in place)."""
+        def build(d):
+            from safetensors.torch import load_file, save_file
+
+            tiny_model("llama", layers=2).save_pretrained(d)
+            tensors = load_file(d / "model.safetensors")
+            change(tensors)
+            save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+        return build
+
+    def configured(**entries):
+        """A tiny model with ``entries`` added to its config.json; with an ``auto_map``, the
+        folder also ships the module it names, which leaves a file ``CODE_RAN`` if it runs."""
+        def build(d):
+            tiny_model("llama", layers=2).save_pretrained(d)
+            config = json.loads((d / "config.json").read_text())
+            (d / "config.json").write_text(json.dumps({**config, **entries}))
+            if "auto_map" in entries:
+                (d / "code.py").write_text(f"open({str(d / 'CODE_RAN')!r}, 'w').close()\n")
+        return build
+
+    def tokenizer_code(d):
+        """The tiny model with an ``auto_map`` naming a tokenizer class of its own."""
+        tok = d / "tokenizer_config.json"
+        tok.write_text(json.dumps({**json.loads(tok.read_text()),
+                                   "auto_map": {"AutoTokenizer": [None, "code.Tokenizer"]}}))
+        (d / "code.py").write_text(f"open({str(d / 'CODE_RAN')!r}, 'w').close()\n")
+        return d
+
     paths = {
         "text": text, "model": model,
         "bert": variant("bert", lambda d: BertForMaskedLM(BertConfig(
@@ -73,6 +106,19 @@ def inputs(tmp_path_factory):
         "truncated": variant("truncated", truncated),
         "nan": variant("nan", with_weights(lambda m: m.model.layers[1].mlp.up_proj.weight[3, 5].fill_(float("nan")))),
         "overflow": variant("overflow", with_weights(lambda m: m.model.norm.weight.fill_(3e38))),
+        "missing tensor": variant("missing_tensor", stored(
+            lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))),
+        "missing block": variant("missing_block", configured(num_hidden_layers=3)),
+        "int8 weight": variant("int8_weight", stored(lambda t: t.update({
+            "model.layers.0.self_attn.q_proj.weight":
+                (100 * t["model.layers.0.self_attn.q_proj.weight"]).to(torch.int8)}))),
+        "wrong shape": variant("wrong_shape", stored(lambda t: t.update({
+            "model.layers.0.mlp.up_proj.weight": t["model.layers.0.mlp.up_proj.weight"][:32]}))),
+        "auto_map": variant("auto_map", configured(auto_map={"AutoModelForCausalLM": "code.Model"})),
+        "remote code": variant("remote_code", configured(
+            model_type="nmprune_remote", auto_map={"AutoConfig": "code.Config",
+                                                   "AutoModelForCausalLM": "code.Model"})),
+        "tokenizer code": tokenizer_code(variant("tokenizer_code", with_weights(lambda m: None))),
         "binary": base / "binary.txt",
         "empty": base / "empty.txt",
         "short": base / "short.txt",
@@ -146,6 +192,43 @@ CASES = {
     "prune non-finite weights": (lambda p, o: _fast(p) + ["--out", o, "--model", str(p["nan"])],
                                  "model.layers.1.mlp.up_proj.weight"),
     "missing model": (lambda p, o: _fast(p) + ["--out", o, "--model", str(Path(o).parent / "nomodel")], "nomodel"),
+    # every tensor of the saved model is one that was loaded: missing, integer or misshapen
+    # tensors are refused, in memory and streamed alike
+    "missing tensor": (lambda p, o: _fast(p) + ["--out", o, "--model", str(p["missing tensor"])],
+                       ("'model.layers.1.mlp.up_proj.weight'", "random")),
+    "missing tensor --offload": (lambda p, o: _fast(p) + ["--out", o, "--offload", "--model",
+                                                          str(p["missing tensor"])],
+                                 "'model.layers.1.mlp.up_proj.weight'"),
+    "eval missing tensor": (lambda p, o: _eval(p, "missing tensor"), "'model.layers.1.mlp.up_proj.weight'"),
+    "missing block": (lambda p, o: _fast(p) + ["--out", o, "--model", str(p["missing block"])],
+                      ("'model.layers.2.", "(and 8 more)")),
+    "missing block --offload": (lambda p, o: _fast(p) + ["--out", o, "--offload", "--model",
+                                                         str(p["missing block"])], "'model.layers.2."),
+    "int8 weight": (lambda p, o: _fast(p) + ["--out", o, "--model", str(p["int8 weight"])],
+                    ("'model.layers.0.self_attn.q_proj.weight'", "I8")),
+    "int8 weight --offload": (lambda p, o: _fast(p) + ["--out", o, "--offload", "--model", str(p["int8 weight"])],
+                              ("'model.layers.0.self_attn.q_proj.weight'", "I8")),
+    "eval int8 weight": (lambda p, o: _eval(p, "int8 weight"), ("'model.layers.0.self_attn.q_proj.weight'", "I8")),
+    "eval int8 weight --offload": (lambda p, o: _eval(p, "int8 weight") + ["--offload"],
+                                   ("'model.layers.0.self_attn.q_proj.weight'", "I8")),
+    "wrong shape": (lambda p, o: _fast(p) + ["--out", o, "--model", str(p["wrong shape"])],
+                    ("'model.layers.0.mlp.up_proj.weight'", "(32, 32)", "(64, 32)")),
+    "wrong shape --offload": (lambda p, o: _fast(p) + ["--out", o, "--offload", "--model", str(p["wrong shape"])],
+                              ("'model.layers.0.mlp.up_proj.weight'", "(32, 32)", "(64, 32)")),
+    "eval wrong shape --offload": (lambda p, o: _eval(p, "wrong shape") + ["--offload"],
+                                   ("'model.layers.0.mlp.up_proj.weight'", "(32, 32)", "(64, 32)")),
+    # a model's own code never runs, even when its model_type is one transformers knows
+    "auto_map in config.json": (lambda p, o: _fast(p) + ["--out", o, "--model", str(p["auto_map"])],
+                                ("ships its own model code (auto_map in config.json)", "never runs")),
+    "auto_map in config.json --offload": (lambda p, o: _fast(p) + ["--out", o, "--offload", "--model",
+                                                                   str(p["auto_map"])], "auto_map in config.json"),
+    "eval auto_map in config.json": (lambda p, o: _eval(p, "auto_map"), "auto_map in config.json"),
+    "remote code only": (lambda p, o: _fast(p) + ["--out", o, "--model", str(p["remote code"])],
+                         "auto_map in config.json"),
+    "auto_map in tokenizer_config.json": (lambda p, o: _fast(p) + ["--out", o, "--model", str(p["tokenizer code"])],
+                                          "auto_map in tokenizer_config.json"),
+    "eval auto_map in tokenizer_config.json": (lambda p, o: _eval(p, "tokenizer code"),
+                                               "auto_map in tokenizer_config.json"),
 }
 if HAS_CUDA:  # "not available" cases need a machine without the backend
     del CASES["prune --device cuda:99"], CASES["eval --device cuda:99"]
@@ -155,11 +238,12 @@ def _snapshot(root: Path) -> set[str]:
     return {str(p.relative_to(root)) for p in root.rglob("*")}
 
 
-def _check_refusal(err: str, expected: str) -> None:
+def _check_refusal(err: str, expected: str | tuple[str, ...]) -> None:
     assert "Traceback" not in err, err
     errors = [line for line in err.splitlines() if "nmprune: error:" in line]
     assert len(errors) == 1 and errors[0].startswith("nmprune: error: "), err
-    assert expected in errors[0], errors[0]
+    for text in (expected,) if isinstance(expected, str) else expected:
+        assert text in errors[0], errors[0]
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -175,10 +259,10 @@ def test_bad_input_is_refused(inputs, tmp_path, capsys, case):
     assert _snapshot(inputs["model"].parent) == inputs_before
 
 
-def _cli(args, cwd, **env) -> subprocess.CompletedProcess:
+def _cli(args, cwd, stdin: str = "", **env) -> subprocess.CompletedProcess:
     environ = {**os.environ, **env}
     return subprocess.run([sys.executable, "-m", "nmprune.cli", *args], cwd=cwd, env=environ,
-                          capture_output=True, text=True, timeout=300)
+                          input=stdin, capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.parametrize("case", ["prune --device nonsense"])
@@ -187,6 +271,18 @@ def test_real_process_exits_2_without_traceback(inputs, tmp_path, case):
     result = _cli(build(inputs, str(tmp_path / "out")), tmp_path)
     assert result.returncode == 2, result.stderr
     _check_refusal(result.stderr, expected)
+    assert _snapshot(tmp_path) == set()
+
+
+def test_model_code_never_runs_when_stdin_says_yes(inputs, tmp_path):
+    """A model folder shipping its own code is refused before transformers could ask "Do you
+    wish to run the custom code? [y/N]", so a ``y`` piped into the process answers nothing."""
+    build, expected = CASES["remote code only"]
+    result = _cli(build(inputs, str(tmp_path / "out")), tmp_path, stdin="y\n")
+    assert result.returncode == 2, result.stderr
+    _check_refusal(result.stderr, expected)
+    assert "custom code" not in result.stdout + result.stderr
+    assert not (inputs["remote code"] / "CODE_RAN").exists()
     assert _snapshot(tmp_path) == set()
 
 

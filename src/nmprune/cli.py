@@ -159,7 +159,7 @@ def run_prune(config: RunConfig, *, progress: bool = True, on_block_done=None) -
     out = Path(config.out) if config.out else None
     ckpt_dir = Path(config.checkpoint_dir or f"{out}.checkpoint")
     # one lock per folder written: the default checkpoint is named after --out
-    lock = RunLock(([out] + ([ckpt_dir] if config.checkpoint_dir else [])) if main_rank else [])
+    lock = RunLock(([out] + ([ckpt_dir] if config.checkpoint_dir else [])) if main_rank and out else [])
     with phase("checking the settings"):
         if main_rank:  # rank 0 alone writes --out and the checkpoint
             if out is not None and Checkpoint.discard_completed(ckpt_dir, out):

@@ -173,7 +173,8 @@ def evaluate_tasks(model, tokenizer, settings: DownstreamSettings, *,
 
     manager = task_manager(settings.tasks, settings.include_path)
     with evaluating(model, device):
-        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size)
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size,
+                  trust_remote_code=False)
         out = simple_evaluate(model=lm, tasks=list(settings.tasks), num_fewshot=settings.num_fewshot,
                               limit=settings.limit, task_manager=manager, log_samples=False,
                               bootstrap_iters=100)

@@ -11,6 +11,7 @@ the blocks stay dense.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -154,14 +155,46 @@ def check_decoder_only(config, source: object) -> None:
                          f"(AutoModelForCausalLM); {_DECODERS}")
 
 
+#: The files whose ``auto_map`` points transformers at Python code shipped with the model.
+_CODE_MAPS = ("config.json", "tokenizer_config.json")
+
+
+def _refuse_model_code(source: ModelSource) -> None:
+    """Refuse a model that ships its own code: an ``auto_map`` in its config.json or
+    tokenizer_config.json (for a hub id, fetched into the Hugging Face cache). transformers
+    would run that code (after asking on stdin, which a piped ``y`` answers) or, for a
+    ``model_type`` it implements itself, silently use its own class instead of the
+    author's: possibly a different model. A file that is absent or cannot be read is left
+    to the loader that reads it to report."""
+    from transformers.utils.hub import cached_files
+
+    try:
+        paths = cached_files(source.path, list(_CODE_MAPS), _raise_exceptions_for_missing_entries=False,
+                             _raise_exceptions_for_connection_errors=False) or []
+    except OSError:
+        return
+    for path in map(Path, paths):
+        try:
+            entries = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(entries, dict) and entries.get("auto_map"):
+            raise ValueError(f"{source} ships its own model code (auto_map in {path.name}); nmprune "
+                             "never runs a model's code: prune a model whose architecture "
+                             "transformers implements itself, saved without auto_map")
+
+
 def read_config(source: ModelSource):
     """The model's transformers configuration (a GGUF file's is parsed from its metadata,
-    which takes seconds: callers pass it on rather than read it again)."""
+    which takes seconds: callers pass it on rather than read it again). Every load reads
+    it first, so a model shipping its own code is refused here (:func:`_refuse_model_code`);
+    no loader is ever allowed to run such code (``trust_remote_code=False`` throughout)."""
     from transformers import AutoConfig
 
+    _refuse_model_code(source)
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     try:
-        return AutoConfig.from_pretrained(source.path, **kwargs)
+        return AutoConfig.from_pretrained(source.path, trust_remote_code=False, **kwargs)
     except (OSError, ValueError, KeyError) as e:
         where = "" if os.path.isdir(source.path) else " (not a local path, so it was looked up on the Hugging Face hub)"
         raise ValueError(f"could not read a model configuration from {source}{where}: {e}") from e
@@ -201,6 +234,45 @@ def _load_errors() -> tuple[type[BaseException], ...]:
     return (OSError, ValueError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError, SafetensorError)
 
 
+def _safetensors_checkpoint(source: ModelSource):
+    """The safetensors checkpoint ``from_pretrained`` read for ``source`` (a hub id's in the
+    Hugging Face cache), as :class:`~nmprune.streaming.files.SafetensorsFiles`; ``None`` for
+    a GGUF file or pickle weights."""
+    from transformers.utils import cached_file
+
+    from .streaming.files import INDEX, SINGLE, SafetensorsFiles
+
+    if source.gguf_file:
+        return None
+    folder = Path(source.path) if os.path.isdir(source.path) else \
+        Path(cached_file(source.path, "config.json")).parent
+    if not ((folder / SINGLE).is_file() or (folder / INDEX).is_file()):
+        return None
+    return SafetensorsFiles.open(folder)
+
+
+def _check_loaded(model: nn.Module, info: dict, source: ModelSource) -> None:
+    """Refuse a loaded model holding a tensor that is not the checkpoint's: one its
+    configuration asks for that the checkpoint lacks (transformers fills it with random
+    numbers; tied weights and non-persistent buffers are not missing), one stored with
+    another shape, or integers stored for a floating point tensor
+    (:meth:`~nmprune.streaming.files.SafetensorsFiles.check_fits`). ``info`` is
+    ``from_pretrained``'s loading info."""
+    from .streaming.files import missing_tensors, shape_mismatch
+
+    tensors = model.state_dict()
+    missing = [k for k in tensors if k in info["missing_keys"]]
+    if missing:
+        raise ValueError(missing_tensors(source, missing) + " (transformers would fill it with "
+                         "random numbers): the checkpoint is incomplete or belongs to another "
+                         "configuration")
+    if info["mismatched_keys"]:
+        raise shape_mismatch(source, *min(info["mismatched_keys"], key=lambda m: m[0]))
+    files = _safetensors_checkpoint(source)
+    if files is not None:
+        files.check_fits(tensors)
+
+
 def load_model(spec: str | os.PathLike | None = None, *, gguf_file: str | None = None,
                dtype: str | torch.dtype | None = "auto", tokenizer: bool = True,
                allow_pickle: bool = False, config=None):
@@ -209,8 +281,9 @@ def load_model(spec: str | os.PathLike | None = None, *, gguf_file: str | None =
     ``spec`` as in :func:`resolve_model`. GGUF files are de-quantised by transformers
     (``gguf_file=``), so the model is dense float. Other weights must be safetensors unless
     ``allow_pickle`` (``pytorch_model.bin`` and other pickles, which can run code when
-    loaded). A model that is not a decoder-only causal LM (:func:`check_decoder_only`) or
-    fails to load is a one-line ValueError. ``tokenizer`` is ``None`` when the directory
+    loaded). A model that is not a decoder-only causal LM (:func:`check_decoder_only`),
+    that fails to load, or whose tensors are not all the checkpoint's (:func:`_check_loaded`)
+    is a one-line ValueError. ``tokenizer`` is ``None`` when the directory
     has none (or ``tokenizer=False``). ``config`` is the configuration :func:`check_causal`
     returned for this model, when the caller has checked it already.
     """
@@ -232,11 +305,14 @@ def load_model(spec: str | os.PathLike | None = None, *, gguf_file: str | None =
     elif not allow_pickle:
         model_kwargs["use_safetensors"] = True
     try:
-        model = AutoModelForCausalLM.from_pretrained(source.path, config=config, dtype=torch_dtype,
-                                                     **model_kwargs)
+        # a tensor of another shape is refused by _check_loaded, naming it
+        model, info = AutoModelForCausalLM.from_pretrained(
+            source.path, config=config, dtype=torch_dtype, trust_remote_code=False,
+            output_loading_info=True, ignore_mismatched_sizes=True, **model_kwargs)
     except _load_errors() as e:
         first = (str(e).strip().splitlines() or [""])[0]
         raise ValueError(f"could not load the model {source}: {type(e).__name__}: {first}") from e
+    _check_loaded(model, info, source)
     quantizer = getattr(model, "hf_quantizer", None)
     if source.gguf_file and quantizer is not None:
         quantizer.remove_quantization_config(model)  # weights are dense now; save as plain safetensors
@@ -252,7 +328,7 @@ def load_tokenizer(source: ModelSource):
 
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     try:
-        return AutoTokenizer.from_pretrained(source.path, **kwargs)
+        return AutoTokenizer.from_pretrained(source.path, trust_remote_code=False, **kwargs)
     except (OSError, ValueError, TypeError, KeyError):
         return None
 

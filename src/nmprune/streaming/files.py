@@ -5,7 +5,9 @@ A checkpoint is either ``model.safetensors`` or shards listed by
 ``save_pretrained`` writes. :meth:`SafetensorsFiles.open` checks up front that every
 shard exists and is a complete safetensors file (``safe_open`` parses its header and
 rejects a file shorter than the header says), that the index names each tensor once and
-that each shard holds the tensors the index gives it. Reads open the shard with
+that each shard holds the tensors the index gives it. :meth:`SafetensorsFiles.check_fits`
+compares the stored shapes and dtypes (from the headers, no data read) with a model's
+tensors. Reads open the shard with
 ``safe_open``, whose tensors are views of a private memory map of the file (copy on
 write): a tensor costs memory (and address space) only while the caller holds it, and no
 shard stays mapped after its tensors are dropped.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 from torch import Tensor
@@ -25,6 +28,27 @@ INDEX = "model.safetensors.index.json"
 
 class CheckpointFileError(ValueError):
     """A safetensors checkpoint that cannot be read as it stands."""
+
+
+#: Safetensors dtype names of floating point types (``F16``, ``BF16``, ``F32``, ``F8_E4M3`` ...);
+#: the others are integers (``I8``, ``U8`` ...), ``BOOL`` and complex (``C64``).
+_FLOATING = ("F", "BF")
+
+
+def missing_tensors(where: object, names: list[str]) -> str:
+    """The start of the error for the tensors ``names`` (in the model's order) that the
+    checkpoint in ``where`` lacks."""
+    more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+    return f"{where} holds no tensor {names[0]!r}{more} that its configuration asks for"
+
+
+def shape_mismatch(where: object, key: str, stored: tuple[int, ...],
+                   needed: tuple[int, ...]) -> CheckpointFileError:
+    """The error for tensor ``key`` stored in ``where`` with shape ``stored`` where the
+    model built from its configuration has shape ``needed``."""
+    return CheckpointFileError(f"{where} stores tensor {key!r} with shape {tuple(stored)}, but its "
+                               f"configuration makes it {tuple(needed)}: the weights do not belong "
+                               "to this configuration")
 
 
 def _unique_pairs(path: Path):
@@ -116,6 +140,27 @@ class SafetensorsFiles:
 
     def shape(self, key: str) -> tuple[int, ...]:
         return self._meta[key][0]
+
+    def dtype(self, key: str) -> str:
+        """The stored dtype's safetensors name (``F32``, ``BF16``, ``I8``, ``BOOL`` ...)."""
+        return self._meta[key][1]
+
+    def check_fits(self, tensors: Mapping[str, Tensor]) -> None:
+        """Refuse a stored tensor that does not fit the model's tensor of the same name in
+        ``tensors`` (meta tensors will do): another shape (:func:`shape_mismatch`), or
+        integers or booleans where the model's tensor is floating point (loading would cast
+        them without a word). Names absent from the checkpoint are not looked at."""
+        for key, tensor in tensors.items():
+            if key not in self:
+                continue
+            if self.shape(key) != tuple(tensor.shape):
+                raise shape_mismatch(self.directory, key, self.shape(key), tuple(tensor.shape))
+            if tensor.is_floating_point() and not self.dtype(key).startswith(_FLOATING):
+                raise CheckpointFileError(
+                    f"{self.directory} stores tensor {key!r} as {self.dtype(key)}, not floating "
+                    f"point, where the model's tensor is {str(tensor.dtype).removeprefix('torch.')}; "
+                    "nmprune does not cast stored integers to floats (a quantized checkpoint "
+                    "needs the quantization_config it was saved with in its config.json)")
 
     def get(self, key: str) -> Tensor:
         """Tensor ``key`` read from its shard (CPU, the stored dtype)."""

@@ -43,7 +43,7 @@ def weight_bytes(source: ModelSource, dtype: str | torch.dtype | None = "auto", 
     if parsed == "auto":
         parsed = parse_dtype(getattr(config, "dtype", None) or "float32")
     with init_empty_weights():  # on a copy: building a model may edit its configuration
-        model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), trust_remote_code=False)
     model.tie_weights()  # the meta context unties shared parameters
     return sum(p.numel() for p in model.parameters()) * parsed.itemsize
 

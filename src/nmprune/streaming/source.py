@@ -8,7 +8,10 @@ so a process reads only the blocks it works on), and the modules outside the blo
 (embeddings, final norm, LM head: :meth:`load_outside`) for the input capture and the
 evaluation's head. Releasing puts the parameters back on the meta device. Parameters
 shared between modules (tied embeddings) are filled in once, for every holder. It is a
-block source for :func:`nmprune.pipeline.prune_model` like the in-memory one.
+block source for :func:`nmprune.pipeline.prune_model` like the in-memory one. The
+checkpoint must hold every parameter of the skeleton, each with the skeleton's shape and
+floating point where the parameter is (and so must the buffers it stores), which is
+checked from the files' headers before any weight is read.
 """
 
 from __future__ import annotations
@@ -22,9 +25,9 @@ import torch
 from torch import nn
 
 from ..block_runner import BlockInputs, capture_block_inputs
-from ..models import find_blocks, find_linears, parse_dtype
+from ..models import ModelSource, check_causal, find_blocks, find_linears, parse_dtype
 from ..source import ModelBlocks
-from .files import CheckpointFileError, SafetensorsFiles
+from .files import CheckpointFileError, SafetensorsFiles, missing_tensors
 
 
 def _resolve_dtype(dtype: str | torch.dtype | None, config, files: SafetensorsFiles) -> torch.dtype:
@@ -53,8 +56,9 @@ def _move_buffers(modules: list[nn.Module], device: torch.device | str) -> None:
 class StreamingModel(ModelBlocks):
     """A causal LM whose weights stay in its safetensors checkpoint until asked for.
 
-    ``directory``: a Hugging Face model directory with ``config.json`` and safetensors
-    weights (checked by :meth:`SafetensorsFiles.open`); ``dtype`` as in
+    ``directory``: a Hugging Face model directory with ``config.json`` (read by
+    :func:`nmprune.models.check_causal`) and safetensors weights (checked by
+    :meth:`SafetensorsFiles.open` and :meth:`SafetensorsFiles.check_fits`); ``dtype`` as in
     :func:`nmprune.models.load_model`. ``model`` is the skeleton (use it like a loaded
     model once the parts a computation needs are loaded); ``blocks_name`` / ``blocks``
     its decoder blocks. The block-source interface (``layers``, ``layer_shapes``,
@@ -64,14 +68,14 @@ class StreamingModel(ModelBlocks):
 
     def __init__(self, directory: str | os.PathLike, dtype: str | torch.dtype | None = "auto"):
         from accelerate import init_empty_weights
-        from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+        from transformers import AutoModelForCausalLM, GenerationConfig
 
         self.directory = Path(directory)  # ModelBlocks.__init__ reads data pointers: not on meta
         self.files = SafetensorsFiles.open(self.directory)
-        config = AutoConfig.from_pretrained(self.directory)
+        config = check_causal(ModelSource(str(self.directory)))
         self.dtype = _resolve_dtype(dtype, config, self.files)
         with init_empty_weights(include_buffers=False):
-            model = AutoModelForCausalLM.from_config(config, dtype=self.dtype)
+            model = AutoModelForCausalLM.from_config(config, dtype=self.dtype, trust_remote_code=False)
         model.tie_weights()  # the meta context re-creates parameters, which unties them
         if (self.directory / "generation_config.json").is_file():
             model.generation_config = GenerationConfig.from_pretrained(self.directory)
@@ -94,11 +98,15 @@ class StreamingModel(ModelBlocks):
                     self._key[canonical] = full
         missing = [c for c in self._holders if c not in self._key]
         if missing:
-            raise CheckpointFileError(f"{self.directory} holds no tensor for parameter {missing[0]!r}; "
-                                      "streaming needs a checkpoint saved by transformers for this "
-                                      "model class (load it whole instead, without offload)")
+            raise CheckpointFileError(missing_tensors(self.directory, missing) + ": the checkpoint is "
+                                      "incomplete or belongs to another configuration, or it names "
+                                      "its tensors unlike transformers' saves of this model class "
+                                      "(then loading it whole, without offload, may work)")
         self._canonical_of = {key: canonical for canonical, key in self._key.items()}
-        self._buffer_keys = self._load_persistent_buffers()
+        buffers = self._stored_buffers()
+        self.files.check_fits({**{key: self._parameter(c) for c, key in self._key.items()},
+                               **{key: module._buffers[attr] for key, (module, attr) in buffers.items()}})
+        self._buffer_keys = self._load_buffers(buffers)
         prefix = f"{self.blocks_name}."
         self._block_params: list[list[str]] = [[] for _ in self.blocks]
         self._outside: list[str] = []
@@ -114,18 +122,30 @@ class StreamingModel(ModelBlocks):
                          if self._alias_of[f"{self.blocks_name}.{i}.{sub}.weight"] not in tied}
                         for i, b in enumerate(self.blocks)]
 
-    def _load_persistent_buffers(self) -> list[str]:
-        """Buffers the checkpoint stores (``state_dict`` entries) are read once and kept."""
-        keys = []
+    def _parameter(self, canonical: str) -> nn.Parameter:
+        """The parameter ``canonical`` names, as its holders hold it now."""
+        module, attr = self._holders[canonical][0]
+        return module._parameters[attr]
+
+    def _stored_buffers(self) -> dict[str, tuple[nn.Module, str]]:
+        """The buffers the checkpoint stores (``state_dict`` entries): name -> (module, attribute)."""
         persistent = set(self.model.state_dict())
+        stored = {}
         for module_name, module in self.model.named_modules():
             for attr, buf in module._buffers.items():
                 full = f"{module_name}.{attr}" if module_name else attr
                 if buf is not None and full in persistent and full in self.files:
-                    value = self.files.get(full)
-                    module._buffers[attr] = value.to(buf.dtype) if value.is_floating_point() else value
-                    keys.append(full)
-        return keys
+                    stored[full] = (module, attr)
+        return stored
+
+    def _load_buffers(self, buffers: dict[str, tuple[nn.Module, str]]) -> list[str]:
+        """Read the stored ``buffers`` once and keep them; returns their names."""
+        for key, (module, attr) in buffers.items():
+            value = self.files.get(key)
+            if value.is_floating_point():
+                value = value.to(module._buffers[attr].dtype)
+            module._buffers[attr] = value
+        return list(buffers)
 
     # -- the block source interface ---------------------------------------------------------
 
@@ -156,8 +176,7 @@ class StreamingModel(ModelBlocks):
         canonical = self._canonical_of.get(key)
         if canonical is None:
             return self.model.get_buffer(key).dtype
-        module, attr = self._holders[canonical][0]
-        return module._parameters[attr].dtype
+        return self._parameter(canonical).dtype
 
     def weight_key(self, layer: str) -> str:
         """The checkpoint tensor name of layer ``layer``'s weight (full module name)."""
@@ -168,19 +187,16 @@ class StreamingModel(ModelBlocks):
     def _load(self, canonicals: list[str], device: torch.device | str) -> None:
         values = self.files.read([self._key[c] for c in canonicals])
         for canonical in canonicals:
-            holders = self._holders[canonical]
-            old = holders[0][0]._parameters[holders[0][1]]
-            value = values.pop(self._key[canonical]).to(device=device, dtype=old.dtype)
+            value = values.pop(self._key[canonical]).to(device=device, dtype=self._parameter(canonical).dtype)
             new = nn.Parameter(value, requires_grad=False)
-            for module, attr in holders:
+            for module, attr in self._holders[canonical]:
                 module._parameters[attr] = new
 
     def _release(self, canonicals: list[str]) -> None:
         for canonical in canonicals:
-            holders = self._holders[canonical]
-            old = holders[0][0]._parameters[holders[0][1]]
+            old = self._parameter(canonical)
             new = nn.Parameter(torch.empty(old.shape, dtype=old.dtype, device="meta"), requires_grad=False)
-            for module, attr in holders:
+            for module, attr in self._holders[canonical]:
                 module._parameters[attr] = new
 
     def load(self, index: int, device: torch.device | str = "cpu") -> nn.Module:
