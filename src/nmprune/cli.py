@@ -436,15 +436,16 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         "eval_limit", "eval_batch_size", "eval_include_path", "offload")}
     if args.option:
         flags["options"] = dict(parse_option(o) for o in args.option)
-    if args.override:
-        flags["overrides"] = {**yaml_settings.get("overrides", {}),
-                              **dict(parse_override(o) for o in args.override)}
+    # YAML values of the wrong type are left as they are, for build_config to refuse by name
+    base_overrides = yaml_settings.get("overrides") or {}
+    if args.override and isinstance(base_overrides, dict):
+        flags["overrides"] = {**base_overrides, **dict(parse_override(o) for o in args.override)}
     flags["eval_max_tokens"] = args.eval_max_tokens
     base_eval = yaml_settings.get("eval", ["wiki"])
-    base_eval = [base_eval] if isinstance(base_eval, str) else list(base_eval or [])
+    base_eval = [base_eval] if isinstance(base_eval, str) else base_eval or []
     if args.no_eval:
         flags["eval"] = []
-    elif args.eval:
+    elif args.eval and isinstance(base_eval, list):
         flags["eval"] = base_eval + [d for d in args.eval if d not in base_eval]
     return build_config(yaml_settings, flags)
 

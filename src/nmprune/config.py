@@ -2,20 +2,91 @@
 
 A YAML file holds the same flat keys as the command line (``method``, ``refine``,
 ``pattern``, ``options``, ``overrides``, ``nsamples`` ...); command-line flags override it.
+Every setting must be of its annotated type, wherever it comes from (``strict: "no"`` in a
+YAML file is an error, not a true string).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
+import types
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from .plan import Planner
 
 HESSIAN_INPUTS = ("dense", "pruned")
 HESSIAN_DTYPES = ("float32", "float64")
+
+# a value's type as an error message names it ("got 'no' (a string)")
+_KINDS: dict[type, str] = {bool: "a boolean", int: "an integer", float: "a float", str: "a string",
+                           list: "a list", dict: "a mapping", type(None): "null"}
+# what a setting of an annotated type may be, one phrase per alternative ("true or false")
+_EXPECTED: dict[Any, tuple[str, ...]] = {
+    bool: ("true", "false"), int: ("an integer",), float: ("a finite number",), str: ("a string",),
+    type(None): ("left out",), list[str]: ("a list of strings",),
+    dict[str, Any]: ("a mapping with string keys",)}
+
+
+def _kind(value: object) -> str:
+    """``value``'s type as an error message names it."""
+    return _KINDS.get(type(value), f"of type {type(value).__name__}")
+
+
+def _expected(hint: Any) -> list[str]:
+    """What a setting annotated ``hint`` may be, one phrase per alternative."""
+    if get_origin(hint) in (Union, types.UnionType):
+        return [phrase for alt in get_args(hint) for phrase in _expected(alt)]
+    return list(_EXPECTED.get(hint, (f"a {hint.__name__}",)))
+
+
+def _mismatch(value: object, hint: Any) -> str | None:
+    """None when ``value`` is of the annotated type ``hint``, else what it is instead."""
+    origin, args = get_origin(hint), get_args(hint)
+    if origin in (Union, types.UnionType):
+        return None if any(_mismatch(value, alt) is None for alt in args) else _kind(value)
+    if origin is list:
+        if not isinstance(value, list):
+            return _kind(value)
+        bad = [item for item in value if _mismatch(item, args[0]) is not None]
+        return f"its item {bad[0]!r} is {_kind(bad[0])}" if bad else None
+    if origin is dict:
+        if not isinstance(value, dict):
+            return _kind(value)
+        bad = [key for key in value if _mismatch(key, args[0]) is not None]
+        # the values (Any: options, overrides) are checked by the Planner
+        return f"its key {bad[0]!r} is {_kind(bad[0])}" if bad else None
+    if isinstance(value, bool) and hint is not bool:
+        return _kind(value)  # True is an int to Python, never an int or float setting
+    if hint is float:  # an int is a number too (and always finite)
+        number = isinstance(value, int) or isinstance(value, float) and math.isfinite(value)
+        return None if number else _kind(value)
+    return None if isinstance(value, hint) else _kind(value)
+
+
+def _check_types(settings: PruneSettings | RunConfig) -> None:
+    """Refuse any field of the dataclass ``settings`` whose value is not of its annotated type.
+
+    A ``bool`` takes only True or False (never a string such as ``"no"``, nor 0 or 1), an
+    ``int`` no bool, a ``float`` an int or a finite float (an int is stored as the float a
+    flag would give, so ``damp: 0`` and ``--damp 0`` hash alike), a ``list[str]`` only a list of strings, a
+    ``dict[str, Any]`` only a dict with string keys (its values are checked where they are
+    used), ``X | None`` also None. The error is a one-line ValueError naming the setting, its
+    value and the type expected, e.g. ``setting 'strict' must be true or false, got 'no' (a string)``.
+    """
+    hints = get_type_hints(type(settings))
+    for f in fields(settings):
+        value = getattr(settings, f.name)
+        reason = _mismatch(value, hints[f.name])
+        if reason is not None:
+            *head, last = _expected(hints[f.name])
+            expected = f"{', '.join(head)} or {last}" if head else last
+            raise ValueError(f"setting {f.name!r} must be {expected}, got {value!r} ({reason})")
+        if hints[f.name] is float:
+            setattr(settings, f.name, float(value))
 
 
 @dataclass
@@ -46,9 +117,10 @@ class PruneSettings:
     strict: bool = False
 
     def __post_init__(self) -> None:
+        _check_types(self)
         for key in ("nsamples", "seqlen", "batch_size"):
             value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if value < 1:
                 raise ValueError(f"{key} must be a positive integer, got {value!r}")
         if self.hessian_inputs not in HESSIAN_INPUTS:
             raise ValueError(f"hessian_inputs must be one of {', '.join(HESSIAN_INPUTS)}, "
@@ -109,13 +181,13 @@ class RunConfig:
     prune: PruneSettings = field(default_factory=PruneSettings)
 
     def __post_init__(self) -> None:
-        if self.offload is not None and not isinstance(self.offload, bool):
-            raise ValueError(f"offload must be true, false or left out, got {self.offload!r}")
+        _check_types(self)
 
     def identity(self) -> str:
-        """Hash of what decides the pruned weights: the model, its dtype and the settings."""
-        blob = json.dumps({"model": self.model, "gguf_file": self.gguf_file, "dtype": self.dtype,
-                           "prune": self.prune.fingerprint()}, sort_keys=True)
+        """Hash of the settings that decide the pruned weights: the dtype and the pruning
+        settings. The model is not named here: a checkpoint and the ranks of a job compare
+        the digest of its files (:func:`nmprune.identity.model_digest`), never the string."""
+        blob = json.dumps({"dtype": self.dtype, "prune": self.prune.fingerprint()}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
