@@ -241,6 +241,12 @@ def test_window_longer_than_the_models_positions_is_refused(job, tmp_path, capsy
     assert list(tmp_path.iterdir()) == []
 
 
+def test_eval_window_longer_than_the_models_positions_is_refused(job, capsys):
+    _, model, _, text, _ = job
+    assert main(["eval", "--model", str(model), "--data", str(text), "--seqlen", "65", "--quiet"]) == 2
+    _one_error(capsys.readouterr().err, "--seqlen 65 is longer than the 64 positions")
+
+
 def _disk_full(*args, **kwargs):
     raise OSError(errno.ENOSPC, "No space left on device")
 

@@ -148,6 +148,7 @@ def run_prune(config: RunConfig, *, progress: bool = True, on_block_done=None) -
     from .downstream import check_tasks
     from .identity import model_digest
     from .memory import release_memory
+    from .models import resolve_model
     from .output import RunLock, remove_partial_save
     from .source import ModelBlocks
     from .streaming import StreamingModel
@@ -170,6 +171,9 @@ def run_prune(config: RunConfig, *, progress: bool = True, on_block_done=None) -
         if downstream.tasks:
             check_tasks(downstream)
         config.prune.planner()  # every method, refiner, pattern and option, before the model loads
+        digest = model_digest(resolve_model(config.model, config.gguf_file))
+    if ranks is not None:  # every rank the same job, before any of them loads
+        ranks.agree({"settings": config.identity(), "model files": digest})
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
 
@@ -186,10 +190,8 @@ def run_prune(config: RunConfig, *, progress: bool = True, on_block_done=None) -
         if tokenizer is None:
             raise ValueError(f"{source} has no tokenizer; nmprune needs one for calibration and "
                              "evaluation text (save one next to the model)")
-        model_config = (model.model if streaming else model).config
-        check_positions(model_config, {"--seqlen": config.prune.seqlen, **(
+        check_positions((model.model if streaming else model).config, {"--seqlen": config.prune.seqlen, **(
             {"--eval-seqlen": config.eval_seqlen} if config.eval else {})})
-        digest = model_digest(source, model_config)
         timings["load"] = time.perf_counter() - t0
         if not streaming:  # a streamed model's weights are read block by block later
             check_finite(model, source)
@@ -209,8 +211,6 @@ def run_prune(config: RunConfig, *, progress: bool = True, on_block_done=None) -
         except ValueError as e:
             raise ValueError(f"--calib {p.calib}: {e}") from e
         release_memory()  # the tokenised corpora, before the evaluation's activations
-    if ranks is not None:
-        ranks.agree({"settings": config.identity(), "model files": digest})
     ckpt = None
     try:
         with phase("opening the checkpoint"):
@@ -483,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "eval":
             from .evaluate import perplexity_table
             from .streaming import StreamingModel
-            from .validate import check_eval_inputs, check_finite, check_finite_value
+            from .validate import check_eval_inputs, check_finite, check_finite_value, check_positions
 
             from .downstream import (DownstreamSettings, accuracy_columns, check_tasks,
                                      evaluate_tasks, parse_task_list)
@@ -502,6 +502,7 @@ def main(argv: list[str] | None = None) -> int:
                                  "--offload or a model larger than memory")
             if tokenizer is None:
                 raise ValueError(f"{source} has no tokenizer; save one next to the model")
+            check_positions((model.model if streaming else model).config, {"--seqlen": args.seqlen})
             if not streaming:
                 check_finite(model, source)
             result = evaluate(model, tokenizer, data, args.seqlen, args.max_tokens or None,

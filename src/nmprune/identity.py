@@ -25,7 +25,7 @@ import os
 import struct
 from pathlib import Path
 
-from .models import ModelSource
+from .models import ModelSource, read_config
 
 #: Files hashed whole up to this size; larger ones are sampled.
 FULL_HASH_BYTES = 1 << 30
@@ -101,7 +101,8 @@ def _is_metadata(name: str) -> bool:
 
 def model_digest(source: ModelSource, config=None) -> str:
     """A 16-hex-digit digest of the model ``source`` names (module docstring); ``config``
-    is its transformers configuration, read for a hub id's resolved commit."""
+    is its transformers configuration, read here for a hub id (its resolved commit) when
+    not given."""
     parts: list[str] = []
     root = Path(source.path)
     if source.gguf_file:
@@ -115,5 +116,6 @@ def model_digest(source: ModelSource, config=None) -> str:
             elif entry.name.endswith(".index.json") or _is_metadata(entry.name):
                 parts.append(f"file {entry.name} {hashlib.sha256(entry.read_bytes()).hexdigest()}")
     else:  # a hub id: transformers records the commit it resolved
+        config = config if config is not None else read_config(source)
         parts.append(f"hub {source.path} {getattr(config, '_commit_hash', None)}")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
