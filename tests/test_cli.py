@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from nmprune.cli import build_parser, config_from_args, main, run_prune
+from nmprune.cli import build_parser, config_from_args, main
+from nmprune.job import run as run_prune
 from nmprune.models import find_blocks, find_linears, weight_matrix
 from nmprune.pattern import is_nm_sparse
 from test_models_tiny import save_tiny_model_dir, write_text
@@ -166,3 +167,21 @@ def test_packaged_model_end_to_end(tmp_path, capsys):
     _, blocks = find_blocks(model)
     assert all(is_nm_sparse(weight_matrix(m), "2:4") for b in blocks for m in find_linears(b).values())
     assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied, still dense
+
+
+def test_python_api_runs_the_whole_job(tiny_dir, tmp_path):
+    """``nmprune.run`` is the command's job from Python: same settings, same saved model."""
+    import nmprune
+    from nmprune.config import load_yaml
+
+    base, model_dir, text, yaml_file = tiny_dir
+    out = tmp_path / "api"
+    report = nmprune.run(nmprune.build_config(load_yaml(yaml_file), {"out": str(out)}), progress=False)
+    assert report["saved_to"] == str(out) and (out / "nmprune_report.json").is_file()
+    assert json.loads((out / "nmprune_report.json").read_text())["layers"] == report["layers"]
+    table = nmprune.result_table(report)
+    assert "dense" in table and "wanda+gd 2:4" in table
+    cli_out = tmp_path / "cli"
+    assert main(["prune", "--config", str(yaml_file), "--out", str(cli_out), "--quiet"]) == 0
+    a, b = _weights(out), _weights(cli_out)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

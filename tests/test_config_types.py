@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import nmprune.cli
+import nmprune.job
 from nmprune.cli import build_parser, config_from_args, main
 from nmprune.config import PruneSettings, RunConfig, build_config
 
@@ -58,7 +59,7 @@ def test_wrongly_typed_yaml_setting_is_refused(tmp_path: Path, capsys: pytest.Ca
     def accepted(config: RunConfig, **kwargs: object) -> None:
         pytest.fail(f"the settings were accepted: {text}")
 
-    monkeypatch.setattr(nmprune.cli, "run_prune", accepted)  # a missed refusal fails fast
+    monkeypatch.setattr(nmprune.job, "run", accepted)  # a missed refusal fails fast
     yaml_file = _write_yaml(tmp_path, text)
     assert main(["prune", "--config", str(yaml_file), "--out", str(tmp_path / "o"), *flags]) == 2
     err = capsys.readouterr().err

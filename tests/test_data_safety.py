@@ -65,7 +65,8 @@ def _crash_after_block(i: int) -> None:
 
 
 def _run_until_crash(args: list[str]) -> None:
-    from nmprune.cli import build_parser, config_from_args, run_prune
+    from nmprune.cli import build_parser, config_from_args
+    from nmprune.job import run as run_prune
 
     with pytest.raises(_Crash):
         run_prune(config_from_args(build_parser().parse_args(args)), progress=False,

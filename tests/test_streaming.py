@@ -239,7 +239,8 @@ def test_offload_eval_equals_in_memory_eval(cli_model, capsys):
 
 
 def test_killed_streamed_run_resumes_to_identical_model(cli_model, tmp_path):
-    from nmprune.cli import build_parser, config_from_args, main, run_prune
+    from nmprune.cli import build_parser, config_from_args, main
+    from nmprune.job import run as run_prune
 
     class Crash(Exception):
         pass

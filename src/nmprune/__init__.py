@@ -26,6 +26,10 @@ _EXPORTS = {
     "LayerResult": "prune",
     "local_loss": "loss",
     "prune_model": "pipeline",
+    "RunConfig": "config",
+    "build_config": "config",
+    "run": "job",
+    "result_table": "job",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
