@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Makes the 'austen' text source available (the out-of-distribution evaluation text of the
 # tests and benchmarks): the Jane Austen novels of Debian's r-cran-janeaustenr. nmprune reads
-# the R data files itself, so R is not needed: the .deb is unpacked into a private folder.
-# Prints the folder to put in R_LIBS (nothing to do when the Debian package is installed).
+# the R data files with the Python package rdata, so R is not needed: the .deb is unpacked into
+# ${NMPRUNE_R_LIBS:-~/.cache/nmprune/R}, where nmprune looks for it (as well as in R_LIBS and
+# Debian's R libraries). Run by scripts/install.sh; safe to run again.
+# Prints the R library that holds janeaustenr (Debian's when the package is installed).
 set -euo pipefail
 if dpkg -s r-cran-janeaustenr >/dev/null 2>&1; then
   echo "/usr/lib/R/site-library"; exit 0

@@ -1,6 +1,18 @@
-"""nmprune.memory: freed heap pages go back to the system (glibc)."""
+"""nmprune.memory: freed heap pages go back to the system (glibc).
+
+The resident-set measurements run in a fresh Python process each: what glibc does with a
+block depends on the allocator's history (a heap with enough free space serves even a block
+above the mmap threshold, and that block then stays resident after the free), so in the test
+process they would depend on the tests that ran before.
+"""
 
 from __future__ import annotations
+
+import inspect
+import json
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -15,32 +27,57 @@ def _rss_mb() -> float:
     raise RuntimeError("no VmRSS")
 
 
+def _in_fresh_process(body: str) -> list[float]:
+    """Run ``body`` (which has ``memory``, ``json`` and ``_rss_mb`` at hand and prints a JSON
+    list of resident-set sizes) in a new interpreter; the list it printed."""
+    code = "import json\nfrom nmprune import memory\n" + inspect.getsource(_rss_mb) + textwrap.dedent(body)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
 @pytest.mark.skipif(memory.LIBC is None, reason="glibc only (malloc_trim/mallopt)")
 def test_release_memory_returns_freed_heap_pages():
-    # 200 MB in 256 KiB chunks (below glibc's mmap threshold: they come from the heap);
-    # keep one small object allocated after them so the heap top cannot simply shrink
-    chunks = [bytearray(256 * 1024) for _ in range(800)]
-    for c in chunks:
-        c[::4096] = b"x" * len(c[::4096])  # touch every page
-    pin = bytearray(1024)
-    before = _rss_mb()
-    del chunks
-    memory.release_memory()
-    after = _rss_mb()
+    # prefer_mmap (as the CLI does) puts 256 KiB below the mmap threshold: 200 MB in 256 KiB
+    # chunks come from the heap; one small object allocated after them keeps the heap top
+    # from simply shrinking, so the freed pages stay resident until release_memory
+    before, freed, after = _in_fresh_process("""
+        memory.prefer_mmap()
+        chunks = [bytearray(256 * 1024) for _ in range(800)]
+        for c in chunks:
+            c[::4096] = b"x" * len(c[::4096])  # touch every page
+        pin = bytearray(1024)
+        before = _rss_mb()
+        del chunks
+        freed = _rss_mb()
+        memory.release_memory()
+        print(json.dumps([before, freed, _rss_mb()]))
+    """)
+    assert before - freed < 20, (before, freed)
     assert before - after > 150, (before, after)
-    del pin
 
 
 @pytest.mark.skipif(memory.LIBC is None, reason="glibc only (malloc_trim/mallopt)")
-def test_prefer_mmap_maps_large_blocks():
-    memory.prefer_mmap()
-    before = _rss_mb()
-    block = bytearray(64 << 20)
-    block[::4096] = b"x" * len(block[::4096])
-    assert _rss_mb() - before > 50
-    del block
+@pytest.mark.parametrize("threshold_mib, block_mib, mapped", [(32, 64, True), (4, 16, True), (None, 16, False)])
+def test_prefer_mmap_maps_large_blocks(threshold_mib: int | None, block_mib: int, mapped: bool):
+    # a freed mapped 24 MiB block first raises glibc's dynamic mmap threshold, as a long run
+    # does: without prefer_mmap a 16 MiB block then comes from the heap and stays resident
+    # (the last case, which shows that the probe tells a mapped block from a heap one)
+    prefer = "" if threshold_mib is None else f"memory.prefer_mmap({threshold_mib} << 20)"
+    before, grown, after = _in_fresh_process(f"""
+        warm = bytearray(24 << 20)
+        del warm
+        {prefer}
+        before = _rss_mb()
+        block = bytearray({block_mib} << 20)
+        block[::4096] = b"x" * len(block[::4096])
+        grown = _rss_mb()
+        del block
+        print(json.dumps([before, grown, _rss_mb()]))
+    """)
+    assert grown - before > 0.75 * block_mib, (before, grown)
     # a mapped block is unmapped on free: the memory is back without any trim
-    assert _rss_mb() - before < 20
+    assert (after - before < 0.25 * block_mib) == mapped, (before, grown, after)
 
 
 def test_frozen_heap_hides_the_objects_alive_at_entry_and_collects_new_cycles():

@@ -21,7 +21,8 @@ Sources (the ``source`` string):
 ``"austen"``
     Jane Austen's six novels from Debian's ``r-cran-janeaustenr`` (out-of-distribution text,
     the role WikiText plays in the paper's tables): ``Persuasion`` is the evaluation split,
-    the other five novels the calibration split.
+    the other five novels the calibration split. Needs the ``rdata`` package (the ``austen``
+    extra); see :mod:`nmprune.data.austen` for where the R package is looked for.
 a ``.txt`` / ``.jsonl`` path
     A local file: the whole text (``.txt``) or the ``"text"`` field of each line (``.jsonl``).
     Calibration and evaluation are a deterministic split of the same file (the first ~90% /
@@ -39,7 +40,7 @@ import os
 import zlib
 from pathlib import Path
 
-from .austen import austen_corpus
+from .austen import austen_corpus, check_austen_readable
 from .corpus import Corpus
 
 SPLITS = ("calib", "eval")
@@ -114,9 +115,7 @@ def check_readable(source: str, split: str) -> None:
     if kind == "wiki":
         wiki_summaries_path()
     elif kind == "austen":
-        from .austen import austen_data_prefix
-
-        austen_data_prefix()
+        check_austen_readable()
     elif path is None:  # c4 / wikitext2 from the Hub
         if importlib.util.find_spec("datasets") is None:
             raise ValueError(_NEEDS_DATASETS)
