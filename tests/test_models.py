@@ -18,7 +18,7 @@ from nmprune.models import (
     parse_dtype,
     resolve_model,
     set_weight_matrix,
-    shared_weight_ptrs,
+    outside_parameters,
     weight_matrix,
 )
 from nmprune.output import save_pretrained_atomic
@@ -31,7 +31,7 @@ def test_blocks_and_linears_are_discovered(family):
     name, blocks = find_blocks(model)
     assert name == FAMILIES[family][2]
     assert len(blocks) == 2
-    layers = find_linears(blocks[0], shared_weight_ptrs(model, blocks))
+    layers = find_linears(blocks[0], outside_parameters(model, blocks))
     assert len(layers) >= 4  # attention in/out and the MLP's
     inside = {id(m) for m in blocks.modules()}
     # every nn.Linear / Conv1D of the block is found, nothing outside the blocks is
@@ -63,7 +63,7 @@ def test_tied_block_weight_stays_out():
     outside = nn.Linear(32, 32, bias=False)
     model.extra = outside
     blocks[0].self_attn.q_proj.weight = outside.weight
-    layers = find_linears(blocks[0], shared_weight_ptrs(model, blocks))
+    layers = find_linears(blocks[0], outside_parameters(model, blocks))
     assert "self_attn.q_proj" not in layers and "self_attn.k_proj" in layers
 
 

@@ -406,14 +406,15 @@ def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
 
 def find_linears(block: nn.Module, tied: set[int] | None = None) -> dict[str, nn.Module]:
     """Prunable layers of one block by their name inside it, leaving out any whose weight
-    is in ``tied`` (``data_ptr`` of tensors shared with modules outside the blocks)."""
+    is in ``tied`` (:func:`outside_parameters`)."""
     tied = tied or set()
-    return {n: m for n, m in _linears(block) if m.weight.data_ptr() not in tied}
+    return {n: m for n, m in _linears(block) if id(m.weight) not in tied}
 
 
-def shared_weight_ptrs(model: nn.Module, blocks: nn.ModuleList) -> set[int]:
-    """Storage pointers of weights outside ``blocks`` (embeddings, LM head, ...): a block
-    layer sharing one of them is tied and stays dense."""
+def outside_parameters(model: nn.Module, blocks: nn.ModuleList) -> set[int]:
+    """The ``id`` of every parameter a module outside ``blocks`` holds (embeddings, LM head,
+    ...): a block layer whose weight is one of them is tied and stays dense. The one rule
+    for tied weights, in memory and on the meta device (a streamed model's skeleton) alike:
+    transformers ties a weight by giving two modules the same parameter."""
     inside = {id(m) for m in blocks.modules()}
-    return {p.data_ptr() for m in model.modules() if id(m) not in inside
-            for p in m.parameters(recurse=False)}
+    return {id(p) for m in model.modules() if id(m) not in inside for p in m.parameters(recurse=False)}

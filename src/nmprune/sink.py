@@ -1,6 +1,6 @@
 """The block sink stage: where a finished block's pruned weights go.
 
-A sink receives, block by block, the weights of every prunable layer as the layer stores
+A sink (the :class:`BlockSink` interface) receives, block by block, the weights of every prunable layer as the layer stores
 them (``module.weight``), keyed by full module name. :class:`ModelSink` writes them into a
 model held in memory (a no-op for a block pruned in place; a resumed block's weights come
 from the checkpoint); a streaming sink writes safetensors shards instead.
@@ -9,11 +9,19 @@ from the checkpoint); a streaming sink writes safetensors shards instead.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from .source import ModelBlocks
+
+
+class BlockSink(Protocol):
+    """What :func:`nmprune.pipeline.prune_model` asks of a sink."""
+
+    def write(self, index: int, weights: Mapping[str, Tensor]) -> None:
+        """Keep block ``index``'s final weights (every prunable layer's, by full name)."""
 
 
 class ModelSink:

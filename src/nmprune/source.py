@@ -1,35 +1,60 @@
 """The block source stage: where a decoder block's modules and weights come from.
 
-A block source lists the prunable layers of every block (:meth:`ModelBlocks.layer_shapes`,
-for planning before any weights move), captures the hidden states entering the first block
-(:meth:`~ModelBlocks.capture`) and hands the pipeline one block at a time on the compute
-device (:meth:`~ModelBlocks.load`, :meth:`~ModelBlocks.release`). :class:`ModelBlocks` serves
-a model held in CPU memory; a streaming source reads each block from the checkpoint instead.
+A block source (the :class:`BlockSource` interface) lists the prunable layers of every block
+(``layer_shapes``, for planning before any weights move), captures the hidden states
+entering the first block (``capture``) and hands the pipeline one block at a time on the
+compute device (``load``, ``offload``, ``release``). :class:`ModelBlocks` serves a model held
+in CPU memory; :class:`nmprune.streaming.StreamingModel` reads each block from the
+checkpoint instead. Both find blocks and layers by :class:`DecoderBlocks`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
 
 from .block_runner import BlockInputs, capture_block_inputs
-from .models import find_blocks, find_linears, shared_weight_ptrs, weight_matrix
+from .models import find_blocks, find_linears, outside_parameters, weight_matrix
 
 
-class ModelBlocks:
-    """The blocks of ``model`` (in CPU memory), visiting the compute device one at a time.
+class BlockSource(Protocol):
+    """What :func:`nmprune.pipeline.prune_model` asks of a block source."""
 
-    A block's prunable layers are its ``nn.Linear`` / ``Conv1D`` modules, keyed by full module
-    name (``model.layers.3.mlp.down_proj``), minus any whose weight is tied to a module
-    outside the blocks (:func:`nmprune.models.find_linears`).
-    """
+    model: nn.Module
+
+    def __len__(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def layers(self, index: int) -> dict[str, nn.Module]: ...
+
+    def layer_shapes(self) -> dict[str, tuple[int, int]]: ...
+
+    def capture(self, batches: Sequence[Tensor], device: torch.device, keep_hidden: bool = True
+                ) -> BlockInputs: ...
+
+    def load(self, index: int, device: torch.device) -> nn.Module: ...
+
+    def offload(self, index: int) -> None: ...
+
+    def release(self, index: int) -> None: ...
+
+
+class DecoderBlocks:
+    """The decoder blocks of ``model`` and their prunable layers, the part every block
+    source shares: a block's prunable layers are its ``nn.Linear`` / ``Conv1D`` modules,
+    keyed by full module name (``model.layers.3.mlp.down_proj``), minus any whose weight is
+    tied to a module outside the blocks (:func:`nmprune.models.outside_parameters`, the one
+    rule for tied weights). ``model`` may live on the meta device."""
 
     def __init__(self, model: nn.Module):
         self.model = model
         self.blocks_name, self.blocks = find_blocks(model)
-        tied = shared_weight_ptrs(model, self.blocks)
+        tied = outside_parameters(model, self.blocks)
         self._layers = [{f"{self.blocks_name}.{i}.{sub}": m for sub, m in find_linears(b, tied).items()}
                         for i, b in enumerate(self.blocks)]
 
@@ -49,6 +74,11 @@ class ModelBlocks:
         """``(d_out, d_in)`` of every prunable layer of every block, by full name."""
         return {name: tuple(weight_matrix(m).shape) for layers in self._layers
                 for name, m in layers.items()}
+
+
+class ModelBlocks(DecoderBlocks):
+    """The block source of a model in CPU memory: its blocks visit the compute device one
+    at a time."""
 
     def capture(self, batches: Sequence[Tensor], device: torch.device, keep_hidden: bool = True
                 ) -> BlockInputs:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -139,6 +139,22 @@ def statistic_values(names: Sequence[str], stats: InputStats, device: torch.devi
     if unknown:
         raise ValueError(f"unknown statistic {unknown[0]!r}; known: {', '.join(sorted(STATISTICS))}")
     return {n: STATISTICS[n](stats).to(device) for n in names}
+
+
+class StatisticsStage(Protocol):
+    """What :func:`nmprune.pipeline.prune_model` asks of the statistics stage."""
+
+    @property
+    def hidden(self) -> list[Tensor] | None:
+        """The hidden states entering the next block to collect (what a checkpoint saves;
+        None when there are none)."""
+
+    def collect(self, index: int, block: nn.Module, layers: Mapping[str, nn.Module]
+                ) -> dict[str, InputStats]:
+        """The input statistics of ``layers`` (full name -> module) of block ``index``."""
+
+    def advance(self, index: int, block: nn.Module) -> None:
+        """After block ``index`` is pruned: move the hidden states past it."""
 
 
 class CalibrationStatistics:

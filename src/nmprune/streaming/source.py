@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from ..block_runner import BlockInputs, capture_block_inputs
-from ..models import ModelSource, check_causal, find_blocks, find_linears, parse_dtype
-from ..source import ModelBlocks
+from ..models import ModelSource, check_causal, parse_dtype
+from ..source import DecoderBlocks
 from .files import CheckpointFileError, SafetensorsFiles, missing_tensors
 
 
@@ -53,7 +53,7 @@ def _move_buffers(modules: list[nn.Module], device: torch.device | str) -> None:
                 m._buffers[name] = buf.to(device)
 
 
-class StreamingModel(ModelBlocks):
+class StreamingModel(DecoderBlocks):
     """A causal LM whose weights stay in its safetensors checkpoint until asked for.
 
     ``directory``: a Hugging Face model directory with ``config.json`` (read by
@@ -61,16 +61,16 @@ class StreamingModel(ModelBlocks):
     :meth:`SafetensorsFiles.open` and :meth:`SafetensorsFiles.check_fits`); ``dtype`` as in
     :func:`nmprune.models.load_model`. ``model`` is the skeleton (use it like a loaded
     model once the parts a computation needs are loaded); ``blocks_name`` / ``blocks``
-    its decoder blocks. The block-source interface (``layers``, ``layer_shapes``,
-    ``vocab_size``) is :class:`nmprune.source.ModelBlocks`'; a block's prunable layers
-    leave out those whose weight is the same parameter as one outside the blocks.
+    its decoder blocks. It is a :class:`nmprune.source.BlockSource`; blocks and prunable
+    layers are found by :class:`nmprune.source.DecoderBlocks` on the skeleton, tied weights
+    by the same rule as in memory.
     """
 
     def __init__(self, directory: str | os.PathLike, dtype: str | torch.dtype | None = "auto"):
         from accelerate import init_empty_weights
         from transformers import AutoModelForCausalLM, GenerationConfig
 
-        self.directory = Path(directory)  # ModelBlocks.__init__ reads data pointers: not on meta
+        self.directory = Path(directory)
         self.files = SafetensorsFiles.open(self.directory)
         config = check_causal(ModelSource(str(self.directory)))
         self.dtype = _resolve_dtype(dtype, config, self.files)
@@ -79,8 +79,7 @@ class StreamingModel(ModelBlocks):
         model.tie_weights()  # the meta context re-creates parameters, which unties them
         if (self.directory / "generation_config.json").is_file():
             model.generation_config = GenerationConfig.from_pretrained(self.directory)
-        self.model = model.eval()
-        self.blocks_name, self.blocks = find_blocks(model)
+        super().__init__(model.eval())
         self._holders: dict[str, list[tuple[nn.Module, str]]] = {}
         self._key: dict[str, str] = {}
         self._aliases: dict[str, list[str]] = {}
@@ -117,10 +116,6 @@ class StreamingModel(ModelBlocks):
             if len(inside) < len(aliases):
                 self._outside.append(canonical)
         self._alias_of = {alias: c for c, aliases in self._aliases.items() for alias in aliases}
-        tied = set(self._outside)  # a block layer whose weight also lives outside stays dense
-        self._layers = [{f"{self.blocks_name}.{i}.{sub}": m for sub, m in find_linears(b).items()
-                         if self._alias_of[f"{self.blocks_name}.{i}.{sub}.weight"] not in tied}
-                        for i, b in enumerate(self.blocks)]
 
     def _parameter(self, canonical: str) -> nn.Parameter:
         """The parameter ``canonical`` names, as its holders hold it now."""
