@@ -33,21 +33,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .devices import default_device
+from .registry import get_method, get_refiner
+
 T = TypeVar("T")
 
 TIMEOUT_ENV = "NMPRUNE_DIST_TIMEOUT"
 DEFAULT_TIMEOUT_S = 1800.0
-
-# Seconds per (rows x d_in^2) of each method and refiner (``refine:NAME``): least-squares fits
-# over SmolLM2's three matrix shapes (576x576, 1536x576, 576x1536) of the times in
-# benchmarks/results/layer_methods.json (part A, synthetic correlated Hessians, this 2-core
-# CPU, 2 threads). Only their ratios matter to the assignment; a solver not listed counts
-# as the most expensive one listed. Wanda, magnitude and DSnoT cost rows x d_in and far less.
-COST_FACTORS: dict[str, float] = {
-    "magnitude": 1.1e-11, "wanda": 7.1e-12, "dsnot": 3.0e-11, "sparsegpt": 1.1e-10,
-    "prox": 7.2e-10, "prox-l0": 7.3e-9, "prox-l1": 1.4e-9, "prox-l2": 1.5e-8,
-    "refine:exact": 1.3e-9, "refine:gd": 1.1e-8,
-}
 
 
 class RankError(RuntimeError):
@@ -215,9 +207,8 @@ def timeout_seconds() -> float:
 
 def rank_device(device: str | torch.device | None, local_rank: int) -> torch.device:
     """This rank's compute device: ``cuda:LOCAL_RANK`` for ``"cuda"`` (or by default when
-    CUDA is available), else the CPU."""
-    want = torch.device(device) if device is not None else \
-        torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    CUDA is available, :func:`nmprune.devices.default_device`), else the CPU."""
+    want = default_device(device)
     if want.type == "cuda":
         if want.index is not None:
             raise ValueError(f"--device {want} names one GPU; under torchrun give --device cuda "
@@ -277,12 +268,13 @@ def teardown(error: BaseException | None = None) -> None:
 
 
 def job_cost(rows: int, d_in: int, method: str, refine: str | None) -> float:
-    """Estimated seconds of one layer solve: ``rows x d_in^2`` times the measured factors of
-    its method and refiner (:data:`COST_FACTORS`)."""
-    worst = max(COST_FACTORS.values(), default=1.0)
-    factor = COST_FACTORS.get(method, worst)
+    """Estimated seconds of one layer solve on the reference CPU: ``rows x d_in^2`` times
+    the sum of the ``cost`` its method and refiner (``None``: none) were registered with
+    (:func:`nmprune.registry.register_method`, :data:`nmprune.registry.DEFAULT_COST`).
+    An unregistered name is a ValueError."""
+    factor = get_method(method).cost
     if refine is not None:
-        factor += COST_FACTORS.get(f"refine:{refine}", worst)
+        factor += get_refiner(refine).cost
     return float(rows) * float(d_in) ** 2 * factor
 
 

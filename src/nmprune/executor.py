@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import torch
@@ -23,7 +23,7 @@ from torch import Tensor
 
 from .loss import local_loss
 from .plan import LayerPlan, wanda_reference
-from .prune import solve
+from .prune import dampened, solve
 from .statistics import InputStats, statistic_values
 
 T = TypeVar("T")
@@ -40,12 +40,33 @@ class LayerJob:
     plan: LayerPlan
 
 
+def wanda_loss(w: Tensor, h: Tensor, plan: LayerPlan, loss_method: float | None = None) -> float:
+    """The local loss (paper eq. ``squared_loss``, on the undamped ``h``) of Wanda's mask with
+    ``plan``'s pattern, Wanda seeing ``plan``'s dampening: the loss of
+    :func:`nmprune.plan.wanda_reference` as :func:`nmprune.prune.solve` computes it.
+
+    When ``plan``'s method stage is that reference (Wanda, refined or not), this is its loss
+    ``loss_method`` (if given) and costs nothing; otherwise one ``rows x d_in^2`` product
+    (``solve`` would make two, and check ``w`` and ``h`` again, which the plan's own solve
+    has done)."""
+    reference = wanda_reference(plan.pattern, plan.damp)
+    if loss_method is not None and replace(plan, refiner=None, refiner_options={}) == reference:
+        return loss_method
+    with dampened(h, reference.damp) as h_solve:
+        pruned = reference.method.fn(w, h_solve, reference.pattern, **reference.method_options)
+    return local_loss(pruned, w, h)
+
+
 def run_job(job: LayerJob, device: torch.device) -> tuple[Tensor, dict[str, Any]]:
-    """Solve ``job`` on ``device``: the pruned matrix (float, on ``device``) and its record:
-    the plan, the local losses (paper eq. ``squared_loss``) after the method and after
-    refinement, and relative to Wanda's with the same pattern and dampening, all on the
-    undamped ``H``, with the seconds each took, the whole solve's wall and CPU seconds
-    (``seconds``, ``cpu_seconds``: this process's, all its threads)."""
+    """Solve ``job`` on ``device``: the pruned matrix (float, on ``device``) and its record
+    (docs/methods.md, "The per-layer record"): the plan (``method``, ``refine``, ``pattern``,
+    ``damp``); the local losses (paper eq. ``squared_loss``, on the undamped ``H``) after the
+    method and after refinement (``loss_method``, ``loss_refined``: None without a refiner)
+    and the seconds each took (``seconds_method``, ``seconds_refine``); the loss of Wanda with
+    the same pattern and dampening (``loss_wanda``, :func:`wanda_loss`), the final loss
+    relative to it (``loss_vs_wanda``: None when ``loss_wanda`` is 0) and the seconds that
+    took (``seconds_wanda_reference``); the whole job's wall and CPU seconds (``seconds``,
+    ``cpu_seconds``: this process's, all its threads)."""
     started, cpu_started = time.perf_counter(), time.process_time()
     h = job.stats.hessian().to(device)
     w = job.weight.detach().to(device=device, dtype=h.dtype)  # the solvers leave it as it is
@@ -59,9 +80,7 @@ def run_job(job: LayerJob, device: torch.device) -> tuple[Tensor, dict[str, Any]
     weight = result.weight
     del result  # its mask is freed before the reference's temporaries are made
     start = time.perf_counter()
-    reference = wanda_reference(job.plan.pattern, job.plan.damp)
-    loss_wanda = record["loss_method"] if job.plan == reference else \
-        local_loss(solve(w, h, reference).weight, w, h)  # the plan is the reference itself
+    loss_wanda = wanda_loss(w, h, job.plan, record["loss_method"])
     final = record["loss_refined"] if record["loss_refined"] is not None else record["loss_method"]
     record.update(loss_wanda=loss_wanda, loss_vs_wanda=final / loss_wanda if loss_wanda > 0 else None,
                   seconds_wanda_reference=time.perf_counter() - start,

@@ -206,11 +206,10 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
 def _prune_and_save(config: RunConfig, model, tokenizer, source, ckpt, calibration, cache,
                     timings: dict[str, float], t0: float, progress: bool, on_block_done,
                     ranks) -> dict[str, Any]:
-    """:func:`run_prune` after loading: dense perplexity and accuracy, pruning, pruned
+    """:func:`run` after loading: dense perplexity and accuracy, pruning, pruned
     perplexity and accuracy, save (``ckpt`` is None on ranks other than 0, which return
     the pruning report once pruning is done)."""
-    import torch
-
+    from .devices import default_device
     from .downstream import evaluate_tasks
     from .memory import release_memory
     from .output import save_pretrained_atomic
@@ -223,8 +222,7 @@ def _prune_and_save(config: RunConfig, model, tokenizer, source, ckpt, calibrati
     streaming = isinstance(model, StreamingModel)
     if ckpt is not None and ckpt.done_blocks:
         print(f"resuming from {ckpt.directory}: {ckpt.done_blocks} blocks already pruned", file=sys.stderr)
-    device = ranks.device if ranks is not None else \
-        (config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = ranks.device if ranks is not None else default_device(config.device)
 
     key = f"dense_perplexity/{config.eval_seqlen}/{config.eval_max_tokens}"
     dense = ckpt.get(key, {}) if ckpt is not None else {}

@@ -25,6 +25,7 @@ from . import distributed
 from .checkpoint import Checkpoint
 from .memory import frozen_heap, release_memory
 from .config import PruneSettings
+from .devices import default_device
 from .distributed import DistributedExecutor, balance_window, job_cost
 from .executor import LayerJob, LocalExecutor
 from .models import evaluating, set_weight_matrix, weight_matrix
@@ -114,7 +115,7 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
     planner = settings.planner()
     ranks = distributed.current(device)
     executor = DistributedExecutor(ranks) if ranks is not None else \
-        LocalExecutor(torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")))
+        LocalExecutor(default_device(device))
     device = executor.device
     if not executor.is_main:
         checkpoint = None
@@ -275,7 +276,7 @@ def collect_hessians(model: nn.Module, calibration: Tensor, *, device: str | tor
     without repeating the calibration forward passes. One block at a time visits ``device``.
     """
     _check_ids(calibration)
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = default_device(device)
     source = ModelBlocks(model)
     result: dict[str, InputStats] = {}
     with evaluating(model):

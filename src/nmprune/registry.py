@@ -17,12 +17,17 @@ arguments of the same names. Every other keyword-only parameter is a user option
 and checked once by :mod:`nmprune.plan` against its annotation: ``bool``, ``int``,
 ``float``, ``str``, ``None``, unions of them, ``Literal[...]`` choices, and
 ``Annotated[int | float, Range(...)]`` intervals.
+
+Each registration also carries the solver's ``cost``: its seconds per ``rows x d_in^2``
+(:data:`DEFAULT_COST` when not given), from which :func:`nmprune.distributed.job_cost`
+estimates a layer's solve when spreading layers over ranks.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+import math
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Callable
 
@@ -58,6 +63,28 @@ PositiveInt = Annotated[int, Range(1)]
 NonNegativeFloat = Annotated[float, Range(0)]
 PositiveFloat = Annotated[float, Range(0, low_open=True)]
 
+# A solver's ``cost``: seconds per ``rows x d_in^2`` of one layer solve on the reference CPU:
+# least-squares fits over SmolLM2's three matrix shapes (576x576, 1536x576, 576x1536) of the
+# times in benchmarks/results/layer_methods.json (part A: synthetic correlated Hessians, 2:4,
+# float32, the 2-core benchmark CPU, 2 threads). Only the ratios between solvers matter: they
+# decide which ranks the layers go to when layers of different plans are solved together
+# (:func:`nmprune.distributed.job_cost`, :func:`nmprune.distributed.assign`); the scaling
+# with the shape is the same for all. Magnitude, Wanda and DSnoT take time ~ rows x d_in,
+# far less, and still get a factor per rows x d_in^2 fitted on those shapes.
+DEFAULT_COST = 1.5e-8
+"""The ``cost`` of a solver registered without one: that of the most expensive built-in
+solver (``prox-l2``, 1.5e-8). Longest-job-first scheduling suffers less from an overestimated
+job (scheduled early, alone if need be) than from an underestimated one (left to the end,
+on top of a loaded rank); measure your solver and give its own ``cost`` to do better."""
+
+
+def _check_cost(kind: str, name: str, cost: float) -> float:
+    if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not math.isfinite(cost) \
+            or cost <= 0:
+        raise ValueError(f"{kind} {name!r}: cost must be a positive finite number of seconds "
+                         f"per rows x d_in^2, got {cost!r}")
+    return float(cost)
+
 
 @dataclass(frozen=True)
 class Registered:
@@ -66,6 +93,7 @@ class Registered:
     description: str
     supports: Callable[[NMPattern], bool] = field(default=lambda p: True)
     statistics: tuple[str, ...] = ()
+    cost: float = DEFAULT_COST  # seconds per rows x d_in^2 (see DEFAULT_COST)
 
     def option_names(self) -> list[str]:
         """The user options: keyword-only parameters that are not declared statistics."""
@@ -79,7 +107,10 @@ _REFINERS: dict[str, Registered] = {}
 
 
 def _register(table: dict[str, Registered], kind: str, name: str, description: str,
-              supports: Callable[[NMPattern], bool] | None, statistics: tuple[str, ...]) -> Callable:
+              supports: Callable[[NMPattern], bool] | None, statistics: tuple[str, ...],
+              cost: float) -> Callable:
+    cost = _check_cost(kind, name, cost)
+
     def deco(fn: Callable) -> Callable:
         if name in table:
             raise ValueError(f"{kind} {name!r} is registered twice")
@@ -89,22 +120,38 @@ def _register(table: dict[str, Registered], kind: str, name: str, description: s
                 raise ValueError(f"{kind} {name!r} declares statistic {stat!r} but has no "
                                  "keyword-only parameter of that name")
         table[name] = Registered(name, fn, description or (fn.__doc__ or "").strip().split("\n")[0],
-                                 supports or (lambda p: True), tuple(statistics))
+                                 supports or (lambda p: True), tuple(statistics), cost)
         return fn
     return deco
 
 
 def register_method(name: str, *, description: str = "",
                     supports: Callable[[NMPattern], bool] | None = None,
-                    statistics: tuple[str, ...] = ()) -> Callable:
-    """Decorator registering a layer pruning method under ``name``; ``statistics`` names the
-    input statistics beyond ``H`` it takes (keyword-only parameters of those names)."""
-    return _register(_METHODS, "method", name, description, supports, statistics)
+                    statistics: tuple[str, ...] = (), cost: float = DEFAULT_COST) -> Callable:
+    """Decorator registering a layer pruning method under ``name``.
+
+    ``description`` (default: the first line of the docstring) is what ``nmprune methods``
+    lists; ``supports(pattern)`` says which N:M patterns it handles (default: all);
+    ``statistics`` names the input statistics beyond ``H`` it takes (keyword-only
+    parameters of those names).
+
+    ``cost`` is the method's seconds per ``rows x d_in^2`` of a layer on the reference CPU
+    (see :data:`DEFAULT_COST`; only its ratios to the other solvers' costs matter, so a
+    time measured elsewhere can be scaled by how a built-in method, e.g. ``prox`` at 7.2e-10,
+    runs there). :func:`nmprune.distributed.job_cost` prices a layer solved with this method
+    as ``rows x d_in^2 x (cost + the refiner's cost)``, which decides how layers are spread
+    over ranks. Left out, the method is priced at :data:`DEFAULT_COST` = 1.5e-8, like the
+    most expensive built-in solver: measure ``seconds / (rows * d_in**2)`` of your method on
+    a few layer shapes and give it here.
+    """
+    return _register(_METHODS, "method", name, description, supports, statistics, cost)
 
 
-def register_refiner(name: str, *, description: str = "") -> Callable:
-    """Decorator registering a mask-held refiner under ``name``."""
-    return _register(_REFINERS, "refiner", name, description, None, ())
+def register_refiner(name: str, *, description: str = "", cost: float = DEFAULT_COST) -> Callable:
+    """Decorator registering a mask-held refiner under ``name``. ``cost`` (seconds per
+    ``rows x d_in^2``, added to the method's by :func:`nmprune.distributed.job_cost`) means
+    what it means for :func:`register_method`, and defaults likewise to :data:`DEFAULT_COST`."""
+    return _register(_REFINERS, "refiner", name, description, None, (), cost)
 
 
 def _load() -> None:

@@ -9,7 +9,8 @@ from ..linalg import column_scale, gd_step_size, rescale
 from ..registry import NonNegativeFloat, NonNegativeInt, register_refiner
 
 
-@register_refiner("gd", description="masked gradient descent on the local loss (paper eq. masked_gd)")
+@register_refiner("gd", description="masked gradient descent on the local loss (paper eq. masked_gd)",
+                  cost=1.1e-8)
 def refine_gd(w: Tensor, w_star: Tensor, h: Tensor, mask: Tensor, *, steps: NonNegativeInt = 1000,
               step_size: NonNegativeFloat | None = None, scaled: bool = True) -> Tensor:
     """``W <- W - eta * 2 M . (W H - W* H)`` for ``steps`` steps, all rows at once.

@@ -38,7 +38,8 @@ def sparsegpt_hinv_factor(h: Tensor, percdamp: float) -> tuple[Tensor, Tensor]:
     return torch.linalg.cholesky(inverse, upper=True), dead
 
 
-@register_method("sparsegpt", description="SparseGPT: OBS mask per M columns with lazy-batched updates")
+@register_method("sparsegpt", description="SparseGPT: OBS mask per M columns with lazy-batched updates",
+                 cost=1.1e-10)
 def sparsegpt(w: Tensor, h: Tensor, pattern: NMPattern, *, blocksize: PositiveInt = 128,
               percdamp: NonNegativeFloat = 0.01) -> Tensor:
     """SparseGPT N:M pruning. ``blocksize`` (reference default 128) must be a multiple of M;
