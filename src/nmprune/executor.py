@@ -1,6 +1,6 @@
 """The solver stage: how a block's layer problems are spread and solved.
 
-An executor decides which calibration batches this process runs (:meth:`shard`), combines
+An executor (the :class:`Executor` interface) decides which calibration batches this process runs (:meth:`shard`), combines
 the layer statistics of all processes before any layer is solved (:meth:`reduce`) and solves
 a block's :class:`LayerJob` s (:meth:`solve`), calling ``done`` with every job's pruned
 weights in job order. It also carries what the pipeline exchanges between processes (rank 0's
@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import Tensor
@@ -89,6 +89,35 @@ def run_job(job: LayerJob, device: torch.device) -> tuple[Tensor, dict[str, Any]
 
 
 Done = Callable[[LayerJob, Tensor, dict[str, Any]], None]
+
+
+class Executor(Protocol):
+    """What :func:`nmprune.pipeline.prune_model` asks of the solver stage (module docstring):
+    :class:`LocalExecutor` in one process, :class:`nmprune.distributed.DistributedExecutor`
+    on each rank of a process group."""
+
+    rank: int
+    world: int
+    is_main: bool
+    device: torch.device
+
+    def phase(self, name: str) -> AbstractContextManager: ...
+
+    def broadcast_object(self, value: T) -> T: ...
+
+    def broadcast_tensors(self, tensors: Sequence[Tensor]) -> None: ...
+
+    def gather_batches(self, local: list[Tensor], sizes: Sequence[int]) -> list[Tensor] | None: ...
+
+    def scatter_batches(self, batches: list[Tensor] | None, local_like: list[Tensor]) -> list[Tensor]: ...
+
+    def per_rank(self, value: T) -> list[T]: ...
+
+    def shard(self, items: Sequence[T]) -> list[T]: ...
+
+    def reduce(self, stats: list[InputStats]) -> None: ...
+
+    def solve(self, jobs: Sequence[LayerJob], done: Done, progress: Callable = iter) -> None: ...
 
 
 class LocalExecutor:

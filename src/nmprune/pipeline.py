@@ -27,12 +27,12 @@ from .memory import frozen_heap, release_memory
 from .config import PruneSettings
 from .devices import default_device
 from .distributed import DistributedExecutor, balance_window, job_cost
-from .executor import LayerJob, LocalExecutor
+from .executor import Executor, LayerJob, LocalExecutor
 from .models import evaluating, set_weight_matrix, weight_matrix
 from .plan import LayerPlan
-from .sink import ModelSink
-from .source import ModelBlocks
-from .statistics import CalibrationStatistics, InputStats, PrecomputedStatistics
+from .sink import BlockSink, ModelSink
+from .source import BlockSource, ModelBlocks
+from .statistics import CalibrationStatistics, InputStats, PrecomputedStatistics, StatisticsStage
 
 @dataclass
 class PruneReport:
@@ -84,7 +84,8 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
                 calibration: Tensor | None = None, device: str | torch.device | None = None,
                 checkpoint: Checkpoint | None = None, progress: bool = True,
                 on_block_done: Callable[[int], None] | None = None,
-                hessians: dict[str, InputStats] | None = None, source=None, sink=None,
+                hessians: dict[str, InputStats] | None = None, source: BlockSource | None = None,
+                sink: BlockSink | None = None,
                 **setting_kwargs: Any) -> PruneReport:
     """Prune every linear layer inside ``model``'s decoder blocks to N:M, in place.
 
@@ -213,8 +214,8 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
     return report
 
 
-def _prune_blocks(group: range, source: ModelBlocks, plans: dict[str, LayerPlan | None], stage,
-                  executor: LocalExecutor | DistributedExecutor, load: bool, progress: bool,
+def _prune_blocks(group: range, source: BlockSource, plans: dict[str, LayerPlan | None],
+                  stage: StatisticsStage, executor: Executor, load: bool, progress: bool,
                   busy: dict[str, float]) -> list[dict[str, Any]]:
     """Statistics and pruning of the consecutive blocks in ``group`` (several only with dense
     inputs, when balancing the ranks needs them; each then returns to the CPU once its
