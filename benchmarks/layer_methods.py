@@ -34,8 +34,8 @@ from _problems import correlated_layer  # noqa: E402
 
 from nmprune.loss import local_loss  # noqa: E402
 from nmprune.prox import prox_2of4  # noqa: E402
-from nmprune.plan import resolve_plan  # noqa: E402
-from nmprune.prune import prune_layer, solve  # noqa: E402
+from nmprune.stages.plan import resolve_plan  # noqa: E402
+from nmprune.solve import prune_layer, solve  # noqa: E402
 from nmprune.registry import get_refiner  # noqa: E402
 
 PAPER = {"lambda0": 0.01, "beta": 1.01, "lambda_adapt": False, "solver": "gd",

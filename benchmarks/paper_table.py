@@ -21,7 +21,7 @@ Reproduces (paper Section ``sec:llm_experiments`` and Appendix ``app:exp_details
 How. In the paper's default "dense inputs" mode every layer's Hessian ``H = X X^T / n``
 depends only on the dense model and the calibration text, so all Hessians are collected once
 (:func:`nmprune.pipeline.collect_hessians`) and cached under ``runs/paper_table_cache/``. Each
-method then runs once per layer (:func:`nmprune.prune.prune_layer`) and its mask is refined
+method then runs once per layer (:func:`nmprune.solve.prune_layer`) and its mask is refined
 both ways (``gd`` and ``exact`` refiners, from the same start), so "+gd" and "+exact" cost no
 second method pass; the seconds of each row are those of its own method and refiner.
 Every row writes one JSON to ``benchmarks/results/paper_table/``; rows whose JSON exists are
@@ -212,10 +212,10 @@ class Bench:
         self.stats, self.seconds_calibration, self.calibration_cached = self._hessians(recalibrate)
 
     def _hessians(self, recalibrate: bool):
-        """All layers' :class:`nmprune.statistics.InputStats` from one dense calibration pass, its
+        """All layers' :class:`nmprune.stages.statistics.InputStats` from one dense calibration pass, its
         seconds and whether they came from the cache (``recalibrate`` ignores the cache and
         overwrites it)."""
-        from nmprune.statistics import InputStats
+        from nmprune.stages.statistics import InputStats
 
         path = self.cfg.cache / "hessians.pt"
         if path.exists() and not recalibrate:
@@ -271,9 +271,9 @@ class Pass:
 def method_pass(bench: Bench, method: str, options: dict[str, Any]) -> Pass:
     """Prune every layer with ``method`` (no refinement) on its cached dense Hessian, with the
     input statistics the method declares (as the pipeline passes them)."""
-    from nmprune.plan import resolve_plan
-    from nmprune.prune import solve
-    from nmprune.statistics import statistic_values
+    from nmprune.stages.plan import resolve_plan
+    from nmprune.solve import solve
+    from nmprune.stages.statistics import statistic_values
 
     plan = resolve_plan(method, None, PATTERN, options, 0.0)
     out = Pass({}, {}, {}, {}, os.getloadavg()[0])
@@ -412,7 +412,7 @@ def lambda_ablation(bench: Bench, log: Callable[[str], None]) -> dict[str, Any]:
     from nmprune.algorithms.prox import prox_gradient
     from nmprune.prox import prox_2of4
     from nmprune.pattern import parse_pattern
-    from nmprune.prune import full_mask
+    from nmprune.solve import full_mask
     from nmprune.registry import get_method, get_refiner
 
     layer, rows = bench.cfg.ablation_layer, bench.cfg.ablation_rows
@@ -458,7 +458,7 @@ def layer_runs(w: Tensor, h: Tensor, method: str, refiners: dict[str, tuple[str 
     """One method pass on one layer, then each of ``refiners`` (label -> (refiner, options))
     from its result: local loss and seconds (method + refiner) per label."""
     from nmprune.loss import local_loss
-    from nmprune.prune import prune_layer
+    from nmprune.solve import prune_layer
     from nmprune.registry import get_refiner
 
     with warnings.catch_warnings():

@@ -37,7 +37,7 @@ from _machine import cpu_description
 from _problems import correlated_layer
 
 from nmprune.algorithms.refine_exact import pick_preconditioner, pick_solver
-from nmprune.prune import prune_layer
+from nmprune.solve import prune_layer
 from nmprune.registry import get_refiner
 
 RESULTS = ROOT / "benchmarks" / "results"

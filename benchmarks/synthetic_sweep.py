@@ -20,7 +20,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent))
 from _problems import synthetic_hessian  # noqa: E402
 
-from nmprune.prune import prune_layer  # noqa: E402
+from nmprune.solve import prune_layer  # noqa: E402
 
 PAPER = {"lambda0": 0.01, "beta": 1.01, "lambda_adapt": False, "solver": "gd",
          "accelerate": False, "finish": 0.0, "gradient_precision": "full"}

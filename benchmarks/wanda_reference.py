@@ -1,14 +1,14 @@
 """What the per-layer Wanda reference of the report costs next to the layer solve.
 
-``nmprune.executor.run_job`` solves every layer with its plan and then, only for the report
+``nmprune.stages.executor.run_job`` solves every layer with its plan and then, only for the report
 (``loss_wanda``, ``loss_vs_wanda``, the summary's ``mean_loss_vs_wanda``), computes the local
 loss of Wanda's mask with the same pattern and dampening. This times both on synthetic layers
 of SmolLM2-135M's shapes (correlated Hessians, ``_problems.correlated_layer``; 2:4, float32,
 damp 0.01 as the default settings) for the default plan (prox + exact) and the baselines, with
 and without exact refinement:
 
-* ``solve``: ``nmprune.prune.solve`` with the plan (what ``run_job`` runs before the reference);
-* ``reference``: ``nmprune.executor.wanda_loss`` (what ``run_job`` runs now: nothing when the
+* ``solve``: ``nmprune.solve.solve`` with the plan (what ``run_job`` runs before the reference);
+* ``reference``: ``nmprune.stages.executor.wanda_loss`` (what ``run_job`` runs now: nothing when the
   plan's method stage is Wanda itself, whose loss is the reference, else Wanda and one loss
   product);
 * ``reference_via_solve``: what ``run_job`` ran before, ``local_loss(solve(W, H,
@@ -44,10 +44,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _machine import cpu_description  # noqa: E402
 from _problems import correlated_layer  # noqa: E402
 
-from nmprune.executor import wanda_loss  # noqa: E402
+from nmprune.stages.executor import wanda_loss  # noqa: E402
 from nmprune.loss import local_loss  # noqa: E402
-from nmprune.plan import resolve_plan, wanda_reference  # noqa: E402
-from nmprune.prune import solve  # noqa: E402
+from nmprune.stages.plan import resolve_plan, wanda_reference  # noqa: E402
+from nmprune.solve import solve  # noqa: E402
 
 # (name, d_out, d_in, layers of that shape in one SmolLM2-135M block)
 SHAPES = [("q_proj/o_proj", 576, 576, 2), ("k_proj/v_proj", 192, 576, 2),

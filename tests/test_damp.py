@@ -1,11 +1,11 @@
-"""Hessian dampening (``prune_layer(..., damp=...)``, :func:`nmprune.prune.dampened`)."""
+"""Hessian dampening (``prune_layer(..., damp=...)``, :func:`nmprune.solve.dampened`)."""
 
 import pytest
 import torch
 
 import nmprune
 from nmprune import local_loss
-from nmprune.prune import dampened, prune_layer
+from nmprune.solve import dampened, prune_layer
 from nmprune.registry import get_method
 
 

@@ -189,7 +189,7 @@ def test_checkpoint_left_by_a_completed_run_is_removed(job, tmp_path, capsys):
 
 PAUSED_CHILD = """
 import os, sys, time
-import nmprune.statistics as statistics
+import nmprune.stages.statistics as statistics
 original, calls = statistics.run_block, [0]
 def paused(*args, **kwargs):
     calls[0] += 1

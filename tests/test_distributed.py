@@ -201,7 +201,7 @@ def test_reduce_refuses_averaged_statistics():
     from types import SimpleNamespace
 
     from nmprune.distributed import DistributedExecutor
-    from nmprune.statistics import accumulate, new_stats
+    from nmprune.stages.statistics import accumulate, new_stats
 
     ranks = SimpleNamespace(device=torch.device("cpu"), rank=0, world=2, is_main=True,
                             check=lambda *args: [])

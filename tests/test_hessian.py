@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nmprune.block_runner import capture_block_inputs, run_block
-from nmprune.statistics import HessianCollector, accumulate, new_stats
+from nmprune.stages.block_runner import capture_block_inputs, run_block
+from nmprune.stages.statistics import HessianCollector, accumulate, new_stats
 from nmprune.models import find_blocks, find_linears
 from test_models_tiny import FAMILIES, tiny_model, token_batch
 

@@ -47,8 +47,8 @@ sys.exit(main(sys.argv[5:]))
 # 3 blocks of 7 layers and 2 calibration batches per block; a resumed run starts counting
 # calls again at its first unfinished block.
 KILLS = [
-    ("calibration of block 0", "nmprune.statistics", "run_block", 2, "before", 0),
-    ("mid-block 1 (3 of 7 layers pruned)", "nmprune.executor", "run_job", 7 + 3, "after", 1),
+    ("calibration of block 0", "nmprune.stages.statistics", "run_block", 2, "before", 0),
+    ("mid-block 1 (3 of 7 layers pruned)", "nmprune.stages.executor", "run_job", 7 + 3, "after", 1),
     ("between block 2's files", "nmprune.checkpoint", "_save_tensors", 3, "after", 2),
     ("final save, after the weights", "transformers.tokenization_utils_base",
      "PreTrainedTokenizerBase.save_pretrained", 1, "before", 3),

@@ -7,7 +7,7 @@ import torch
 
 from nmprune.loss import local_loss
 from nmprune.pattern import NMPattern, is_nm_sparse
-from nmprune.prune import prune_layer
+from nmprune.solve import prune_layer
 from nmprune.registry import get_method, get_refiner
 from refine_oracle import masked_optimum
 

@@ -6,7 +6,7 @@ import torch
 import nmprune
 from nmprune.loss import local_loss
 from nmprune.pattern import is_nm_sparse, parse_pattern
-from nmprune.prune import LayerResult, prune_layer, prune_matrix
+from nmprune.solve import LayerResult, prune_layer, prune_matrix
 from nmprune.registry import get_method
 
 

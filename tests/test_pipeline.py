@@ -276,7 +276,7 @@ def test_a_solved_layers_statistics_and_result_are_freed_before_the_next_layer(m
     layer's pruned result (written into its module) is held while a layer is solved."""
     import weakref
 
-    from nmprune import executor
+    from nmprune.stages import executor
 
     model = tiny_model("llama", 1)
     stats: dict[str, weakref.ref] = {}

@@ -7,7 +7,7 @@ import torch
 from nmprune.algorithms.refine_exact import pick_preconditioner, pick_solver
 from nmprune.loss import local_loss
 from nmprune.pattern import NMPattern
-from nmprune.prune import full_mask, prune_layer
+from nmprune.solve import full_mask, prune_layer
 from nmprune.registry import get_method, get_refiner
 from refine_oracle import masked_optimum
 

@@ -9,10 +9,10 @@ import inspect
 import pytest
 
 from nmprune.distributed import DistributedExecutor
-from nmprune.executor import Executor, LocalExecutor
-from nmprune.sink import BlockSink, ModelSink
-from nmprune.source import BlockSource, ModelBlocks
-from nmprune.statistics import CalibrationStatistics, PrecomputedStatistics, StatisticsStage
+from nmprune.stages.executor import Executor, LocalExecutor
+from nmprune.stages.sink import BlockSink, ModelSink
+from nmprune.stages.source import BlockSource, ModelBlocks
+from nmprune.stages.statistics import CalibrationStatistics, PrecomputedStatistics, StatisticsStage
 from nmprune.streaming import ShardedWriter, StreamingModel
 
 STAGES = {

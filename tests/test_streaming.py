@@ -370,7 +370,7 @@ def test_a_streamed_block_is_freed_once_it_is_written(sharded, tmp_path, monkeyp
     sink)."""
     import weakref
 
-    from nmprune import executor
+    from nmprune.stages import executor
 
     source = StreamingModel(sharded)
     sink = ShardedWriter(source, tmp_path / "out")

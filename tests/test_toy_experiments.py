@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from nmprune.prune import prune_layer
+from nmprune.solve import prune_layer
 
 W_TOY = torch.tensor([[0.0, 5, 3, 2, 0, 5, 5, 2]])
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nmprune.executor import LayerJob, run_job, wanda_loss
+from nmprune.stages.executor import LayerJob, run_job, wanda_loss
 from nmprune.loss import local_loss
-from nmprune.plan import resolve_plan, wanda_reference
-from nmprune.prune import solve
-from nmprune.statistics import InputStats
+from nmprune.stages.plan import resolve_plan, wanda_reference
+from nmprune.solve import solve
+from nmprune.stages.statistics import InputStats
 
 RECORD_KEYS = {"method", "refine", "pattern", "damp", "loss_method", "loss_refined", "seconds_method",
                "seconds_refine", "loss_wanda", "loss_vs_wanda", "seconds_wanda_reference", "seconds",

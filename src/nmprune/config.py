@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
-from .plan import Planner
+from .stages.plan import Planner
 
 HESSIAN_INPUTS = ("dense", "pruned")
 HESSIAN_DTYPES = ("float32", "float64")
@@ -94,7 +94,7 @@ class PruneSettings:
     """Everything that decides the pruned weights (and so the resume hash).
 
     ``method``, ``refine``, ``pattern``, ``options``, ``overrides`` (layer-name globs such as
-    ``"*.mlp.down_proj"`` -> ``"skip"`` or some of those settings; :class:`~nmprune.plan.Planner`),
+    ``"*.mlp.down_proj"`` -> ``"skip"`` or some of those settings; :class:`~nmprune.stages.plan.Planner`),
     ``damp`` and ``strict`` are parsed and validated by :meth:`planner`, the others here.
     ``hessian_inputs`` is ``"dense"`` (every block sees the dense model's activations,
     the paper's default) or ``"pruned"`` (activations pass through the already pruned

@@ -323,7 +323,7 @@ def balance_window(block_costs: Sequence[Sequence[float]], world: int,
 
 
 class DistributedExecutor:
-    """The executor (:mod:`nmprune.executor`) of one rank in a process group.
+    """The executor (:mod:`nmprune.stages.executor`) of one rank in a process group.
 
     Calibration batches: this rank's :meth:`Ranks.share` (:meth:`shard`); statistics:
     all-reduced (:meth:`reduce`); layer solves: spread by :func:`assign`, each pruned weight
@@ -345,9 +345,9 @@ class DistributedExecutor:
         return [items[j] for j in self.ranks.share(len(items))]
 
     def reduce(self, stats: list[Any]) -> None:
-        """Sum each :class:`~nmprune.statistics.InputStats` (``xtx``, ``xsum``, ``count``) over
+        """Sum each :class:`~nmprune.stages.statistics.InputStats` (``xtx``, ``xsum``, ``count``) over
         all ranks, in place (``stats`` in the same order on every rank); they must still be
-        sums (not :meth:`~nmprune.statistics.InputStats.average_`-d)."""
+        sums (not :meth:`~nmprune.stages.statistics.InputStats.average_`-d)."""
         self.ranks.check("calibration")
         if any(s.averaged for s in stats):
             raise ValueError("statistics are summed over ranks before they are averaged")
@@ -357,10 +357,10 @@ class DistributedExecutor:
             s.count = int(count.item())
 
     def solve(self, jobs: Sequence[Any], done, progress=iter) -> None:
-        """Solve this rank's share of ``jobs`` (:class:`~nmprune.executor.LayerJob`), then
+        """Solve this rank's share of ``jobs`` (:class:`~nmprune.stages.executor.LayerJob`), then
         hand every job, in order, with its pruned weight (broadcast from the rank that solved
         it) and record (with that ``rank``) to ``done`` on every rank."""
-        from .executor import run_job
+        from .stages.executor import run_job
 
         owner = assign([job_cost(*job.weight.shape, job.plan.method.name,
                                  job.plan.refiner.name if job.plan.refiner is not None else None)

@@ -124,7 +124,7 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
     from .memory import release_memory
     from .models import resolve_model
     from .output import RunLock, remove_partial_save
-    from .source import ModelBlocks
+    from .stages.source import ModelBlocks
     from .streaming import StreamingModel
     from .validate import check_finite, check_positions, check_prune_inputs
 

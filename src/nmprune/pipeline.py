@@ -1,13 +1,13 @@
 """Prune a whole causal LM block by block: :func:`prune_model`.
 
 Per decoder block (paper Section ``sec:llm_experiments``): the block source
-(:mod:`nmprune.source`) puts it on the compute device; the statistics stage
-(:mod:`nmprune.statistics`) runs this process's calibration batches through it, reduced across
-processes by the executor; the executor (:mod:`nmprune.executor`) solves each layer with the
-plan made once for all layers (:mod:`nmprune.plan`) and writes it into the block; the hidden
+(:mod:`nmprune.stages.source`) puts it on the compute device; the statistics stage
+(:mod:`nmprune.stages.statistics`) runs this process's calibration batches through it, reduced across
+processes by the executor; the executor (:mod:`nmprune.stages.executor`) solves each layer with the
+plan made once for all layers (:mod:`nmprune.stages.plan`) and writes it into the block; the hidden
 states move on (the dense block's outputs with ``hessian_inputs="dense"``, the paper's
 default, or the pruned block's with ``"pruned"``, Appendix ``app:use_unpruned_inputs``); the
-sink (:mod:`nmprune.sink`) and the checkpoint keep the finished block, so a rerun resumes
+sink (:mod:`nmprune.stages.sink`) and the checkpoint keep the finished block, so a rerun resumes
 after it. This module only wires the stages.
 """
 
@@ -27,12 +27,12 @@ from .memory import frozen_heap, release_memory
 from .config import PruneSettings
 from .devices import default_device
 from .distributed import DistributedExecutor, balance_window, job_cost
-from .executor import Executor, LayerJob, LocalExecutor
+from .stages.executor import Executor, LayerJob, LocalExecutor
 from .models import evaluating, set_weight_matrix, weight_matrix
-from .plan import LayerPlan
-from .sink import BlockSink, ModelSink
-from .source import BlockSource, ModelBlocks
-from .statistics import CalibrationStatistics, InputStats, PrecomputedStatistics, StatisticsStage
+from .stages.plan import LayerPlan
+from .stages.sink import BlockSink, ModelSink
+from .stages.source import BlockSource, ModelBlocks
+from .stages.statistics import CalibrationStatistics, InputStats, PrecomputedStatistics, StatisticsStage
 
 @dataclass
 class PruneReport:

@@ -12,9 +12,9 @@ solver with :func:`register_method`; the package imports every module it holds, 
 ``W`` is ``(d_out, d_in)``, ``H`` is ``(d_in, d_in)``; both arrive validated, on one device,
 in float32 or float64. A method that needs more of its layer's inputs than ``H`` names those
 statistics when it registers (``statistics=("input_mean",)``, see
-:data:`nmprune.statistics.STATISTICS`); the pipeline collects and passes them as keyword
+:data:`nmprune.stages.statistics.STATISTICS`); the pipeline collects and passes them as keyword
 arguments of the same names. Every other keyword-only parameter is a user option, resolved
-and checked once by :mod:`nmprune.plan` against its annotation: ``bool``, ``int``,
+and checked once by :mod:`nmprune.stages.plan` against its annotation: ``bool``, ``int``,
 ``float``, ``str``, ``None``, unions of them, ``Literal[...]`` choices, and
 ``Annotated[int | float, Range(...)]`` intervals.
 
@@ -37,7 +37,7 @@ from .pattern import NMPattern
 @dataclass(frozen=True)
 class Range:
     """The interval a numeric option must lie in, declared in the solver's signature as
-    ``Annotated[float, Range(low=0, low_open=True)]`` (checked by :mod:`nmprune.plan`)."""
+    ``Annotated[float, Range(low=0, low_open=True)]`` (checked by :mod:`nmprune.stages.plan`)."""
 
     low: float | None = None
     high: float | None = None

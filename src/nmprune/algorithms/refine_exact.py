@@ -231,7 +231,7 @@ def refine_exact(w: Tensor, w_star: Tensor, h: Tensor, mask: Tensor, *,
     The default is ``"pcg"``: on real Hessians it converges in a few dozen iterations and beats
     the direct solve, and on strongly rank-deficient Hessians (fewer calibration tokens than
     inputs) the float32 direct solve amplifies rounding in the null space of ``H[S,S]`` (any
-    exact fit overfits such an ``H``; the pipeline dampens it, :func:`nmprune.prune.dampened`).
+    exact fit overfits such an ``H``; the pipeline dampens it, :func:`nmprune.solve.dampened`).
     ``solver="auto"`` takes the direct solve when its flop estimate ``d_out k^3 / 3`` (``k``
     the most entries a row keeps) is below that of ``max_iter`` PCG iterations
     (``2 d_out d_in^2`` each); ``"direct"`` and ``"pcg"`` force one. The direct solution is

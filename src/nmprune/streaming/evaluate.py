@@ -2,7 +2,7 @@
 
 The evaluation windows (:func:`nmprune.evaluate.eval_windows`) go through the model the
 way pruning sees it: the embeddings turn them into the hidden states entering block 0
-(:func:`nmprune.block_runner.capture_block_inputs`), each block in turn is loaded, applied to
+(:func:`nmprune.stages.block_runner.capture_block_inputs`), each block in turn is loaded, applied to
 the hidden states of every window batch and released, and finally the model's own forward
 pass runs once more per batch with the blocks replaced by stand-ins that hand back the
 last block's output, so the model's final norm, LM head and any logit post-processing
@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from ..evaluate import batch_perplexity, eval_windows
-from ..block_runner import BlockInputs, Recorder, output_like, run_block
+from ..stages.block_runner import BlockInputs, Recorder, output_like, run_block
 from ..memory import release_memory
 from .source import StreamingModel
 

@@ -24,9 +24,9 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from ..block_runner import BlockInputs, capture_block_inputs
+from ..stages.block_runner import BlockInputs, capture_block_inputs
 from ..models import ModelSource, check_causal, parse_dtype
-from ..source import DecoderBlocks
+from ..stages.source import DecoderBlocks
 from .files import CheckpointFileError, SafetensorsFiles, missing_tensors
 
 
@@ -61,8 +61,8 @@ class StreamingModel(DecoderBlocks):
     :meth:`SafetensorsFiles.open` and :meth:`SafetensorsFiles.check_fits`); ``dtype`` as in
     :func:`nmprune.models.load_model`. ``model`` is the skeleton (use it like a loaded
     model once the parts a computation needs are loaded); ``blocks_name`` / ``blocks``
-    its decoder blocks. It is a :class:`nmprune.source.BlockSource`; blocks and prunable
-    layers are found by :class:`nmprune.source.DecoderBlocks` on the skeleton, tied weights
+    its decoder blocks. It is a :class:`nmprune.stages.source.BlockSource`; blocks and prunable
+    layers are found by :class:`nmprune.stages.source.DecoderBlocks` on the skeleton, tied weights
     by the same rule as in memory.
     """
 

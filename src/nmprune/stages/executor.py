@@ -21,9 +21,9 @@ from typing import Any, Protocol, TypeVar
 import torch
 from torch import Tensor
 
-from .loss import local_loss
+from ..loss import local_loss
 from .plan import LayerPlan, wanda_reference
-from .prune import dampened, solve
+from ..solve import dampened, solve
 from .statistics import InputStats, statistic_values
 
 T = TypeVar("T")
@@ -43,7 +43,7 @@ class LayerJob:
 def wanda_loss(w: Tensor, h: Tensor, plan: LayerPlan, loss_method: float | None = None) -> float:
     """The local loss (paper eq. ``squared_loss``, on the undamped ``h``) of Wanda's mask with
     ``plan``'s pattern, Wanda seeing ``plan``'s dampening: the loss of
-    :func:`nmprune.plan.wanda_reference` as :func:`nmprune.prune.solve` computes it.
+    :func:`nmprune.stages.plan.wanda_reference` as :func:`nmprune.solve.solve` computes it.
 
     When ``plan``'s method stage is that reference (Wanda, refined or not), this is its loss
     ``loss_method`` (if given) and costs nothing; otherwise one ``rows x d_in^2`` product

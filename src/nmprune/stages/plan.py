@@ -5,7 +5,7 @@ the dampening is parsed and validated; the solvers and the pipeline trust a plan
 holds the parsed :class:`~nmprune.pattern.NMPattern`, the registry entries of its method and
 refiner, their options (checked against the types, choices and ranges the solvers'
 signatures declare, see :mod:`nmprune.registry`) and the dampening of
-:func:`nmprune.prune.dampened`. :class:`Planner` does this once for the global settings and
+:func:`nmprune.solve.dampened`. :class:`Planner` does this once for the global settings and
 every override of a :class:`~nmprune.config.PruneSettings`, then picks a layer's plan by
 name and shape.
 """
@@ -22,12 +22,12 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from .checks import check_non_negative
-from .pattern import NMPattern, parse_pattern
-from .registry import Range, Registered, get_method, get_refiner
+from ..checks import check_non_negative
+from ..pattern import NMPattern, parse_pattern
+from ..registry import Range, Registered, get_method, get_refiner
 
 if TYPE_CHECKING:
-    from .config import PruneSettings
+    from ..config import PruneSettings
 
 SKIP = "skip"
 NO_REFINER = ("", "none", "null")  # refine values (any case) meaning "no refinement"

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from .block_runner import BlockInputs, capture_block_inputs
-from .models import find_blocks, find_linears, outside_parameters, weight_matrix
+from ..models import find_blocks, find_linears, outside_parameters, weight_matrix
 
 
 class BlockSource(Protocol):

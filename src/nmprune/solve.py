@@ -5,7 +5,7 @@
 squared loss (paper eq. ``squared_loss``) after each stage. Everything is computed in float32
 (float64 when ``W`` or ``H`` is float64) and cast back to ``W``'s dtype at the end. The
 public :func:`prune_layer` / :func:`prune_matrix` resolve their settings into a plan
-(:func:`nmprune.plan.resolve_plan`) and call it. Methods and refiners know nothing about
+(:func:`nmprune.stages.plan.resolve_plan`) and call it. Methods and refiners know nothing about
 models or files.
 """
 
@@ -24,7 +24,7 @@ from .checks import check_float, check_symmetric
 from .linalg import wanda_score
 from .loss import local_loss
 from .pattern import NMPattern, is_nm_sparse, topn_mask
-from .plan import LayerPlan, resolve_plan
+from .stages.plan import LayerPlan, resolve_plan
 from .registry import get_method
 
 
