@@ -146,3 +146,21 @@ def test_old_format_is_refused(partial_checkpoint, tmp_path):
     _edit_manifest(lambda m: m.update(format=1))(d)
     with pytest.raises(CheckpointError, match="format 1.*--restart"):
         Checkpoint.open(d, "id")
+
+
+def test_checkpoint_from_before_markers_resumes_and_a_users_manifest_does_not(partial_checkpoint, tmp_path):
+    """A checkpoint written before checkpoints carried a marker (its manifest's own SHA-256
+    holds) is adopted and resumes; a folder whose manifest.json nmprune did not write stays
+    the user's."""
+    from nmprune.output import NotOwnedError
+
+    d = tmp_path / "ck"
+    shutil.copytree(partial_checkpoint, d)
+    (d / MARKER).unlink()
+    assert Checkpoint.open(d, "id").done_blocks == 2 and (d / MARKER).is_file()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / MANIFEST).write_text(json.dumps({"format": 2, "files": {}}))
+    with pytest.raises(NotOwnedError):
+        Checkpoint.open(mine, "id", restart=True)
+    assert sorted(p.name for p in mine.iterdir()) == [MANIFEST]

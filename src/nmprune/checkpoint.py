@@ -105,6 +105,8 @@ class Checkpoint:
         whether this call started the checkpoint afresh.
         """
         d = Path(directory)
+        if marker(d) is None and (d / MANIFEST).is_file():
+            cls._adopt_unmarked(d)
         exists = check_owned(d, KIND, FLAG)
         if exists and (d / MANIFEST).exists() and not restart:
             manifest = cls._read_manifest(d)
@@ -126,6 +128,16 @@ class Checkpoint:
         ck._write_manifest()
         ck.created = True
         return ck
+
+    @classmethod
+    def _adopt_unmarked(cls, d: Path) -> None:
+        """Mark a checkpoint written before checkpoints carried a marker: one whose manifest
+        nmprune wrote (its own SHA-256 holds), so that its run can resume."""
+        try:
+            cls._read_manifest(d)
+        except CheckpointError:
+            return
+        mark(d, KIND, made=True)
 
     @classmethod
     def discard_completed(cls, directory: str | os.PathLike, out: str | os.PathLike) -> bool:
