@@ -26,6 +26,7 @@ BAD_YAML = {
     "damp: true": "damp",           # a bool for a float
     "damp: .nan": "damp",           # a float that is not finite
     "method: [a]": "method",        # a list for a string
+    "pattern: 2:4": "pattern",      # unquoted: YAML's base-60 integer 124
     "model: 3": "model",            # an int for a string or nothing
     "eval_tasks: 3": "eval_tasks",  # neither a list nor a string for a list
     "eval: [wiki, 3]": "eval",      # a list holding something else than strings

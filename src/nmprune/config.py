@@ -117,6 +117,9 @@ class PruneSettings:
     strict: bool = False
 
     def __post_init__(self) -> None:
+        if isinstance(self.pattern, int) and not isinstance(self.pattern, bool):
+            raise ValueError(f"setting 'pattern' must be a string such as '2:4', got {self.pattern} "
+                             "(YAML reads an unquoted 2:4 as the base-60 number 124: quote it)")
         _check_types(self)
         for key in ("nsamples", "seqlen", "batch_size"):
             value = getattr(self, key)
