@@ -120,6 +120,21 @@ def test_dsnot_reduces_mean_output_shift_and_falls_back_to_wanda():
         prune_layer(w, h, method="dsnot", input_mean=mean[:-1])
 
 
+@pytest.mark.parametrize("d_in", [16, 64, 128])
+def test_dsnot_stays_n_m_when_its_candidates_run_out(d_in):
+    """Few pruned weights per row against max_cycle_time (50): the candidate lists reach
+    kept weights and cells run out of prune candidates; the result is still 2:4, and a row
+    changes only by swaps inside cells (as many kept weights per cell as Wanda's)."""
+    g = torch.Generator().manual_seed(d_in)
+    x = (torch.randn(d_in, 4 * d_in, generator=g) + 2 * torch.rand(d_in, 1, generator=g)) \
+        * torch.exp(torch.randn(d_in, 1, generator=g))
+    h, mean = x @ x.T / x.shape[1], x.mean(1)
+    w = torch.randn(32, d_in, generator=g)
+    ds = prune_layer(w, h, method="dsnot", input_mean=mean, update_threshold=0.0).weight
+    assert is_nm_sparse(ds, "2:4")
+    assert int((ds != 0).sum()) == w.numel() // 2
+
+
 def test_exact_refiner_rejects_bad_options():
     w, h = correlated(4, 16, seed=0)
     with pytest.raises(ValueError, match="option 'refine_tol' of refiner 'exact' must be float >= 0"):

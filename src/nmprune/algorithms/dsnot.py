@@ -14,9 +14,11 @@ output change ``e_r = sum_{j pruned} W_rj E[x_j]`` of the row towards zero:
 
 ``E[x_j]`` is ``input_mean`` and ``Var[x_j] = H_jj - E[x_j]^2`` (``H = X X^T / n`` carries
 ``E[x_j^2]`` on its diagonal). Without ``input_mean`` every ``e_r`` is 0 and DSnoT returns
-the Wanda mask unchanged. Deviation from the reference, which writes to the mask of a row
-also after the row has stopped (a no-op unless the candidate lists run into kept weights,
-when it can break N:M): stopped rows are left untouched, so the result is always N:M.
+the Wanda mask unchanged. Deviations from the reference, which can break N:M: it writes to the
+mask of a row also after the row has stopped, and it swaps when a row's candidate list has
+run into kept weights (few pruned weights per row against ``max_cycle_time``, e.g.
+``d_in`` = 128) or a cell has no kept weight left to prune. Here stopped rows are left
+untouched and such a row stops, so the result is always N:M.
 """
 
 from __future__ import annotations
@@ -79,6 +81,9 @@ def dsnot(w: Tensor, h: Tensor, pattern: NMPattern, *, input_mean: Tensor | None
         cell_cols = cell_start[:, None] + offsets
         cell_scores = prune_score.gather(1, cell_cols)
         prune = cell_start + cell_scores.argmin(1)
+        # a row stops when its candidates on this side run into kept weights, or the cell has
+        # no kept weight left that was not a prune candidate: either swap would break N:M
+        active = active & ~keep[rows, regrow] & torch.isfinite(cell_scores.min(1).values)
         gain = contrib[rows, prune] - contrib[rows, regrow]
         after = error + gain
         active = active & (error.abs() > update_threshold) & (torch.sign(after) == sign0)
