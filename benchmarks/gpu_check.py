@@ -1,0 +1,147 @@
+"""The layer solvers on a GPU: every method and refiner against the CPU, and solve times and
+peak device memory on Llama-3.1-8B-shaped layers. Writes ``benchmarks/results/gpu.{json,md}``.
+
+1. **Agreement.** Every registered method, alone and followed by each registered refiner, on
+   one correlated layer (``_problems.correlated_layer``) solved on the device and on the CPU:
+   the fraction of N:M cells with the same mask and the relative difference of the local
+   losses (paper eq. ``squared_loss``).
+2. **Speed and memory.** Seconds of one solve (median of ``--repeats``, after one warm-up) of
+   sparsegpt, wanda and prox + exact refinement on the shapes of Llama-3.1-8B's layers
+   (4096x4096, 14336x4096, 4096x14336), and the peak device memory of each
+   (``torch.cuda.max_memory_allocated``).
+
+On a machine without CUDA it runs the same code on the CPU against itself, with every shape
+divided by ``--scale`` (16 by default there), so that the script always imports and runs
+(tests/test_gpu_check.py); such results name the CPU and say ``fallback``. The whole-model
+checks on SmolLM2 (in memory and streamed, float32 and bfloat16) are not part of it yet.
+
+    python benchmarks/gpu_check.py [--device cuda] [--scale 1] [--repeats 3] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from _machine import cpu_description
+from _problems import correlated_layer
+from nmprune.loss import local_loss
+from nmprune.pattern import same_mask_cells
+from nmprune.registry import get_method, methods, refiners
+from nmprune.solve import prune_layer
+
+RESULTS = Path(__file__).resolve().parent / "results"
+LLAMA_8B_SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]
+TIMED = [("sparsegpt", None), ("wanda", None), ("prox", "exact")]
+#: The layer every method is compared on (GPU, CPU fallback): small enough for the slowest
+#: solvers (prox-l2, gd refinement) on the CPU side.
+AGREEMENT_SHAPE = {False: (512, 512), True: (128, 128)}
+
+
+def _solve(w: torch.Tensor, h: torch.Tensor, mean: torch.Tensor, method: str, refine: str | None):
+    """:func:`prune_layer` with the statistics the method declares (DSnoT's input mean)."""
+    extra = {"input_mean": mean} if "input_mean" in get_method(method).statistics else {}
+    return prune_layer(w, h, method, "2:4", refine, damp=0.01, **extra)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def agreement(device: torch.device, d_out: int, d_in: int) -> list[dict]:
+    """Part 1: every method and method + refiner on ``device`` against the CPU."""
+    w, h, mean = correlated_layer(d_out, d_in, seed=0)
+    rows = []
+    for method in methods():
+        for refine in [None, *refiners()]:
+            cpu = _solve(w, h, mean, method, refine)
+            dev = _solve(w.to(device), h.to(device), mean.to(device), method, refine)
+            loss_cpu = local_loss(cpu.weight, w, h)
+            loss_dev = local_loss(dev.weight.cpu(), w, h)
+            same = same_mask_cells(cpu.weight, dev.weight.cpu(), 4)
+            rows.append({"method": method, "refine": refine, "shape": [d_out, d_in],
+                         "same_mask_cells": float(same.float().mean()),
+                         "loss_cpu": loss_cpu, "loss_device": loss_dev,
+                         "loss_rel_diff": abs(loss_dev - loss_cpu) / max(abs(loss_cpu), 1e-30)})
+    return rows
+
+
+def speed(device: torch.device, shapes: list[tuple[int, int]], repeats: int) -> list[dict]:
+    """Part 2: median solve seconds and peak device memory on ``shapes``."""
+    rows = []
+    for d_out, d_in in shapes:
+        w, h, mean = (t.to(device) for t in correlated_layer(d_out, d_in, seed=1))
+        for method, refine in TIMED:
+            _solve(w, h, mean, method, refine)  # warm-up: kernels compiled, caches filled
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            times = []
+            for _ in range(repeats):
+                _sync(device)
+                start = time.perf_counter()
+                _solve(w, h, mean, method, refine)
+                _sync(device)
+                times.append(time.perf_counter() - start)
+            peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+            rows.append({"method": method, "refine": refine, "shape": [d_out, d_in],
+                         "seconds_median": statistics.median(times), "seconds": times,
+                         "peak_device_bytes": peak})
+        del w, h, mean
+    return rows
+
+
+def report_markdown(result: dict) -> str:
+    """The results as Markdown tables."""
+    lines = [f"# Layer solvers on {result['device_name']}", "",
+             f"Device `{result['device']}`{' (CPU fallback: no CUDA here)' if result['fallback'] else ''}, "
+             f"torch {result['torch']}, CPU {result['cpu']['model']} ({result['cpu']['llvm_target']}); "
+             f"shapes divided by {result['scale']}.", "",
+             "## Agreement with the CPU", "",
+             "| method | refine | shape | same mask cells | loss CPU | loss device | rel. diff |",
+             "|---|---|---|---:|---:|---:|---:|"]
+    for r in result["agreement"]:
+        lines.append(f"| {r['method']} | {r['refine'] or '-'} | {r['shape'][0]}x{r['shape'][1]} | "
+                     f"{r['same_mask_cells']:.4f} | {r['loss_cpu']:.6g} | {r['loss_device']:.6g} | "
+                     f"{r['loss_rel_diff']:.2e} |")
+    lines += ["", "## Solve time and peak device memory", "",
+              "| method | refine | shape | median s | peak device MiB |", "|---|---|---|---:|---:|"]
+    for r in result["speed"]:
+        peak = "-" if r["peak_device_bytes"] is None else f"{r['peak_device_bytes'] / 2**20:.0f}"
+        lines.append(f"| {r['method']} | {r['refine'] or '-'} | {r['shape'][0]}x{r['shape'][1]} | "
+                     f"{r['seconds_median']:.3f} | {peak} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--scale", type=int, help="divide every shape by this (default 1 on a GPU, "
+                        "16 on the CPU)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    fallback = device.type != "cuda"
+    scale = args.scale or (16 if fallback else 1)
+    shapes = [(d_out // scale, d_in // scale) for d_out, d_in in LLAMA_8B_SHAPES]
+    result = {
+        "device": str(device), "fallback": fallback, "scale": scale, "torch": torch.__version__,
+        "device_name": torch.cuda.get_device_name(device) if not fallback else "the CPU",
+        "cpu": cpu_description(),
+        "agreement": agreement(device, *AGREEMENT_SHAPE[fallback]),
+        "speed": speed(device, shapes, args.repeats),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gpu.json").write_text(json.dumps(result, indent=1) + "\n")
+    (args.out / "gpu.md").write_text(report_markdown(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
