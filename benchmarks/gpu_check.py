@@ -9,11 +9,16 @@ peak device memory on Llama-3.1-8B-shaped layers. Writes ``benchmarks/results/gp
    sparsegpt, wanda and prox + exact refinement on the shapes of Llama-3.1-8B's layers
    (4096x4096, 14336x4096, 4096x14336), and the peak device memory of each
    (``torch.cuda.max_memory_allocated``).
+3. **The whole pipeline.** ``nmprune.run`` (wanda + exact refinement) on the packaged
+   SmolLM2-135M-Instruct (saved as safetensors first, so that it can also stream) on the device
+   in memory and streamed, in float32 and bfloat16, against the same run on the CPU in float32:
+   the pruned wiki perplexities, wall seconds and the peak device memory of each run.
 
 On a machine without CUDA it runs the same code on the CPU against itself, with every shape
 divided by ``--scale`` (16 by default there), so that the script always imports and runs
-(tests/test_gpu_check.py); such results name the CPU and say ``fallback``. The whole-model
-checks on SmolLM2 (in memory and streamed, float32 and bfloat16) are not part of it yet.
+(tests/test_gpu_check.py, which also gives a tiny ``--model``); such results name the CPU and
+say ``fallback``. The layer solve time of the reconstruction stage (issue 32) is not in it:
+that stage does not exist yet.
 
     python benchmarks/gpu_check.py [--device cuda] [--scale 1] [--repeats 3] [--out DIR]
 """
@@ -23,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -96,6 +102,41 @@ def speed(device: torch.device, shapes: list[tuple[int, int]], repeats: int) -> 
     return rows
 
 
+def packaged_model_dir(folder: Path) -> Path:
+    """The packaged SmolLM2 (GGUF) saved into ``folder`` as safetensors, so it can stream."""
+    from nmprune.models import load_model
+    from nmprune.output import save_pretrained_atomic
+
+    model, tokenizer, _ = load_model(None, dtype="float32")
+    return save_pretrained_atomic(model, tokenizer, folder / "smollm2")
+
+
+def pipeline(device: torch.device, model_dir: Path, work: Path, settings: dict) -> list[dict]:
+    """Part 3: ``nmprune.run`` on ``device`` in memory and streamed, float32 and bfloat16,
+    against the CPU in float32 (the first row)."""
+    import nmprune
+
+    runs = [("cpu", "float32", False)] + [(str(device), dtype, offload)
+                                          for dtype in ("float32", "bfloat16") for offload in (False, True)]
+    rows = []
+    for i, (where, dtype, offload) in enumerate(runs):
+        if where != "cpu" and device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        config = nmprune.build_config({"method": "wanda", "refine": "exact", **settings},
+                                      {"model": str(model_dir), "out": str(work / f"run{i}"),
+                                       "device": where, "dtype": dtype, "offload": offload})
+        start = time.perf_counter()
+        report = nmprune.run(config, progress=False)
+        peak = torch.cuda.max_memory_allocated(device) if where != "cpu" and device.type == "cuda" else None
+        rows.append({"device": where, "dtype": dtype, "streamed": offload,
+                     "seconds": time.perf_counter() - start, "peak_device_bytes": peak,
+                     "perplexity": report["perplexity"]["pruned"]})
+    reference = rows[0]["perplexity"]
+    for row in rows:
+        row["perplexity_rel_diff"] = max(abs(row["perplexity"][k] - v) / v for k, v in reference.items())
+    return rows
+
+
 def report_markdown(result: dict) -> str:
     """The results as Markdown tables."""
     lines = [f"# Layer solvers on {result['device_name']}", "",
@@ -115,6 +156,14 @@ def report_markdown(result: dict) -> str:
         peak = "-" if r["peak_device_bytes"] is None else f"{r['peak_device_bytes'] / 2**20:.0f}"
         lines.append(f"| {r['method']} | {r['refine'] or '-'} | {r['shape'][0]}x{r['shape'][1]} | "
                      f"{r['seconds_median']:.3f} | {peak} |")
+    lines += ["", f"## The whole pipeline ({result['pipeline_model']}), against the CPU", "",
+              "| device | dtype | streamed | perplexity | rel. diff | seconds | peak device MiB |",
+              "|---|---|---|---|---:|---:|---:|"]
+    for r in result["pipeline"]:
+        peak = "-" if r["peak_device_bytes"] is None else f"{r['peak_device_bytes'] / 2**20:.0f}"
+        ppl = ", ".join(f"{k}: {v:.4f}" for k, v in r["perplexity"].items())
+        lines.append(f"| {r['device']} | {r['dtype']} | {'yes' if r['streamed'] else 'no'} | {ppl} | "
+                     f"{r['perplexity_rel_diff']:.2e} | {r['seconds']:.1f} | {peak} |")
     return "\n".join(lines) + "\n"
 
 
@@ -125,6 +174,12 @@ def main(argv: list[str] | None = None) -> dict:
                         "16 on the CPU)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--model", type=Path, help="safetensors model directory for the pipeline "
+                        "part (default: the packaged SmolLM2, saved as safetensors)")
+    parser.add_argument("--calib", default="wiki", help="calibration and evaluation text (default wiki)")
+    parser.add_argument("--nsamples", type=int, default=32)
+    parser.add_argument("--seqlen", type=int, default=512)
+    parser.add_argument("--eval-max-tokens", dest="eval_max_tokens", type=int, default=4096)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     fallback = device.type != "cuda"
@@ -137,6 +192,13 @@ def main(argv: list[str] | None = None) -> dict:
         "agreement": agreement(device, *AGREEMENT_SHAPE[fallback]),
         "speed": speed(device, shapes, args.repeats),
     }
+    settings = {"calib": args.calib, "eval": [args.calib], "nsamples": args.nsamples,
+                "seqlen": args.seqlen, "eval_seqlen": args.seqlen, "eval_max_tokens": args.eval_max_tokens}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = args.model or packaged_model_dir(Path(tmp))
+        result["pipeline_model"] = "SmolLM2-135M-Instruct" if args.model is None else model_dir.name
+        result["pipeline_settings"] = settings
+        result["pipeline"] = pipeline(device, model_dir, Path(tmp), settings)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu.json").write_text(json.dumps(result, indent=1) + "\n")
     (args.out / "gpu.md").write_text(report_markdown(result))

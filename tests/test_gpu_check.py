@@ -15,8 +15,13 @@ def test_gpu_check_runs_on_the_cpu(tmp_path, monkeypatch):
     import gpu_check
 
     from nmprune.registry import methods, refiners
+    from test_models_tiny import save_tiny_model_dir, write_text
 
-    result = gpu_check.main(["--device", "cpu", "--scale", "64", "--repeats", "1", "--out", str(tmp_path)])
+    text = write_text(tmp_path / "text.txt")
+    model = save_tiny_model_dir(tmp_path / "model", "llama", layers=2, text=text.read_text())
+    result = gpu_check.main(["--device", "cpu", "--scale", "64", "--repeats", "1", "--out", str(tmp_path),
+                             "--model", str(model), "--calib", str(text), "--nsamples", "4",
+                             "--seqlen", "16", "--eval-max-tokens", "128"])
     assert result["fallback"] and json.loads((tmp_path / "gpu.json").read_text()) == result
     assert "Agreement with the CPU" in (tmp_path / "gpu.md").read_text()
     pairs = {(r["method"], r["refine"]) for r in result["agreement"]}
@@ -26,4 +31,12 @@ def test_gpu_check_runs_on_the_cpu(tmp_path, monkeypatch):
     assert {(r["method"], tuple(r["shape"])) for r in result["speed"]} == \
         {(m, (o // 64, i // 64)) for m, _ in gpu_check.TIMED for o, i in gpu_check.LLAMA_8B_SHAPES}
     assert all(r["seconds_median"] > 0 and r["peak_device_bytes"] is None for r in result["speed"])
+    runs = [(r["device"], r["dtype"], r["streamed"]) for r in result["pipeline"]]
+    assert runs == [("cpu", "float32", False), ("cpu", "float32", False), ("cpu", "float32", True),
+                    ("cpu", "bfloat16", False), ("cpu", "bfloat16", True)]
+    for r in result["pipeline"]:
+        assert r["perplexity"][str(text)] > 1 and r["seconds"] > 0
+    assert all(r["perplexity_rel_diff"] == 0 for r in result["pipeline"][:3])  # float32: the same run
+    assert all(r["perplexity_rel_diff"] < 0.05 for r in result["pipeline"][3:])  # bfloat16: close
+    assert "The whole pipeline (model)" in (tmp_path / "gpu.md").read_text()
     sys.modules.pop("gpu_check", None)
