@@ -109,6 +109,7 @@ def inputs(tmp_path_factory):
         "missing tensor": variant("missing_tensor", stored(
             lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))),
         "missing block": variant("missing_block", configured(num_hidden_layers=3)),
+        "extra block": variant("extra_block", configured(num_hidden_layers=1)),
         "int8 weight": variant("int8_weight", stored(lambda t: t.update({
             "model.layers.0.self_attn.q_proj.weight":
                 (100 * t["model.layers.0.self_attn.q_proj.weight"]).to(torch.int8)}))),
@@ -204,6 +205,10 @@ CASES = {
                       ("'model.layers.2.", "(and 8 more)")),
     "missing block --offload": (lambda p, o: _fast(p) + ["--out", o, "--offload", "--model",
                                                          str(p["missing block"])], "'model.layers.2."),
+    "extra block": (lambda p, o: _fast(p) + ["--out", o, "--model", str(p["extra block"])],
+                    ("holds decoder block 1", "beyond the 1 blocks")),
+    "extra block --offload": (lambda p, o: _fast(p) + ["--out", o, "--offload", "--model",
+                                                       str(p["extra block"])], "holds decoder block 1"),
     "int8 weight": (lambda p, o: _fast(p) + ["--out", o, "--model", str(p["int8 weight"])],
                     ("'model.layers.0.self_attn.q_proj.weight'", "I8")),
     "int8 weight --offload": (lambda p, o: _fast(p) + ["--out", o, "--offload", "--model", str(p["int8 weight"])],

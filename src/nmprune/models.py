@@ -255,10 +255,11 @@ def _check_loaded(model: nn.Module, info: dict, source: ModelSource) -> None:
     """Refuse a loaded model holding a tensor that is not the checkpoint's: one its
     configuration asks for that the checkpoint lacks (transformers fills it with random
     numbers; tied weights and non-persistent buffers are not missing), one stored with
-    another shape, or integers stored for a floating point tensor
-    (:meth:`~nmprune.streaming.files.SafetensorsFiles.check_fits`). ``info`` is
+    another shape, integers stored for a floating point tensor
+    (:meth:`~nmprune.streaming.files.SafetensorsFiles.check_fits`), or decoder blocks beyond
+    those the configuration builds (:func:`~nmprune.streaming.files.check_no_extra_blocks`). ``info`` is
     ``from_pretrained``'s loading info."""
-    from .streaming.files import missing_tensors, shape_mismatch
+    from .streaming.files import check_no_extra_blocks, missing_tensors, shape_mismatch
 
     tensors = model.state_dict()
     missing = [k for k in tensors if k in info["missing_keys"]]
@@ -271,6 +272,8 @@ def _check_loaded(model: nn.Module, info: dict, source: ModelSource) -> None:
     files = _safetensors_checkpoint(source)
     if files is not None:
         files.check_fits(tensors)
+        blocks_name, blocks = find_blocks(model)
+        check_no_extra_blocks(source, files.keys(), blocks_name, len(blocks))
 
 
 def load_model(spec: str | os.PathLike | None = None, *, gguf_file: str | None = None,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -40,6 +41,19 @@ def missing_tensors(where: object, names: list[str]) -> str:
     checkpoint in ``where`` lacks."""
     more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
     return f"{where} holds no tensor {names[0]!r}{more} that its configuration asks for"
+
+
+def check_no_extra_blocks(where: object, keys: list[str], blocks_name: str, n_blocks: int) -> None:
+    """Refuse a checkpoint holding tensors of decoder blocks beyond the ``n_blocks`` its
+    configuration builds (``blocks_name.N.`` with ``N >= n_blocks``): loading would drop them
+    without a word and prune a truncated model."""
+    pattern = re.compile(rf"{re.escape(blocks_name)}\.(\d+)\.")
+    extra = sorted({int(m.group(1)) for m in map(pattern.match, keys) if m and int(m.group(1)) >= n_blocks})
+    if extra:
+        raise CheckpointFileError(f"{where} holds decoder block {extra[0]}"
+                                  f"{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''} "
+                                  f"beyond the {n_blocks} blocks its configuration builds: the "
+                                  "configuration belongs to a smaller model")
 
 
 def shape_mismatch(where: object, key: str, stored: tuple[int, ...],

@@ -27,7 +27,7 @@ from torch import nn
 from ..stages.block_runner import BlockInputs, capture_block_inputs
 from ..models import ModelSource, check_causal, parse_dtype
 from ..stages.source import DecoderBlocks
-from .files import CheckpointFileError, SafetensorsFiles, missing_tensors
+from .files import CheckpointFileError, SafetensorsFiles, check_no_extra_blocks, missing_tensors
 
 
 def _resolve_dtype(dtype: str | torch.dtype | None, config, files: SafetensorsFiles) -> torch.dtype:
@@ -80,6 +80,7 @@ class StreamingModel(DecoderBlocks):
         if (self.directory / "generation_config.json").is_file():
             model.generation_config = GenerationConfig.from_pretrained(self.directory)
         super().__init__(model.eval())
+        check_no_extra_blocks(self.directory, self.files.keys(), self.blocks_name, len(self.blocks))
         self._holders: dict[str, list[tuple[nn.Module, str]]] = {}
         self._key: dict[str, str] = {}
         self._aliases: dict[str, list[str]] = {}
