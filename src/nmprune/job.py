@@ -100,9 +100,13 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
     """The whole ``nmprune prune`` job; returns the report written next to the model
     (:func:`result_table` makes its table of perplexities and accuracies).
 
-    Order: the inputs that can be checked without the model (:mod:`nmprune.validate`) and
-    the plans; load (a decoder-only causal LM with a tokenizer); tokenise the evaluation
-    and calibration text; only then open the checkpoint; dense perplexity (kept in the
+    Order: the inputs that can be checked without the model (:mod:`nmprune.validate`:
+    settings, ``--out`` and the checkpoint folder apart and nmprune's own if they exist) and
+    the plans; the digest of the model's files (:mod:`nmprune.identity`; under ``torchrun``
+    every rank must bring the same settings and digest); load (a decoder-only causal LM with
+    a tokenizer, every tensor the checkpoint's); tokenise the evaluation and calibration text;
+    only then lock ``--out`` (:class:`~nmprune.output.RunLock`) and open the checkpoint,
+    bound to the settings and the model digest; dense perplexity (kept in the
     checkpoint); :func:`prune_model` with a checkpoint after every block; pruned
     perplexity; save model + tokenizer + report into ``OUT.partial/`` renamed to ``out``
     (all three appear at once); delete the checkpoint. A rerun of the same command after a
