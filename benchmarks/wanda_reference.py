@@ -120,7 +120,7 @@ def write(results: dict, out: Path) -> None:
              "`reference` is `executor.wanda_loss` (what `run_job` computes now; ~0 when the plan's "
              "method is Wanda, whose own loss is the reference), `via solve` what `run_job` computed "
              "before, `local_loss(solve(W, H, wanda_reference))` (0 for Wanda without refinement). "
-             "Fractions are of the solve (`prune.solve` with the plan).", "",
+             "Fractions are of the solve (`solve.solve` with the plan).", "",
              "| plan | shape | solve s | reference s | fraction | via solve s | fraction via solve |",
              "|---|---|---|---|---|---|---|"]
     for r in results["layers"]:

@@ -15,6 +15,7 @@ from typing import Any
 
 from . import __version__
 from .config import RunConfig, build_config, load_yaml
+
 #: Errors of the machine rather than of the input (a full disk, a failing device): exit code 1.
 IO_FAILURES = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS})
 

@@ -168,8 +168,8 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
         if tokenizer is None:
             raise ValueError(f"{source} has no tokenizer; nmprune needs one for calibration and "
                              "evaluation text (save one next to the model)")
-        check_positions((model.model if streaming else model).config, {"--seqlen": config.prune.seqlen, **(
-            {"--eval-seqlen": config.eval_seqlen} if config.eval else {})})
+        check_positions(model.config, {"--seqlen": config.prune.seqlen,
+                                       **({"--eval-seqlen": config.eval_seqlen} if config.eval else {})})
         timings["load"] = time.perf_counter() - t0
         if not streaming:  # a streamed model's weights are read block by block later
             check_finite(model, source)
@@ -339,7 +339,7 @@ def evaluate_model(spec: str | None, *, data: list[str], seqlen: int, max_tokens
                          "--offload or a model larger than memory")
     if tokenizer is None:
         raise ValueError(f"{source} has no tokenizer; save one next to the model")
-    check_positions((model.model if streaming else model).config, {"--seqlen": seqlen})
+    check_positions(model.config, {"--seqlen": seqlen})
     if not streaming:
         check_finite(model, source)
     result = evaluate(model, tokenizer, data, seqlen, max_tokens or None, device, progress)

@@ -257,8 +257,8 @@ def _check_loaded(model: nn.Module, info: dict, source: ModelSource) -> None:
     numbers; tied weights and non-persistent buffers are not missing), one stored with
     another shape, integers stored for a floating point tensor
     (:meth:`~nmprune.streaming.files.SafetensorsFiles.check_fits`), or decoder blocks beyond
-    those the configuration builds (:func:`~nmprune.streaming.files.check_no_extra_blocks`). ``info`` is
-    ``from_pretrained``'s loading info."""
+    those the configuration builds (:func:`~nmprune.streaming.files.check_no_extra_blocks`).
+    ``info`` is ``from_pretrained``'s loading info."""
     from .streaming.files import check_no_extra_blocks, missing_tensors, shape_mismatch
 
     tensors = model.state_dict()

@@ -1,13 +1,13 @@
 """The solver stage: how a block's layer problems are spread and solved.
 
-An executor (the :class:`Executor` interface) decides which calibration batches this process runs (:meth:`shard`), combines
-the layer statistics of all processes before any layer is solved (:meth:`reduce`) and solves
-a block's :class:`LayerJob` s (:meth:`solve`), calling ``done`` with every job's pruned
-weights in job order. It also carries what the pipeline exchanges between processes (rank 0's
-checkpoint state, the hidden states a checkpoint saves, every rank's busy time) and runs each
-phase of local work so that an error in one process reaches all of them (:meth:`phase`).
-:class:`LocalExecutor` does all of it in this process;
-:class:`nmprune.distributed.DistributedExecutor` spreads the same calls over ranks.
+An executor (the :class:`Executor` interface) decides which calibration batches this process
+runs (:meth:`shard`), combines the layer statistics of all processes before any layer is
+solved (:meth:`reduce`) and solves a block's :class:`LayerJob` s (:meth:`solve`), calling
+``done`` with every job's pruned weights in job order. It also carries what the pipeline
+exchanges between processes (rank 0's checkpoint state, the hidden states a checkpoint
+saves, every rank's busy time) and runs each phase of local work so that an error in one
+process reaches all of them (:meth:`phase`). :class:`LocalExecutor` does all of it in this
+process; :class:`nmprune.distributed.DistributedExecutor` spreads the same calls over ranks.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """The block sink stage: where a finished block's pruned weights go.
 
-A sink (the :class:`BlockSink` interface) receives, block by block, the weights of every prunable layer as the layer stores
-them (``module.weight``), keyed by full module name. :class:`ModelSink` writes them into a
-model held in memory (a no-op for a block pruned in place; a resumed block's weights come
-from the checkpoint); a streaming sink writes safetensors shards instead.
+A sink (the :class:`BlockSink` interface) receives, block by block, the weights of every
+prunable layer as the layer stores them (``module.weight``), keyed by full module name.
+:class:`ModelSink` writes them into a model held in memory (a no-op for a block pruned in
+place; a resumed block's weights come from the checkpoint); a streaming sink writes
+safetensors shards instead.
 """
 
 from __future__ import annotations

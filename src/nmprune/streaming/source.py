@@ -118,6 +118,11 @@ class StreamingModel(DecoderBlocks):
                 self._outside.append(canonical)
         self._alias_of = {alias: c for c, aliases in self._aliases.items() for alias in aliases}
 
+    @property
+    def config(self):
+        """The model's transformers configuration (as a loaded model's ``config``)."""
+        return self.model.config
+
     def _parameter(self, canonical: str) -> nn.Parameter:
         """The parameter ``canonical`` names, as its holders hold it now."""
         module, attr = self._holders[canonical][0]
