@@ -233,9 +233,11 @@ class Checkpoint:
         self.save_blocks(index, [weights], hidden, records)
 
     def save_blocks(self, first: int, weights: list[dict[str, Tensor]], hidden: list[Tensor] | None,
-                    records: list[dict[str, Any]]) -> None:
+                    records: list[dict[str, Any]], blocks: Sequence[dict[str, Any]] = ()) -> None:
         """Durably record blocks ``first, first + 1, ...`` (one weight dict each; ``first``
-        must be the next block) as finished at once; ``hidden`` enters the block after them."""
+        must be the next block) as finished at once; ``hidden`` enters the block after them.
+        ``records`` (one per layer) and ``blocks`` (one per block, the reconstruction's;
+        the extra ``"blocks"``) join those of the earlier blocks in the same manifest write."""
         if first != self.done_blocks:
             raise ValueError(f"block {first} saved out of order (expected {self.done_blocks})")
         files = dict(self.manifest["files"])
@@ -249,6 +251,8 @@ class Checkpoint:
             files[hname] = self._save(hname, {f"batch_{j:06d}": h for j, h in enumerate(hidden)})
         for f in old_hidden:
             del files[f]
+        if blocks:
+            self.manifest["extra"]["blocks"] = self.get("blocks", []) + list(blocks)
         self.manifest.update(done_blocks=last + 1, files=files,
                              records=self.manifest["records"] + records)
         self._write_manifest()

@@ -15,6 +15,7 @@ from typing import Any
 
 from . import __version__
 from .config import RunConfig, build_config, load_yaml
+from .stages.reconstruction import GRANULARITIES
 
 #: Errors of the machine rather than of the input (a full disk, a failing device): exit code 1.
 IO_FAILURES = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS})
@@ -102,6 +103,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hessian-inputs", dest="hessian_inputs", choices=["dense", "pruned"],
                    help="block inputs from the dense model (default) or the pruned blocks")
     p.add_argument("--hessian-dtype", dest="hessian_dtype", choices=["float32", "float64"])
+    p.add_argument("--reconstruct", dest="reconstruct", choices=list(GRANULARITIES),
+                   help="after each block's solve, train its kept weights (mask held) to match the "
+                        "dense model's activations: of its attention and MLP one after the other "
+                        "(submodule), or of the whole block (block); default none")
+    p.add_argument("--reconstruct-epochs", dest="reconstruct_epochs", type=int,
+                   help="passes over the calibration set per reconstruction (default 1)")
+    p.add_argument("--reconstruct-lr", dest="reconstruct_lr", type=float,
+                   help="AdamW learning rate of the reconstruction, decayed linearly to 0 (default 1e-4)")
+    p.add_argument("--reconstruct-batch-size", dest="reconstruct_batch_size", type=int,
+                   help="calibration samples per reconstruction step, a multiple of --batch-size (default 8)")
     p.add_argument("--damp", type=float,
                    help="Hessian dampening: solvers see H + DAMP * mean(diag H) * I (default 0.01; "
                         "0 = the paper's undamped loss)")
@@ -140,6 +151,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     flags: dict[str, Any] = {k: getattr(args, k) for k in (
         "model", "gguf_file", "dtype", "device", "out", "method", "refine", "pattern", "calib",
         "nsamples", "seqlen", "seed", "batch_size", "hessian_inputs", "hessian_dtype", "damp", "strict",
+        "reconstruct", "reconstruct_epochs", "reconstruct_lr", "reconstruct_batch_size",
         "eval_seqlen", "checkpoint_dir", "restart", "allow_pickle", "eval_tasks", "eval_num_fewshot",
         "eval_limit", "eval_batch_size", "eval_include_path", "offload")}
     if args.option:

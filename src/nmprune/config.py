@@ -16,7 +16,9 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
+from .reconstruct import FitOptions
 from .stages.plan import Planner
+from .stages.reconstruction import GRANULARITIES
 
 HESSIAN_INPUTS = ("dense", "pruned")
 HESSIAN_DTYPES = ("float32", "float64")
@@ -99,6 +101,10 @@ class PruneSettings:
     ``hessian_inputs`` is ``"dense"`` (every block sees the dense model's activations,
     the paper's default) or ``"pruned"`` (activations pass through the already pruned
     blocks; Appendix ``app:use_unpruned_inputs``).
+    ``reconstruct`` (``"none"``, ``"submodule"`` or ``"block"``) trains each block's kept
+    weights after its solve, ``reconstruct_epochs`` passes over the calibration set with
+    AdamW at ``reconstruct_lr`` in steps of ``reconstruct_batch_size`` samples (a multiple
+    of ``batch_size``; :mod:`nmprune.stages.reconstruction`).
     """
 
     method: str = "prox"
@@ -115,6 +121,10 @@ class PruneSettings:
     hessian_dtype: str = "float32"
     damp: float = 0.01
     strict: bool = False
+    reconstruct: str = "none"
+    reconstruct_epochs: int = 1
+    reconstruct_lr: float = 1e-4
+    reconstruct_batch_size: int = 8
 
     def __post_init__(self) -> None:
         if isinstance(self.pattern, int) and not isinstance(self.pattern, bool):
@@ -131,6 +141,17 @@ class PruneSettings:
         if self.hessian_dtype not in HESSIAN_DTYPES:
             raise ValueError(f"hessian_dtype must be one of {', '.join(HESSIAN_DTYPES)}, "
                              f"got {self.hessian_dtype!r}")
+        if self.reconstruct not in GRANULARITIES:
+            raise ValueError(f"reconstruct must be one of {', '.join(GRANULARITIES)}, got {self.reconstruct!r}")
+        if self.reconstruct_epochs < 1:
+            raise ValueError(f"reconstruct_epochs must be a positive integer, got {self.reconstruct_epochs} "
+                             "(to skip reconstruction, set reconstruct to 'none')")
+        if self.reconstruct_lr <= 0:
+            raise ValueError(f"reconstruct_lr must be a positive number, got {self.reconstruct_lr!r}")
+        if self.reconstruct_batch_size < 1 or self.reconstruct_batch_size % self.batch_size:
+            raise ValueError(f"reconstruct_batch_size must be a positive multiple of batch_size "
+                             f"({self.batch_size}), the calibration batches a step is made of; "
+                             f"got {self.reconstruct_batch_size}")
 
     def planner(self) -> Planner:
         """The layer plans of these settings, parsed and validated on first use and kept
@@ -140,6 +161,11 @@ class PruneSettings:
         if cached is None or cached[0] != key:
             self.__dict__["_planner"] = cached = (key, Planner(self))
         return cached[1]
+
+    def fit_options(self) -> FitOptions:
+        """How each reconstruction trains (:func:`nmprune.reconstruct.fit_masked`)."""
+        return FitOptions(self.reconstruct_epochs, self.reconstruct_lr,
+                          self.reconstruct_batch_size // self.batch_size, self.seed)
 
     def fingerprint(self) -> str:
         """A stable hash of the settings (checkpoints only resume under the same one)."""

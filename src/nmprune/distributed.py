@@ -356,6 +356,11 @@ class DistributedExecutor:
             self.ranks.all_reduce_sum([s.xtx, s.xsum, count])
             s.count = int(count.item())
 
+    def all_reduce(self, tensors: Sequence[Tensor]) -> None:
+        """Sum each tensor over all ranks, in place (a reconstruction step's gradients and
+        errors, the same tensors in the same order on every rank)."""
+        self.ranks.all_reduce_sum(tensors)
+
     def solve(self, jobs: Sequence[Any], done, progress=iter) -> None:
         """Solve this rank's share of ``jobs`` (:class:`~nmprune.stages.executor.LayerJob`), then
         hand every job, in order, with its pruned weight (broadcast from the rank that solved

@@ -7,6 +7,8 @@ processes by the executor; the executor (:mod:`nmprune.stages.executor`) solves 
 plan made once for all layers (:mod:`nmprune.stages.plan`) and writes it into the block; the hidden
 states move on (the dense block's outputs with ``hessian_inputs="dense"``, the paper's
 default, or the pruned block's with ``"pruned"``, Appendix ``app:use_unpruned_inputs``); the
+reconstruction stage (:mod:`nmprune.stages.reconstruction`, unless ``reconstruct="none"``)
+trains the block's kept weights towards the dense model's activations; the
 sink (:mod:`nmprune.stages.sink`) and the checkpoint keep the finished block, so a rerun resumes
 after it. This module only wires the stages.
 """
@@ -30,8 +32,10 @@ from .distributed import DistributedExecutor, balance_window, job_cost
 from .stages.executor import Executor, LayerJob, LocalExecutor
 from .models import evaluating, set_weight_matrix, weight_matrix
 from .stages.plan import LayerPlan
+from .stages.reconstruction import ReconstructingStatistics
 from .stages.sink import BlockSink, ModelSink
 from .stages.source import BlockSource, ModelBlocks
+from .stages.block_runner import BlockInputs
 from .stages.statistics import CalibrationStatistics, InputStats, PrecomputedStatistics, StatisticsStage
 
 @dataclass
@@ -43,6 +47,7 @@ class PruneReport:
     seconds: dict[str, float] = field(default_factory=dict)
     resumed_from_block: int = 0
     ranks: int = 1
+    blocks: list[dict[str, Any]] = field(default_factory=list)
     per_rank: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -127,6 +132,9 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
     if hessians is not None and settings.hessian_inputs != "dense":
         raise ValueError("precomputed hessians come from the dense model; they cannot be used "
                          "with hessian_inputs='pruned'")
+    if hessians is not None and settings.reconstruct != "none":
+        raise ValueError("reconstruction trains on calibration activations, which precomputed "
+                         "hessians do not have: pass reconstruct='none' with hessians=")
     sink = sink if sink is not None else ModelSink(source)
 
     t_start = time.perf_counter()
@@ -140,17 +148,17 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
             batches = executor.shard(all_batches)
             del all_batches
             release_memory()  # the tokenised corpus
-        start, resumed = 0, []
+        start, resumed, resumed_blocks = 0, [], []
         if checkpoint is not None:
             checkpoint.bind("calibration_sha256", _digest(calibration) if hessians is None
                             else _digest(torch.stack([hessians[n].hessian().trace() for n in plans
                                                       if n in hessians])))
-            start, resumed = checkpoint.done_blocks, checkpoint.records
+            start, resumed, resumed_blocks = checkpoint.done_blocks, checkpoint.records, checkpoint.get("blocks", [])
             for i in range(start):
                 layers = source.layers(i)
                 sink.write(i, checkpoint.block_weights(i, {n: m.weight.shape for n, m in layers.items()}))
-    start, resumed = executor.broadcast_object((start, resumed))
-    report.layers, report.resumed_from_block = list(resumed), start
+    start, resumed, resumed_blocks = executor.broadcast_object((start, resumed, resumed_blocks))
+    report.layers, report.blocks, report.resumed_from_block = list(resumed), list(resumed_blocks), start
     if model is not None:  # a streaming sink holds the finished blocks itself
         executor.broadcast_tensors([m.weight for i in range(start) for m in source.layers(i).values()])
     saving = executor.broadcast_object(checkpoint is not None)
@@ -161,12 +169,11 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
             with executor.phase("capturing the block inputs"):
                 inputs = source.capture(batches, device, keep_hidden=start == 0 or executor.world > 1)
                 saved = checkpoint.hidden() if start > 0 and checkpoint is not None else None
+            stage = _statistics_stage(inputs, settings, executor, len(sizes))
             if start > 0:
-                inputs.hidden = executor.scatter_batches(
-                    None if saved is None else [h.to(device) for h in saved], inputs.hidden)
+                stage.hidden = executor.scatter_batches(
+                    None if saved is None else [h.to(device) for h in saved], stage.hidden)
             del saved
-            stage = CalibrationStatistics(inputs, getattr(torch, settings.hessian_dtype),
-                                          settings.hessian_inputs == "dense", executor.reduce)
         else:
             stage = PrecomputedStatistics(hessians)
         t_capture = time.perf_counter() - t_start
@@ -180,11 +187,14 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
         i = start
         while i < len(source):
             # dense inputs: solve as many blocks together as it takes to balance the ranks
-            k = balance_window(costs[i:], executor.world) if settings.hessian_inputs == "dense" else 1
+            # (not with reconstruction, which needs every block's pruned outputs for the next)
+            k = balance_window(costs[i:], executor.world) \
+                if settings.hessian_inputs == "dense" and settings.reconstruct == "none" else 1
             group = range(i, i + k)
-            new = _prune_blocks(group, source, plans, stage, executor, hessians is None,
-                                progress and executor.is_main, busy)
+            new, fitted = _prune_blocks(group, source, plans, stage, executor, hessians is None,
+                                        progress and executor.is_main, busy)
             report.layers += new
+            report.blocks += fitted
             hidden = executor.gather_batches(stage.hidden, sizes) \
                 if saving and stage.hidden is not None else None
             with executor.phase(f"saving block {i}" if k == 1 else f"saving blocks {i}-{i + k - 1}"):
@@ -192,7 +202,7 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
                 for j in group:  # no loop variable keeps the last block's weights alive
                     sink.write(j, weights[j - i])
                 if checkpoint is not None:
-                    checkpoint.save_blocks(i, weights, hidden, new)
+                    checkpoint.save_blocks(i, weights, hidden, new, fitted)
                 del hidden, weights
                 for j in group:
                     source.release(j)  # a streaming source drops the block's weights here
@@ -214,15 +224,28 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
     return report
 
 
+def _statistics_stage(inputs: BlockInputs, settings: PruneSettings, executor: Executor,
+                      batches: int) -> StatisticsStage:
+    """The statistics stage of ``settings`` on the captured ``inputs``: with reconstruction
+    (``settings.reconstruct``), the one that also fits each block after its solve."""
+    dtype, dense = getattr(torch, settings.hessian_dtype), settings.hessian_inputs == "dense"
+    if settings.reconstruct == "none":
+        return CalibrationStatistics(inputs, dtype, dense, executor.reduce)
+    return ReconstructingStatistics(inputs, dtype, dense, executor.reduce, settings.reconstruct,
+                                    settings.fit_options(), executor.shard(range(batches)), batches,
+                                    executor.all_reduce)
+
+
 def _prune_blocks(group: range, source: BlockSource, plans: dict[str, LayerPlan | None],
                   stage: StatisticsStage, executor: Executor, load: bool, progress: bool,
-                  busy: dict[str, float]) -> list[dict[str, Any]]:
+                  busy: dict[str, float]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Statistics and pruning of the consecutive blocks in ``group`` (several only with dense
     inputs, when balancing the ranks needs them; each then returns to the CPU once its
     statistics are in), each layer written into its module as soon as it is solved; then the
-    hidden states move past the last of them. ``load``: the blocks visit the compute device
-    (not with precomputed statistics). Returns the layer records, in block and layer order;
-    ``busy`` accumulates this process's calibration seconds."""
+    hidden states move past the last of them (with reconstruction, after it is fitted).
+    ``load``: the blocks visit the compute device (not with precomputed statistics). Returns
+    the layer records, in block and layer order, and the block's reconstruction record (none
+    without); ``busy`` accumulates this process's calibration seconds."""
     jobs, records, modules, blocks = [], {}, {}, {}
     for index in group:
         layers = source.layers(index)
@@ -254,16 +277,18 @@ def _prune_blocks(group: range, source: BlockSource, plans: dict[str, LayerPlan 
     bars = progress and len(jobs) > 1
     executor.solve(jobs, done, lambda it: _progress(it, bars, desc=label, leave=False))
     del jobs
+    fitted = []
     if len(group) == 1:
         (index,) = group
         started = time.perf_counter()
         with executor.phase(f"propagation through block {index}"):
-            stage.advance(index, blocks[index])
+            record = stage.advance(index, blocks[index])
         busy["calibration_seconds"] += time.perf_counter() - started
+        fitted = [record] if record is not None else []
         if load:
             source.offload(index)
     release_memory()
-    return list(records.values())
+    return list(records.values()), fitted
 
 
 def collect_hessians(model: nn.Module, calibration: Tensor, *, device: str | torch.device | None = None,

@@ -2,7 +2,8 @@
 
 An executor (the :class:`Executor` interface) decides which calibration batches this process
 runs (:meth:`shard`), combines the layer statistics of all processes before any layer is
-solved (:meth:`reduce`) and solves a block's :class:`LayerJob` s (:meth:`solve`), calling
+solved (:meth:`reduce`) and any other per-process sums (:meth:`all_reduce`: a reconstruction
+step's gradients) and solves a block's :class:`LayerJob` s (:meth:`solve`), calling
 ``done`` with every job's pruned weights in job order. It also carries what the pipeline
 exchanges between processes (rank 0's checkpoint state, the hidden states a checkpoint
 saves, every rank's busy time) and runs each phase of local work so that an error in one
@@ -117,6 +118,8 @@ class Executor(Protocol):
 
     def reduce(self, stats: list[InputStats]) -> None: ...
 
+    def all_reduce(self, tensors: Sequence[Tensor]) -> None: ...
+
     def solve(self, jobs: Sequence[LayerJob], done: Done, progress: Callable = iter) -> None: ...
 
 
@@ -157,6 +160,9 @@ class LocalExecutor:
 
     def reduce(self, stats: list[InputStats]) -> None:
         """Statistics of one process are already complete."""
+
+    def all_reduce(self, tensors: Sequence[Tensor]) -> None:
+        """Sums over processes (a reconstruction step's gradients): already complete."""
 
     def solve(self, jobs: Sequence[LayerJob], done: Done, progress: Callable = iter) -> None:
         """Solve the jobs in order, each handed to ``done`` as soon as it is finished."""

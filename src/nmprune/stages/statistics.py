@@ -147,14 +147,18 @@ class StatisticsStage(Protocol):
     @property
     def hidden(self) -> list[Tensor] | None:
         """The hidden states entering the next block to collect (what a checkpoint saves;
-        None when there are none)."""
+        None when there are none); set from a checkpoint on resume."""
+
+    @hidden.setter
+    def hidden(self, saved: list[Tensor]) -> None: ...
 
     def collect(self, index: int, block: nn.Module, layers: Mapping[str, nn.Module]
                 ) -> dict[str, InputStats]:
         """The input statistics of ``layers`` (full name -> module) of block ``index``."""
 
-    def advance(self, index: int, block: nn.Module) -> None:
-        """After block ``index`` is pruned: move the hidden states past it."""
+    def advance(self, index: int, block: nn.Module) -> dict[str, Any] | None:
+        """After block ``index`` is pruned: move the hidden states past it; the block's
+        reconstruction record (:mod:`nmprune.stages.reconstruction`), None without one."""
 
 
 class CalibrationStatistics:
@@ -178,6 +182,10 @@ class CalibrationStatistics:
     def hidden(self) -> list[Tensor]:
         """The hidden states entering the next block to collect (what a checkpoint saves)."""
         return self.inputs.hidden
+
+    @hidden.setter
+    def hidden(self, saved: list[Tensor]) -> None:
+        self.inputs.hidden = saved
 
     def collect(self, index: int, block: nn.Module, layers: Mapping[str, nn.Module]) -> dict[str, InputStats]:
         """Run block ``index`` on every batch; the statistics of ``layers`` by their keys."""

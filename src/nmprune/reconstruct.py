@@ -1,0 +1,135 @@
+"""Local reconstruction with the N:M mask held: train the kept weights of a pruned submodel to
+reproduce the dense model's activations at its output.
+
+The layer solves minimise each layer's own loss (paper eq. ``squared_loss``) on inputs of the
+dense model, so the errors of consecutive layers and blocks add up. Local reconstruction
+(Wagner, Roux, Zimmer, Pokutta, arXiv 2510.14444; Wanda++'s regional optimisation,
+arXiv 2503.04992; EBFT, arXiv 2402.12419) then fits a small submodel -- a decoder block, or
+its attention and its MLP one after the other -- on the calibration set: its inputs are the
+hidden states of the model pruned so far, its targets the dense model's outputs of the same
+submodel, and its loss the mean squared error between the two. Only the nonzero weights move:
+every gradient is masked and the weights are masked again after each optimiser step, so the
+pattern the solve chose is kept exactly.
+
+:func:`fit_masked` is the training loop and knows nothing of models: it takes a function that
+runs the submodel on one of this process's calibration batches, the targets, and the weights
+to train. Data parallelism is a sum: every process adds the gradients of its own batches of
+a step, and ``all_reduce`` sums them (and the squared errors and their counts) over
+processes before the step, so any number of processes takes the same steps.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+class ReconstructionDiverged(ValueError):
+    """The reconstruction loss became NaN or infinite (a learning rate too high)."""
+
+
+@dataclass(frozen=True)
+class FitOptions:
+    """How :func:`fit_masked` trains: ``epochs`` passes over the calibration batches, in a
+    fresh order each (drawn from ``seed``), ``batches_per_step`` batches per AdamW step,
+    learning rate ``lr`` decayed linearly to zero over all steps."""
+
+    epochs: int
+    lr: float
+    batches_per_step: int
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.epochs < 1:
+            raise ValueError(f"reconstruction needs at least one epoch, got {self.epochs}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"the reconstruction learning rate must be a positive number, got {self.lr}")
+        if self.batches_per_step < 1:
+            raise ValueError(f"batches_per_step must be at least 1, got {self.batches_per_step}")
+
+
+@dataclass
+class FitResult:
+    """What :func:`fit_masked` did: optimiser steps, the mean squared error of the first
+    and the last epoch (over all processes' batches, measured while training) and seconds."""
+
+    steps: int
+    first_epoch_mse: float
+    last_epoch_mse: float
+    seconds: float
+
+
+def _no_reduce(tensors: Sequence[Tensor]) -> None:
+    """One process: its sums are already the totals."""
+
+
+def fit_masked(run: Callable[[int], Tensor], targets: Sequence[Tensor], weights: Sequence[Tensor],
+               positions: Sequence[int], total: int, options: FitOptions,
+               all_reduce: Callable[[Sequence[Tensor]], None] = _no_reduce) -> FitResult:
+    """Lower ``sum_b ||run(b) - targets[b]||^2 / count`` over the nonzero entries of ``weights``.
+
+    ``run(j)`` computes the submodel's output on this process's calibration batch ``j``
+    (with autograd on ``weights``); ``targets[j]`` is the dense output it should match.
+    ``positions[j]`` is batch ``j``'s index among the ``total`` batches of all processes:
+    every process draws the same order of those ``total`` batches per epoch and runs, in
+    each step, those of the step's batches it holds. ``weights`` (leaf tensors, float32 or
+    wider) are trained in place with ``torch.optim.AdamW`` (no weight decay) and a
+    linear decay of the learning rate to zero; their zeros stay zero. The errors are
+    accumulated in float32. Raises :class:`ReconstructionDiverged` (the weights then hold
+    an unfinished step and must be discarded) when a step's loss is not finite.
+    """
+    started = time.perf_counter()
+    masks = [w.detach() != 0 for w in weights]
+    local = {int(g): j for j, g in enumerate(positions)}
+    steps_per_epoch = math.ceil(total / options.batches_per_step)
+    all_steps = options.epochs * steps_per_epoch
+    flags = [w.requires_grad for w in weights]
+    for w in weights:
+        w.requires_grad_(True)
+        w.grad = torch.zeros_like(w)
+    optimiser = torch.optim.AdamW(list(weights), lr=options.lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimiser, lambda step: 1.0 - step / all_steps)
+    generator = torch.Generator().manual_seed(options.seed)
+    device = weights[0].device
+    epoch_mse: list[float] = []
+    try:
+        for epoch in range(options.epochs):
+            order = torch.randperm(total, generator=generator).tolist()
+            sums = torch.zeros(2, dtype=torch.float64, device=device)  # error, count over the epoch
+            for step in range(steps_per_epoch):
+                optimiser.zero_grad(set_to_none=False)
+                error = torch.zeros(2, dtype=torch.float64, device=device)
+                for g in order[step * options.batches_per_step:(step + 1) * options.batches_per_step]:
+                    j = local.get(g)
+                    if j is None:
+                        continue
+                    diff = run(j).float() - targets[j].float()
+                    loss = diff.square().sum()
+                    loss.backward()
+                    error += torch.stack([loss.detach().double(), torch.tensor(float(diff.numel()),
+                                                                               dtype=torch.float64, device=device)])
+                grads = [w.grad for w in weights]
+                all_reduce([*grads, error])
+                if not math.isfinite(float(error[0])):
+                    raise ReconstructionDiverged(
+                        f"the reconstruction loss became {float(error[0])} in epoch {epoch + 1}, step "
+                        f"{step + 1}; lower the learning rate (now {options.lr:g})")
+                for grad, mask in zip(grads, masks):
+                    grad.div_(max(float(error[1]), 1.0)).mul_(mask)
+                optimiser.step()
+                schedule.step()
+                with torch.no_grad():
+                    for w, mask in zip(weights, masks):
+                        w.mul_(mask)
+                sums += error
+            epoch_mse.append(float(sums[0] / sums[1]) if sums[1] > 0 else 0.0)
+    finally:
+        for w, flag in zip(weights, flags):
+            w.grad = None
+            w.requires_grad_(flag)
+    return FitResult(all_steps, epoch_mse[0], epoch_mse[-1], time.perf_counter() - started)

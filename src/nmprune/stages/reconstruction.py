@@ -1,0 +1,238 @@
+"""The reconstruction stage: after a block's layers are solved, train the kept weights of its
+attention and MLP (``submodule``) or of the whole block (``block``) to reproduce the dense
+model's activations (:mod:`nmprune.reconstruct`; docs/methods.md "Local reconstruction").
+
+:class:`ReconstructingStatistics` is a statistics stage (:class:`~nmprune.stages.statistics.
+StatisticsStage`) that carries two streams of hidden states through the model: the dense
+model's (the targets, and the layers' statistics with ``hessian_inputs="dense"``) and the
+pruned model's (the inputs of every reconstruction, and the statistics with ``"pruned"``).
+:meth:`~ReconstructingStatistics.collect` records, while the dense block runs, the dense
+output of every submodel it will fit; :meth:`~ReconstructingStatistics.advance` fits them in
+order on the pruned stream and moves that stream past the reconstructed block. The submodels
+of ``submodule`` are the block's direct children that hold a pruned layer, in the order the
+block calls them (attention, then MLP, in the Llama, Qwen2, Mistral and Gemma families; a
+family whose MLP matrices are direct children of the block, such as OPT's ``fc1``/``fc2``,
+fits them one by one).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..reconstruct import FitOptions, ReconstructionDiverged, fit_masked
+from .block_runner import BlockCall, BlockInputs, block_hidden, run_block
+from .statistics import CalibrationStatistics, InputStats
+
+GRANULARITIES = ("none", "submodule", "block")
+
+
+class _Stop(Exception):
+    """Ends a forward pass once a submodel's inputs are recorded."""
+
+
+def _cast(value: Any, dtype: torch.dtype) -> Any:
+    """``value`` with every floating tensor inside (tuples, lists, dicts) cast to ``dtype``."""
+    if isinstance(value, Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cast(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast(v, dtype) for k, v in value.items()}
+    return value
+
+
+@contextmanager
+def _training(block: nn.Module, weights: Sequence[Tensor]) -> Iterator[None]:
+    """Gradients on for the body, for ``weights`` only (``fit_masked`` turns them on); every
+    parameter of ``block`` is float32 meanwhile and returns to its dtype afterwards."""
+    dtype = next(block.parameters()).dtype
+    flags = {p: p.requires_grad for p in block.parameters()}
+    for p in flags:
+        p.requires_grad_(False)
+    if dtype != torch.float32:
+        block.float()
+    try:
+        with torch.enable_grad():
+            yield
+    finally:
+        block.to(dtype)
+        for p, flag in flags.items():
+            p.requires_grad_(flag)
+
+
+@dataclass(eq=False)
+class _Unit:
+    """One submodel to fit: its name in the block ('' for the block itself), the module
+    and its dense outputs per batch."""
+
+    name: str
+    module: nn.Module
+    targets: list[Tensor]
+
+
+class ReconstructingStatistics:
+    """The statistics stage with local reconstruction (module docstring).
+
+    ``inputs`` holds the hidden states entering the first block to collect: dense and
+    pruned alike at block 0 (after a resume, :attr:`hidden` is set from the checkpoint).
+    ``reduce`` sums the layer statistics over processes and ``all_reduce`` sums tensors in
+    place; ``positions`` are this process's batches among ``total`` (their order in the
+    calibration split), so every process takes the same optimiser steps.
+    """
+
+    def __init__(self, inputs: BlockInputs, dtype: torch.dtype, dense_inputs: bool,
+                 reduce: Callable[[list[InputStats]], None], granularity: str, options: FitOptions,
+                 positions: Sequence[int], total: int, all_reduce: Callable[[Sequence[Tensor]], None]):
+        if granularity not in GRANULARITIES[1:]:
+            raise ValueError(f"reconstruct must be one of {', '.join(GRANULARITIES[1:])} here, got {granularity!r}")
+        self.inputs, self.dtype, self.dense_inputs, self.reduce = inputs, dtype, dense_inputs, reduce
+        self.granularity, self.options, self.all_reduce = granularity, options, all_reduce
+        self.positions, self.total = list(positions), total
+        self.dense: list[Tensor] = list(inputs.hidden)
+        self.pruned: list[Tensor] = list(inputs.hidden)
+        self._units: list[_Unit] = []
+        self._active: dict[str, nn.Module] = {}
+
+    @property
+    def hidden(self) -> list[Tensor]:
+        """The dense and the pruned hidden states entering the next block, side by side in
+        the last dimension (what a checkpoint saves)."""
+        return [torch.cat([d, p], dim=-1) for d, p in zip(self.dense, self.pruned)]
+
+    @hidden.setter
+    def hidden(self, saved: list[Tensor]) -> None:
+        halves = [h.chunk(2, dim=-1) for h in saved]
+        self.dense = [d.contiguous() for d, _ in halves]
+        self.pruned = [p.contiguous() for _, p in halves]
+
+    def _call(self, index: int, hidden: Tensor) -> BlockCall:
+        return self.inputs.call(index, hidden)
+
+    def collect(self, index: int, block: nn.Module, layers: Mapping[str, nn.Module]) -> dict[str, InputStats]:
+        """The statistics of ``layers`` (from the dense or the pruned stream, per
+        ``dense_inputs``); meanwhile the dense block's outputs of every submodel to fit are
+        recorded and the dense stream moves past the block."""
+        self._active = dict(layers)
+        units = self._candidates(block)
+        order: list[_Unit] = []
+        handles = [u.module.register_forward_hook(self._recorder(u, order)) for u in units]
+        try:
+            if self.dense_inputs:
+                stage = CalibrationStatistics(BlockInputs(self.dense, self.inputs.calls), self.dtype,
+                                              True, self.reduce)
+                stats = stage.collect(index, block, layers)
+                self.dense = stage.inputs.hidden
+            else:
+                self.dense = [run_block(block, h, self._call(index, h)) for h in self.dense]
+        finally:
+            for h in handles:
+                h.remove()
+        if not self.dense_inputs:
+            stats = CalibrationStatistics(BlockInputs(self.pruned, self.inputs.calls), self.dtype,
+                                          False, self.reduce).collect(index, block, layers)
+        missing = [u.name for u in units if u not in order]
+        if missing:
+            raise RuntimeError(f"block {index}: {', '.join(missing)} never ran in the block's forward pass")
+        self._units = order
+        return stats
+
+    def _candidates(self, block: nn.Module) -> list[_Unit]:
+        """The submodels of ``block`` to fit: the block, or its direct children holding a
+        pruned layer."""
+        if self.granularity == "block":
+            return [_Unit("", block, [])]
+        active = {id(m) for m in self._active.values()}
+        return [_Unit(name, child, []) for name, child in block.named_children()
+                if any(id(m) in active for m in child.modules())]
+
+    @staticmethod
+    def _recorder(unit: _Unit, order: list[_Unit]) -> Callable:
+        def hook(module: nn.Module, args: tuple, out: Any) -> None:
+            if unit not in order:
+                order.append(unit)
+            unit.targets.append(block_hidden(out).detach())
+        return hook
+
+    def _weights(self, unit: _Unit) -> list[Tensor]:
+        """The weights of the pruned layers inside ``unit``."""
+        inside = {id(m) for m in unit.module.modules()}
+        return [m.weight for m in self._active.values() if id(m) in inside]
+
+    def _propagate(self, index: int, block: nn.Module) -> tuple[list[Tensor], float]:
+        """The block's outputs on the pruned stream and their squared error relative to the
+        dense outputs (summed over all processes' batches)."""
+        outs = [run_block(block, h, self._call(index, h)) for h in self.pruned]
+        sums = torch.zeros(2, dtype=torch.float64, device=outs[0].device if outs else "cpu")
+        for out, target in zip(outs, self.dense):
+            sums[0] += (out.float() - target.float()).square().sum().double()
+            sums[1] += target.float().square().sum().double()
+        self.all_reduce([sums])
+        return outs, float(sums[0] / sums[1]) if sums[1] > 0 else 0.0
+
+    def _unit_inputs(self, index: int, block: nn.Module, unit: _Unit, dtype: torch.dtype
+                     ) -> list[tuple[tuple, dict]]:
+        """The arguments ``unit`` receives on each batch of the pruned stream (as ``dtype``)."""
+        seen: list[tuple[tuple, dict]] = []
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            seen.append((_cast(args, dtype), _cast(kwargs, dtype)))
+            raise _Stop
+
+        handle = unit.module.register_forward_pre_hook(hook, with_kwargs=True)
+        try:
+            with torch.no_grad():
+                for h in self.pruned:
+                    try:
+                        run_block(block, h.to(dtype), _cast(self._call(index, h), dtype))
+                    except _Stop:
+                        pass
+        finally:
+            handle.remove()
+        return seen
+
+    def advance(self, index: int, block: nn.Module) -> dict[str, Any]:
+        """Fit the submodels of block ``index`` in order (pruned weights already in it),
+        then move the pruned stream past it. Returns the block's record: the squared error
+        of its outputs relative to the dense ones before and after (``error_before``,
+        ``error_after``), and ``kept``: ``"reconstructed"``, or ``"solved"`` when training
+        did not lower that error (the solved weights are then restored)."""
+        started = time.perf_counter()
+        before, error_before = self._propagate(index, block)
+        weights = [w for u in self._units for w in self._weights(u)]
+        solved = [w.detach().clone() for w in weights]
+        steps = 0
+        try:
+            with _training(block, weights):
+                for unit in self._units:
+                    inputs = self._unit_inputs(index, block, unit, torch.float32)
+                    result = fit_masked(lambda j: block_hidden(unit.module(*inputs[j][0], **inputs[j][1])),
+                                        unit.targets, self._weights(unit), self.positions, self.total,
+                                        replace(self.options, seed=self.options.seed + index),
+                                        self.all_reduce)
+                    steps += result.steps
+                    del inputs
+                    unit.targets.clear()
+            after, error_after = self._propagate(index, block)
+            if not error_after < float("inf"):
+                raise ReconstructionDiverged(f"the reconstructed block's error is {error_after}; "
+                                             f"lower the learning rate (now {self.options.lr:g})")
+        except ReconstructionDiverged as e:
+            raise ReconstructionDiverged(f"block {index}: {e}") from e
+        kept = "reconstructed"
+        if not error_after < error_before:
+            with torch.no_grad():
+                for w, s in zip(weights, solved):
+                    w.copy_(s)
+            after, error_after, kept = before, error_before, "solved"
+        self.pruned = after
+        self._units = []
+        return {"block": index, "reconstruct": self.granularity, "error_before": error_before,
+                "error_after": error_after, "kept": kept, "steps": steps,
+                "seconds": time.perf_counter() - started}
