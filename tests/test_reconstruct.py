@@ -1,0 +1,223 @@
+"""Local reconstruction (nmprune/reconstruct.py, nmprune/stages/reconstruction.py): the training
+loop against the exact masked least-squares optimum, the mask held exactly, the block errors
+it reports, every model family, bfloat16, resume, streaming, bad settings and divergence."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from test_models_tiny import FAMILIES, tiny_model, token_batch
+
+from nmprune.checkpoint import Checkpoint
+from nmprune.config import PruneSettings
+from nmprune.models import find_blocks, find_linears, weight_matrix
+from nmprune.pipeline import prune_model
+from nmprune.reconstruct import FitOptions, ReconstructionDiverged, fit_masked
+
+FIT = dict(reconstruct_batch_size=2, reconstruct_epochs=3, reconstruct_lr=1e-3)
+SOLVE = dict(method="wanda", refine=None, pattern="2:4", batch_size=2)
+
+
+def _masked_optimum(w_mask: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Mean squared error of the best weights on the mask ``w_mask`` (float64 least squares,
+    row by row: row ``i`` uses only the inputs its mask keeps)."""
+    err = 0.0
+    for i in range(w_mask.shape[0]):
+        keep = w_mask[i]
+        sol = torch.linalg.lstsq(x[:, keep], y[:, i:i + 1]).solution
+        err += float((x[:, keep] @ sol - y[:, i:i + 1]).square().sum())
+    return err / y.numel()
+
+
+def test_fit_masked_approaches_the_masked_least_squares_optimum_and_keeps_zeros():
+    torch.manual_seed(0)
+    d_in, d_out, n = 16, 6, 8
+    dense = torch.randn(d_out, d_in, dtype=torch.float64)
+    xs = [torch.randn(32, d_in, dtype=torch.float64) for _ in range(n)]
+    targets = [x @ dense.T for x in xs]
+    w = dense.clone()
+    w[:, ::2] = 0  # a 2:4 mask (every other entry)
+    mask = w != 0
+    start = sum(float((x @ w.T - t).square().sum()) for x, t in zip(xs, targets)) / sum(t.numel() for t in targets)
+    best = _masked_optimum(mask, torch.cat(xs), torch.cat(targets))
+    result = fit_masked(lambda j: xs[j] @ w.T, targets, [w], list(range(n)), n,
+                        FitOptions(epochs=300, lr=3e-2, batches_per_step=2))
+    assert torch.equal(w != 0, mask)  # zeros stayed exactly zero, nothing else became zero
+    final = sum(float((x @ w.T - t).square().sum()) for x, t in zip(xs, targets)) / sum(t.numel() for t in targets)
+    assert best < start
+    assert final - best <= 0.02 * (start - best)  # 98% of the possible improvement
+    assert result.steps == 300 * 4 and result.last_epoch_mse < result.first_epoch_mse
+    assert not w.requires_grad and w.grad is None
+
+
+def test_fit_masked_takes_the_same_steps_however_the_batches_are_split():
+    """Two 'processes' holding half the batches each, summed by a shared all_reduce, end with
+    the weights one process gets: the sums, not the split, decide every step."""
+    torch.manual_seed(1)
+    xs = [torch.randn(8, 8, dtype=torch.float64) for _ in range(6)]
+    targets = [x @ torch.randn(4, 8, dtype=torch.float64).T for x in xs]
+    start = torch.randn(4, 8, dtype=torch.float64)
+    options = FitOptions(epochs=3, lr=1e-2, batches_per_step=4, seed=3)
+    one = start.clone()
+    fit_masked(lambda j: xs[j] @ one.T, targets, [one], range(6), 6, options)
+
+    # Process 0 holds batches 0-2; its all_reduce adds what process 1 (batches 3-5, the same
+    # weights: every process takes the same steps) would send for the same step.
+    halves = [start.clone()]
+    own = [[0, 1, 2], [3, 4, 5]]
+    partial: list = []
+
+    def all_reduce(tensors):
+        grads, error = tensors[:-1], tensors[-1]
+        with torch.enable_grad():
+            w = halves[0].detach().clone().requires_grad_(True)
+            for j in partial.pop(0):
+                if j in own[1]:
+                    diff = xs[j] @ w.T - targets[j]
+                    loss = diff.square().sum()
+                    loss.backward()
+                    error += torch.tensor([float(loss.detach()), float(diff.numel())], dtype=torch.float64)
+        if w.grad is not None:
+            grads[0] += w.grad
+
+    gen = torch.Generator().manual_seed(options.seed)
+    for _ in range(options.epochs):
+        order = torch.randperm(6, generator=gen).tolist()
+        partial += [order[s * 4:(s + 1) * 4] for s in range(math.ceil(6 / 4))]
+    fit_masked(lambda j: xs[j] @ halves[0].T, [targets[j] for j in own[0]], [halves[0]],
+               own[0], 6, options, all_reduce)
+    assert torch.allclose(halves[0], one, rtol=1e-8, atol=1e-10)  # summation order only
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(epochs=0), "at least one epoch"), (dict(lr=0.0), "positive"), (dict(lr=-1e-3), "positive"),
+    (dict(lr=float("nan")), "positive"), (dict(batches_per_step=0), "at least 1")])
+def test_fit_options_refuse_bad_values(bad, message):
+    with pytest.raises(ValueError, match=message):
+        FitOptions(**{**dict(epochs=1, lr=1e-3, batches_per_step=1), **bad})
+
+
+def test_fit_masked_raises_on_a_diverging_learning_rate():
+    x = [torch.randn(4, 8) for _ in range(4)]
+    t = [torch.randn(4, 3) for _ in range(4)]
+    w = torch.randn(3, 8)
+    with pytest.raises(ReconstructionDiverged, match="lower the learning rate"):
+        fit_masked(lambda j: (x[j] @ w.T) ** 8, t, [w], range(4), 4, FitOptions(epochs=50, lr=1e30, batches_per_step=1))
+
+
+def _pruned_layers(model) -> dict[str, torch.Tensor]:
+    name, blocks = find_blocks(model)
+    return {f"{i}.{sub}": weight_matrix(m).detach().clone()
+            for i, b in enumerate(blocks) for sub, m in find_linears(b).items()}
+
+
+def _logit_error(model, dense, ids) -> float:
+    with torch.no_grad():
+        return float((model(ids).logits - dense(ids).logits).square().mean())
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("granularity", ["submodule", "block"])
+def test_reconstruction_holds_the_mask_and_brings_the_model_closer_to_the_dense_one(family, granularity):
+    dense = tiny_model(family, layers=3)
+    solved, fitted = copy.deepcopy(dense), copy.deepcopy(dense)
+    calib = token_batch(8, 16)
+    prune_model(solved, calibration=calib, device="cpu", progress=False, **SOLVE)
+    report = prune_model(fitted, calibration=calib, device="cpu", progress=False, reconstruct=granularity,
+                         **FIT, **SOLVE)
+    before, after = _pruned_layers(solved), _pruned_layers(fitted)
+    changed = 0
+    for name, w in after.items():
+        assert torch.equal(w[before[name] == 0], torch.zeros_like(w[before[name] == 0])), name
+        # the saved layer is 2:4: at most two nonzeros in every cell of four inputs
+        assert int((w.reshape(w.shape[0], -1, 4) != 0).sum(-1).max()) <= 2, name
+        changed += not torch.equal(w, before[name])
+    assert changed == len(after)  # every pruned layer trained
+    # everything outside the pruned layers is untouched
+    layer_params = {f"{n}.weight" for n, m in fitted.named_modules() if m in set(
+        m for b in find_blocks(fitted)[1] for m in find_linears(b).values())}
+    for (n, p), q in zip(fitted.named_parameters(), dense.parameters()):
+        if n not in layer_params:
+            assert torch.equal(p, q), n
+    assert [b["block"] for b in report.blocks] == [0, 1, 2]
+    for b in report.blocks:
+        assert b["reconstruct"] == granularity and b["steps"] > 0
+        assert b["error_after"] <= b["error_before"]
+    assert any(b["kept"] == "reconstructed" and b["error_after"] < 0.9 * b["error_before"] for b in report.blocks)
+    ids = token_batch(4, 16, seed=7)
+    assert _logit_error(fitted, dense, calib) < _logit_error(solved, dense, calib)
+    assert _logit_error(fitted, dense, ids) < 1.5 * _logit_error(solved, dense, ids)
+
+
+def test_reconstruction_is_reproducible_and_resumes_to_the_uninterrupted_result(tmp_path):
+    calib = token_batch(8, 16)
+    kwargs = dict(calibration=calib, device="cpu", progress=False, reconstruct="submodule", **FIT, **SOLVE)
+    straight = tiny_model("llama", layers=3)
+    report = prune_model(straight, **kwargs)
+    again = tiny_model("llama", layers=3)
+    prune_model(again, **kwargs)
+    assert all(torch.equal(a, b) for a, b in zip(straight.state_dict().values(), again.state_dict().values()))
+
+    def stop(i: int) -> None:
+        if i == 1:
+            raise KeyboardInterrupt
+
+    interrupted = tiny_model("llama", layers=3)
+    with pytest.raises(KeyboardInterrupt):
+        prune_model(interrupted, checkpoint=Checkpoint.open(tmp_path / "ck", "t"), on_block_done=stop, **kwargs)
+    ck = Checkpoint.open(tmp_path / "ck", "t")
+    assert ck.done_blocks == 2 and [b["block"] for b in ck.get("blocks")] == [0, 1]
+    resumed = tiny_model("llama", layers=3)
+    rep2 = prune_model(resumed, checkpoint=ck, **kwargs)
+    assert rep2.resumed_from_block == 2
+    for (n, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), n
+    assert [b["error_after"] for b in rep2.blocks] == [b["error_after"] for b in report.blocks]
+
+
+def test_a_diverging_reconstruction_names_the_block_and_never_reaches_the_checkpoint(tmp_path):
+    ck = Checkpoint.open(tmp_path / "ck", "t")
+    model = tiny_model("llama", layers=2)
+    with pytest.raises(ValueError, match=r"block 0: .*lower the learning rate"):
+        prune_model(model, calibration=token_batch(8, 16), device="cpu", progress=False, checkpoint=ck,
+                    reconstruct="block", reconstruct_lr=1e30, reconstruct_epochs=5, reconstruct_batch_size=2,
+                    **SOLVE)
+    assert Checkpoint.open(tmp_path / "ck", "t").done_blocks == 0
+
+
+def test_reconstruction_of_a_bfloat16_model_trains_in_float32_and_keeps_the_mask():
+    dense = tiny_model("llama", layers=2).to(torch.bfloat16)
+    model = copy.deepcopy(dense)
+    report = prune_model(model, calibration=token_batch(8, 16), device="cpu", progress=False,
+                         reconstruct="submodule", **FIT, **SOLVE)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    for w in _pruned_layers(model).values():
+        assert int((w.reshape(w.shape[0], -1, 4) != 0).sum(-1).max()) <= 2
+    assert all(b["error_after"] <= b["error_before"] for b in report.blocks)
+    assert any(b["kept"] == "reconstructed" for b in report.blocks)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(reconstruct="layer"), "reconstruct must be one of none, submodule, block"),
+    (dict(reconstruct_lr=0.0), "reconstruct_lr must be a positive number"),
+    (dict(reconstruct_lr=-1.0), "reconstruct_lr must be a positive number"),
+    (dict(reconstruct_epochs=-1), "reconstruct_epochs must be a positive integer"),
+    (dict(reconstruct_epochs=0), "set reconstruct to 'none'"),
+    (dict(reconstruct_batch_size=3), "multiple of batch_size"),
+    (dict(reconstruct_lr=float("nan")), "setting 'reconstruct_lr' must be a finite number"),
+    (dict(reconstruct_epochs=1.5), "setting 'reconstruct_epochs' must be an integer")])
+def test_bad_reconstruction_settings_are_refused(bad, message):
+    with pytest.raises(ValueError, match=message):
+        PruneSettings(**bad)
+
+
+def test_precomputed_hessians_cannot_be_reconstructed():
+    model = tiny_model("llama", layers=2)
+    from nmprune.pipeline import collect_hessians
+
+    hessians = collect_hessians(model, token_batch(4, 16), device="cpu", progress=False)
+    with pytest.raises(ValueError, match="reconstruct='none'"):
+        prune_model(model, hessians=hessians, reconstruct="block", **SOLVE)
