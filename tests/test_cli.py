@@ -75,6 +75,27 @@ def tiny_dir(tmp_path_factory):
     return base, model_dir, text, yaml_file
 
 
+def test_prune_with_reconstruction_reports_each_block_before_and_after(tiny_dir, tmp_path, capsys):
+    base, model_dir, text, yaml_file = tiny_dir
+    out = tmp_path / "pruned"
+    assert main(["prune", "--config", str(yaml_file), "--out", str(out), "--quiet", "--reconstruct", "submodule",
+                 "--reconstruct-lr", "1e-3", "--reconstruct-batch-size", "2", "--reconstruct-epochs", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "wanda+gd 2:4 +submodule reconstruction" in printed
+    report = json.loads((out / "nmprune_report.json").read_text())
+    recon = report["reconstruction"]
+    assert recon["granularity"] == "submodule" and recon["epochs"] == 2 and recon["lr"] == 1e-3
+    assert [b["block"] for b in recon["blocks"]] == [0, 1, 2]
+    for b in recon["blocks"]:
+        assert b["error_after"] <= b["error_before"]
+        assert f"| {b['block']} | {b['error_before']:.4g} | {b['error_after']:.4g} | {b['kept']} |" in printed
+    assert recon["mean_error_after"] < recon["mean_error_before"]
+    saved = _weights(out)
+    for name, w in saved.items():
+        if name.endswith("proj.weight"):
+            assert int((w.reshape(w.shape[0], -1, 4) != 0).sum(-1).max()) <= 2, name
+
+
 def _weights(model_dir):
     return AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
 

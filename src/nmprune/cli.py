@@ -15,7 +15,7 @@ from typing import Any
 
 from . import __version__
 from .config import RunConfig, build_config, load_yaml
-from .stages.reconstruction import GRANULARITIES
+from .stages.reconstruction import GRANULARITIES, RECONSTRUCTION_TEXT
 
 #: Errors of the machine rather than of the input (a full disk, a failing device): exit code 1.
 IO_FAILURES = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS})
@@ -183,6 +183,9 @@ def _methods_text() -> str:
         r = get_refiner(name)
         opts = ", ".join(r.option_names()) or "-"
         lines.append(f"  {name:<12} {r.description}  [options: {opts}]")
+    lines.append("reconstruction after each block's solve (--reconstruct; --reconstruct-epochs, "
+                 "--reconstruct-lr, --reconstruct-batch-size):")
+    lines += [f"  {name:<12} {text}" for name, text in RECONSTRUCTION_TEXT.items()]
     return "\n".join(lines)
 
 
@@ -196,16 +199,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "methods":
             print(_methods_text())
         elif args.command == "prune":
-            from .job import REPORT_FILE, result_table, run
+            from .job import REPORT_FILE, reconstruction_table, result_table, run
             from .memory import prefer_mmap
 
             prefer_mmap()  # keeps the resident set flat over a long run (nmprune/memory.py)
             config = config_from_args(args)
             report = run(config, progress=not args.quiet)
             if "saved_to" in report:  # the process that saved the model (rank 0 under torchrun)
-                table = result_table(report)
-                if table:
-                    print(table)
+                for table in (reconstruction_table(report), result_table(report)):
+                    if table:
+                        print(table)
                 print(f"saved the pruned model to {report['saved_to']} (report: "
                       f"{report['saved_to']}/{REPORT_FILE})", file=sys.stderr)
         elif args.command == "eval":

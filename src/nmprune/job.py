@@ -91,7 +91,8 @@ def versions() -> dict[str, str]:
 def _run_label(config: RunConfig) -> str:
     """``method[+refiner] N:M`` of the run's global plan (as the planner resolved it)."""
     plan = config.prune.planner().default
-    return f"{plan.method.name}{'+' + plan.refiner.name if plan.refiner else ''} {plan.pattern}"
+    label = f"{plan.method.name}{'+' + plan.refiner.name if plan.refiner else ''} {plan.pattern}"
+    return label if config.prune.reconstruct == "none" else f"{label} +{config.prune.reconstruct} reconstruction"
 
 
 # ----------------------------------------------------------------------------- prune run
@@ -285,6 +286,7 @@ def _prune_and_save(config: RunConfig, model, tokenizer, source, ckpt, calibrati
         "summary": {"layers_pruned": len(layers),
                     "layers_skipped": len(prune_report.layers) - len(layers),
                     "mean_loss_vs_wanda": sum(ratios) / len(ratios) if ratios else None},
+        "reconstruction": _reconstruction_summary(config, prune_report.blocks),
         "resumed_from_block": prune_report.resumed_from_block,
         "ranks": prune_report.ranks, "per_rank": prune_report.per_rank,
         "seconds": {**timings, "pipeline": prune_report.seconds},
@@ -301,6 +303,29 @@ def _prune_and_save(config: RunConfig, model, tokenizer, source, ckpt, calibrati
     ckpt.remove()
     report["saved_to"] = str(out)  # for the caller; not in the saved report (the folder may move)
     return report
+
+
+def _reconstruction_summary(config: RunConfig, blocks: list[dict[str, Any]]) -> dict[str, Any]:
+    """The reconstruction part of a run's report: its settings, one record per block (the
+    squared error of the block's outputs relative to the dense model's, before and after)
+    and the means of those errors over the blocks."""
+    s = config.prune
+    mean = (lambda key: sum(b[key] for b in blocks) / len(blocks)) if blocks else (lambda key: None)
+    return {"granularity": s.reconstruct, "epochs": s.reconstruct_epochs, "lr": s.reconstruct_lr,
+            "batch_size": s.reconstruct_batch_size, "mean_error_before": mean("error_before"),
+            "mean_error_after": mean("error_after"), "blocks": blocks}
+
+
+def reconstruction_table(report: dict[str, Any]) -> str:
+    """Each reconstructed block's output error relative to the dense model, before and after
+    reconstruction, as a Markdown table (empty without reconstruction)."""
+    blocks = report.get("reconstruction", {}).get("blocks", [])
+    if not blocks:
+        return ""
+    lines = [f"| block | error before ({report['reconstruction']['granularity']}) | error after | kept |",
+             "|---|---|---|---|"]
+    lines += [f"| {b['block']} | {b['error_before']:.4g} | {b['error_after']:.4g} | {b['kept']} |" for b in blocks]
+    return "\n".join(lines)
 
 
 def result_table(report: dict[str, Any]) -> str:

@@ -169,7 +169,7 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
             with executor.phase("capturing the block inputs"):
                 inputs = source.capture(batches, device, keep_hidden=start == 0 or executor.world > 1)
                 saved = checkpoint.hidden() if start > 0 and checkpoint is not None else None
-            stage = _statistics_stage(inputs, settings, executor, len(sizes))
+            stage = _statistics_stage(inputs, settings, executor, len(sizes), progress and executor.is_main)
             if start > 0:
                 stage.hidden = executor.scatter_batches(
                     None if saved is None else [h.to(device) for h in saved], stage.hidden)
@@ -225,7 +225,7 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
 
 
 def _statistics_stage(inputs: BlockInputs, settings: PruneSettings, executor: Executor,
-                      batches: int) -> StatisticsStage:
+                      batches: int, progress: bool) -> StatisticsStage:
     """The statistics stage of ``settings`` on the captured ``inputs``: with reconstruction
     (``settings.reconstruct``), the one that also fits each block after its solve."""
     dtype, dense = getattr(torch, settings.hessian_dtype), settings.hessian_inputs == "dense"
@@ -233,7 +233,7 @@ def _statistics_stage(inputs: BlockInputs, settings: PruneSettings, executor: Ex
         return CalibrationStatistics(inputs, dtype, dense, executor.reduce)
     return ReconstructingStatistics(inputs, dtype, dense, executor.reduce, settings.reconstruct,
                                     settings.fit_options(), executor.shard(range(batches)), batches,
-                                    executor.all_reduce)
+                                    executor.all_reduce, progress)
 
 
 def _prune_blocks(group: range, source: BlockSource, plans: dict[str, LayerPlan | None],

@@ -70,7 +70,8 @@ def _no_reduce(tensors: Sequence[Tensor]) -> None:
 
 def fit_masked(run: Callable[[int], Tensor], targets: Sequence[Tensor], weights: Sequence[Tensor],
                positions: Sequence[int], total: int, options: FitOptions,
-               all_reduce: Callable[[Sequence[Tensor]], None] = _no_reduce) -> FitResult:
+               all_reduce: Callable[[Sequence[Tensor]], None] = _no_reduce,
+               on_step: Callable[[], None] | None = None) -> FitResult:
     """Lower ``sum_b ||run(b) - targets[b]||^2 / count`` over the nonzero entries of ``weights``.
 
     ``run(j)`` computes the submodel's output on this process's calibration batch ``j``
@@ -80,7 +81,7 @@ def fit_masked(run: Callable[[int], Tensor], targets: Sequence[Tensor], weights:
     each step, those of the step's batches it holds. ``weights`` (leaf tensors, float32 or
     wider) are trained in place with ``torch.optim.AdamW`` (no weight decay) and a
     linear decay of the learning rate to zero; their zeros stay zero. The errors are
-    accumulated in float32. Raises :class:`ReconstructionDiverged` (the weights then hold
+    accumulated in float32. ``on_step()`` runs after every step (a progress bar). Raises :class:`ReconstructionDiverged` (the weights then hold
     an unfinished step and must be discarded) when a step's loss is not finite.
     """
     started = time.perf_counter()
@@ -127,6 +128,8 @@ def fit_masked(run: Callable[[int], Tensor], targets: Sequence[Tensor], weights:
                     for w, mask in zip(weights, masks):
                         w.mul_(mask)
                 sums += error
+                if on_step is not None:
+                    on_step()
             epoch_mse.append(float(sums[0] / sums[1]) if sums[1] > 0 else 0.0)
     finally:
         for w, flag in zip(weights, flags):

@@ -25,12 +25,20 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from tqdm.auto import tqdm
 
 from ..reconstruct import FitOptions, ReconstructionDiverged, fit_masked
 from .block_runner import BlockCall, BlockInputs, block_hidden, run_block
 from .statistics import CalibrationStatistics, InputStats
 
 GRANULARITIES = ("none", "submodule", "block")
+RECONSTRUCTION_TEXT = {  # what `nmprune methods` says of each granularity
+    "none": "no reconstruction: the layers as the method and refiner solved them",
+    "submodule": "train the kept weights of each block's attention, then of its MLP, to match the "
+                 "dense model's outputs of each (Wagner et al. 2025, arXiv 2510.14444)",
+    "block": "train the kept weights of each whole block to match the dense block's outputs "
+             "(Wanda++ arXiv 2503.04992, EBFT arXiv 2402.12419)",
+}
 
 
 class _Stop(Exception):
@@ -84,17 +92,19 @@ class ReconstructingStatistics:
     pruned alike at block 0 (after a resume, :attr:`hidden` is set from the checkpoint).
     ``reduce`` sums the layer statistics over processes and ``all_reduce`` sums tensors in
     place; ``positions`` are this process's batches among ``total`` (their order in the
-    calibration split), so every process takes the same optimiser steps.
+    calibration split), so every process takes the same optimiser steps. ``progress``
+    shows a bar of each block's steps.
     """
 
     def __init__(self, inputs: BlockInputs, dtype: torch.dtype, dense_inputs: bool,
                  reduce: Callable[[list[InputStats]], None], granularity: str, options: FitOptions,
-                 positions: Sequence[int], total: int, all_reduce: Callable[[Sequence[Tensor]], None]):
+                 positions: Sequence[int], total: int, all_reduce: Callable[[Sequence[Tensor]], None],
+                 progress: bool = False):
         if granularity not in GRANULARITIES[1:]:
             raise ValueError(f"reconstruct must be one of {', '.join(GRANULARITIES[1:])} here, got {granularity!r}")
         self.inputs, self.dtype, self.dense_inputs, self.reduce = inputs, dtype, dense_inputs, reduce
         self.granularity, self.options, self.all_reduce = granularity, options, all_reduce
-        self.positions, self.total = list(positions), total
+        self.positions, self.total, self.progress = list(positions), total, progress
         self.dense: list[Tensor] = list(inputs.hidden)
         self.pruned: list[Tensor] = list(inputs.hidden)
         self._units: list[_Unit] = []
@@ -208,6 +218,9 @@ class ReconstructingStatistics:
         weights = [w for u in self._units for w in self._weights(u)]
         solved = [w.detach().clone() for w in weights]
         steps = 0
+        per_unit = self.options.epochs * -(-self.total // self.options.batches_per_step)
+        bar = tqdm(total=per_unit * len(self._units), desc=f"reconstructing block {index}",
+                   leave=False, disable=not self.progress)
         try:
             with _training(block, weights):
                 for unit in self._units:
@@ -215,7 +228,7 @@ class ReconstructingStatistics:
                     result = fit_masked(lambda j: block_hidden(unit.module(*inputs[j][0], **inputs[j][1])),
                                         unit.targets, self._weights(unit), self.positions, self.total,
                                         replace(self.options, seed=self.options.seed + index),
-                                        self.all_reduce)
+                                        self.all_reduce, bar.update)
                     steps += result.steps
                     del inputs
                     unit.targets.clear()
@@ -225,6 +238,8 @@ class ReconstructingStatistics:
                                              f"lower the learning rate (now {self.options.lr:g})")
         except ReconstructionDiverged as e:
             raise ReconstructionDiverged(f"block {index}: {e}") from e
+        finally:
+            bar.close()
         kept = "reconstructed"
         if not error_after < error_before:
             with torch.no_grad():
