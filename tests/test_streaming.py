@@ -194,6 +194,29 @@ def test_streamed_pruning_is_bit_identical_to_in_memory(family, hessian_inputs, 
         perplexity(model, ids, seqlen=16, progress=False)
 
 
+@pytest.mark.parametrize("family,granularity", [("llama", "submodule"), ("opt", "block"), ("gemma2", "submodule")])
+def test_streamed_reconstruction_is_bit_identical_to_in_memory(family, granularity, tmp_path):
+    """Reconstruction trains the block the streaming source loaded: the same weights as in
+    memory, still exactly 2:4."""
+    path = _save(tmp_path / "in", family, layers=2)
+    settings = dict(calibration=token_batch(4, 12), method="wanda", refine=None, batch_size=2,
+                    reconstruct=granularity, reconstruct_batch_size=2, reconstruct_epochs=2, reconstruct_lr=1e-3)
+    model, _, _ = load_model(path, tokenizer=False)
+    dense = {k: v.clone() for k, v in model.state_dict().items()}
+    report = prune_model(model, progress=False, **settings)
+    assert any(b["kept"] == "reconstructed" for b in report.blocks)
+    out = _prune_streamed(path, tmp_path / "out", **settings)
+    streamed = AutoModelForCausalLM.from_pretrained(out)
+    a, b = model.state_dict(), streamed.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    _, blocks = find_blocks(streamed)
+    for i, block in enumerate(blocks):
+        for name, layer in find_linears(block).items():
+            assert is_nm_sparse(weight_matrix(layer), "2:4"), name
+    trained = [k for k in a if not torch.equal(a[k], dense[k])]
+    assert trained and all(k.endswith(".weight") and ".layers." in k for k in trained)
+
+
 # ----------------------------------------------------------------------------- command line
 
 @pytest.fixture(scope="module")
@@ -258,6 +281,33 @@ def test_killed_streamed_run_resumes_to_identical_model(cli_model, tmp_path):
     assert not (tmp_path / "resumed").exists() and not (tmp_path / "resumed.partial").exists()
     assert main(["prune", *args, "--out", str(tmp_path / "resumed")]) == 0
     assert json.loads((tmp_path / "resumed" / "nmprune_report.json").read_text())["resumed_from_block"] == 2
+    a = AutoModelForCausalLM.from_pretrained(tmp_path / "straight").state_dict()
+    b = AutoModelForCausalLM.from_pretrained(tmp_path / "resumed").state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_killed_streamed_reconstruction_resumes_to_identical_model(cli_model, tmp_path):
+    """kill -9 after block 1 (a real process), then resume: the model of an uninterrupted run."""
+    import signal
+    import subprocess
+    import sys
+
+    base, model_dir, text, args = cli_model
+    args = [*args, "--offload", "--no-eval", "--reconstruct", "block", "--reconstruct-lr", "1e-3",
+            "--reconstruct-batch-size", "2"]
+    from nmprune.cli import main
+
+    assert main(["prune", *args, "--out", str(tmp_path / "straight")]) == 0
+    script = ("import os, signal, sys; from nmprune.cli import build_parser, config_from_args; "
+              "from nmprune.job import run; "
+              "config = config_from_args(build_parser().parse_args(sys.argv[1:])); "
+              "run(config, progress=False, on_block_done=lambda i: i == 1 and os.kill(os.getpid(), signal.SIGKILL))")
+    killed = subprocess.run([sys.executable, "-c", script, "prune", *args, "--out", str(tmp_path / "resumed")],
+                            capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert main(["prune", *args, "--out", str(tmp_path / "resumed")]) == 0
+    report = json.loads((tmp_path / "resumed" / "nmprune_report.json").read_text())
+    assert report["resumed_from_block"] == 2 and [b["block"] for b in report["reconstruction"]["blocks"]] == [0, 1, 2]
     a = AutoModelForCausalLM.from_pretrained(tmp_path / "straight").state_dict()
     b = AutoModelForCausalLM.from_pretrained(tmp_path / "resumed").state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
