@@ -1,11 +1,12 @@
 """Run under ``torchrun`` by test_distributed.py: one rank of ``prune_model`` called from
 Python inside a process group this script initialises (gloo).
 
-    python -m torch.distributed.run --nproc-per-node 2 tests/dist_worker.py FAMILY MODE OUT
+    python -m torch.distributed.run --nproc-per-node 2 tests/dist_worker.py FAMILY MODE OUT [RECONSTRUCT]
 
 MODE ``run`` prunes a tiny model of FAMILY and rank 0 saves the state dict and the report
 under OUT; ``fail`` also keeps a checkpoint in OUT/ckpt and raises on rank 1 after block 1;
 ``resume`` continues from the checkpoint in OUT/ckpt (made by any number of ranks).
+RECONSTRUCT (``submodule`` or ``block``) adds local reconstruction with :data:`RECONSTRUCT`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from nmprune.checkpoint import Checkpoint  # noqa: E402
 from nmprune.pipeline import prune_model  # noqa: E402
 
 SETTINGS = dict(method="sparsegpt", refine="exact", pattern="2:4", batch_size=2)
+RECONSTRUCT = dict(reconstruct_batch_size=2, reconstruct_epochs=5, reconstruct_lr=5e-4)
 
 
 def build(family: str):
@@ -32,7 +34,7 @@ def build(family: str):
     return tiny_model(family, layers=3, intermediate=128)
 
 
-def main(family: str, mode: str, out: Path) -> None:
+def main(family: str, mode: str, out: Path, reconstruct: str = "none") -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -45,7 +47,8 @@ def main(family: str, mode: str, out: Path) -> None:
 
     report = prune_model(model, calibration=token_batch(8, 16), device="cpu", progress=False,
                          checkpoint=checkpoint, on_block_done=fail,
-                         hessian_inputs="pruned" if family == "opt" else "dense", **SETTINGS)
+                         hessian_inputs="pruned" if family == "opt" else "dense", **SETTINGS,
+                         **(dict(reconstruct=reconstruct, **RECONSTRUCT) if reconstruct != "none" else {}))
     if rank == 0:
         torch.save(model.state_dict(), out / "state.pt")
         (out / "report.json").write_text(json.dumps(report.to_dict(), default=str))
@@ -53,4 +56,4 @@ def main(family: str, mode: str, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], Path(sys.argv[3]))
+    main(sys.argv[1], sys.argv[2], Path(sys.argv[3]), *sys.argv[4:])
