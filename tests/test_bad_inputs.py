@@ -172,7 +172,7 @@ CASES = {
                              "'reconstruct_lr' must be a finite number"),
     "--reconstruct-epochs -1": (lambda p, o: _fast(p) + ["--out", o, "--reconstruct-epochs", "-1"],
                                 "reconstruct_epochs must be a positive integer, got -1"),
-    "--reconstruct-batch-size 3": (lambda p, o: _fast(p) + ["--out", o, "--reconstruct-batch-size", "3"],
+    "--reconstruct-batch-size 3": (lambda p, o: _fast(p) + ["--out", o, "--reconstruct", "block", "--reconstruct-batch-size", "3"],
                                    "multiple of batch_size"),
     "diverging --reconstruct-lr": (lambda p, o: _fast(p) + ["--out", o, "--reconstruct", "block", "--reconstruct-lr",
                                                             "1e30", "--reconstruct-epochs", "20",

@@ -148,7 +148,8 @@ class PruneSettings:
                              "(to skip reconstruction, set reconstruct to 'none')")
         if self.reconstruct_lr <= 0:
             raise ValueError(f"reconstruct_lr must be a positive number, got {self.reconstruct_lr!r}")
-        if self.reconstruct_batch_size < 1 or self.reconstruct_batch_size % self.batch_size:
+        if self.reconstruct_batch_size < 1 or \
+                self.reconstruct != "none" and self.reconstruct_batch_size % self.batch_size:
             raise ValueError(f"reconstruct_batch_size must be a positive multiple of batch_size "
                              f"({self.batch_size}), the calibration batches a step is made of; "
                              f"got {self.reconstruct_batch_size}")

@@ -1,0 +1,238 @@
+"""Local reconstruction on SmolLM2 (issue 32): {wanda, sparsegpt, prox+exact} x {none,
+submodule, block} with the main job's calibration (``PruneSettings`` defaults: 64 x 512 wiki
+tokens), each row's wiki and Austen perplexity, the mean accuracy on nmprune's four offline
+lm-eval tasks, the pruning stage's wall time and the process's peak RSS during the row.
+
+One process loads the packaged model once and evaluates the dense model once; every row
+restores the dense weights, prunes (``nmprune.prune_model``, timed) and evaluates. The peak
+RSS of a row is the kernel's high-water mark (``VmHWM``) reset before the row
+(``/proc/self/clear_refs``); it includes this script's float32 copy of the dense weights
+(``dense_copy_bytes``). ``main_job_seconds`` adds the load and the wiki evaluations (dense and
+pruned, measured here) to a row's pruning time: what ``nmprune prune`` with that row's
+settings takes; rows are compared back to back on one CPU.
+
+Each row is written to ``benchmarks/results/reconstruct/ROW.json`` as soon as it is done
+and skipped by a later run (``--force`` redoes it), so a stopped run continues. The summary
+is ``benchmarks/results/reconstruct.{json,md,png}`` (perplexity against wall time).
+
+    flock /tmp/nmprune-bench.lock python benchmarks/reconstruct.py [--rows wanda:none,...]
+        [--tasks-limit N] [--force] [--lr 1e-3 --epochs 1 --batch 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from _machine import cpu_description
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+ROWS_DIR = RESULTS / "reconstruct"
+METHODS = {"wanda": ("wanda", None), "sparsegpt": ("sparsegpt", None), "prox+exact": ("prox", "exact")}
+GRANULARITIES = ("none", "submodule", "block")
+EVAL = ("wiki", "austen")
+EVAL_TOKENS, EVAL_SEQLEN = 8192, 512
+
+
+def reset_peak() -> None:
+    """Start a new high-water mark of this process's resident set (Linux 4.0+)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def peak_rss() -> int:
+    """This process's resident-set high-water mark since :func:`reset_peak`, in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+class Bench:
+    """The model loaded once, its dense weights, calibration and evaluation data."""
+
+    def __init__(self, tasks_limit: int | None):
+        import torch
+
+        from nmprune.data import calibration_batch
+        from nmprune.job import open_model
+        from nmprune.config import PruneSettings
+
+        t = time.perf_counter()
+        self.model, self.tokenizer, _ = open_model(None, None, "auto", False)
+        self.load_seconds = time.perf_counter() - t
+        self.dense = {k: v.clone() for k, v in self.model.state_dict().items()}
+        self.dense_bytes = sum(v.numel() * v.element_size() for v in self.dense.values())
+        d = PruneSettings()
+        self.calibration = calibration_batch(self.tokenizer, source=d.calib, nsamples=d.nsamples,
+                                             seqlen=d.seqlen, seed=d.seed)
+        self.cache: dict[str, Any] = {}
+        self.tasks_limit = tasks_limit
+        torch.manual_seed(0)
+
+    def restore(self) -> None:
+        self.model.load_state_dict(self.dense)
+
+    def evaluate(self) -> dict[str, Any]:
+        """Perplexities (with the seconds of the wiki one), the offline tasks' accuracies and
+        their mean (each task's headline metric)."""
+        from nmprune.downstream import OFFLINE_TASKS, DownstreamSettings, evaluate_tasks, headline
+        from nmprune.job import evaluate
+
+        ppl, seconds = {}, {}
+        for name in EVAL:
+            t = time.perf_counter()
+            ppl.update(evaluate(self.model, self.tokenizer, [name], EVAL_SEQLEN, EVAL_TOKENS, "cpu", False,
+                                self.cache))
+            seconds[f"eval_{name}"] = time.perf_counter() - t
+        t = time.perf_counter()
+        tasks = evaluate_tasks(self.model, self.tokenizer,
+                               DownstreamSettings(OFFLINE_TASKS, limit=self.tasks_limit, batch_size=4))
+        seconds["tasks"] = time.perf_counter() - t
+        accuracy = {task: headline(m)[1] for task, m in tasks.items()}
+        return {"perplexity": ppl, "accuracy": accuracy,
+                "mean_accuracy": sum(accuracy.values()) / len(accuracy), "tasks": tasks, "seconds": seconds}
+
+
+def row_name(method: str, granularity: str) -> str:
+    return f"{method} / {granularity}"
+
+
+def row_path(method: str, granularity: str) -> Path:
+    return ROWS_DIR / f"{method.replace('+', '_')}_{granularity}.json"
+
+
+def run_row(bench: Bench, method: str, granularity: str, fit: dict[str, Any]) -> dict[str, Any]:
+    from nmprune.pipeline import prune_model
+
+    name, refine = METHODS[method]
+    bench.restore()
+    settings = dict(method=name, refine=refine, reconstruct=granularity,
+                    **({} if granularity == "none" else fit))
+    reset_peak()
+    t = time.perf_counter()
+    report = prune_model(bench.model, calibration=bench.calibration, device="cpu", progress=False, **settings)
+    prune_seconds = time.perf_counter() - t
+    peak = peak_rss()
+    result = bench.evaluate()
+    blocks = report.blocks
+    return {"row": row_name(method, granularity), "method": method, "reconstruct": granularity,
+            "settings": report.settings, "prune_seconds": prune_seconds,
+            "layer_seconds": report.seconds["layers"],
+            "reconstruct_seconds": sum(b["seconds"] for b in blocks),
+            "peak_rss_bytes": peak, **result,
+            "mean_block_error_before": sum(b["error_before"] for b in blocks) / len(blocks) if blocks else None,
+            "mean_block_error_after": sum(b["error_after"] for b in blocks) / len(blocks) if blocks else None,
+            "blocks": blocks, "machine": cpu_description(), "load_average": os.getloadavg()}
+
+
+def plot(rows: list[dict[str, Any]], dense: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    markers = {"wanda": "o", "sparsegpt": "s", "prox+exact": "D"}
+    colours = {"none": "tab:grey", "submodule": "tab:blue", "block": "tab:orange"}
+    for r in rows:
+        ax.scatter(r["main_job_seconds"] / 60, r["perplexity"]["wiki"], marker=markers[r["method"]],
+                   color=colours[r["reconstruct"]], s=50, label=r["row"])
+    ax.axhline(dense["perplexity"]["wiki"], color="black", lw=0.8, ls=":", label="dense")
+    ax.axhline(2 * dense["perplexity"]["wiki"], color="tab:red", lw=0.8, ls="--", label="2x dense (target)")
+    ax.set_xlabel("main job wall time (min; load + prune + wiki evaluations)")
+    ax.set_ylabel("wiki perplexity (8192 held-out tokens)")
+    ax.set_yscale("log")
+    ax.set_title("SmolLM2-135M 2:4: reconstruction after pruning")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def summarise(bench_info: dict[str, Any], dense: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    base = next((r for r in rows if r["method"] == "prox+exact" and r["reconstruct"] == "none"), None)
+    for r in rows:
+        r["main_job_seconds"] = bench_info["load_seconds"] + dense["seconds"]["eval_wiki"] + \
+            r["prune_seconds"] + r["seconds"]["eval_wiki"]
+        r["wall_vs_default"] = r["main_job_seconds"] / base["main_job_seconds"] if base else None
+    (RESULTS / "reconstruct.json").write_text(json.dumps(
+        {"bench": bench_info, "dense": dense, "rows": rows}, indent=1, default=str))
+    mib = 1 << 20
+    lines = [
+        "# Local reconstruction on SmolLM2-135M-Instruct (2:4)", "",
+        f"CPU: {bench_info['machine']['model']} ({bench_info['machine']['llvm_target']}), 2 threads; "
+        f"calibration {bench_info['calibration']}; reconstruction {bench_info['fit']}; perplexity on the first "
+        f"{EVAL_TOKENS} held-out tokens in windows of {EVAL_SEQLEN}; accuracy: mean headline metric of "
+        f"{', '.join(dense['accuracy'])} (limit {bench_info['tasks_limit']}). Peak RSS includes the "
+        f"benchmark's copy of the dense weights ({bench_info['dense_copy_bytes'] / mib:.0f} MiB). "
+        "Main job = load + dense and pruned wiki evaluation + pruning, the stages `nmprune prune` runs.", "",
+        "| row | wiki ppl | x dense | austen ppl | mean acc % | block error before -> after | prune s "
+        "| main job min | vs prox+exact/none | peak RSS MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        f"| dense | {dense['perplexity']['wiki']:.2f} | 1.00 | {dense['perplexity']['austen']:.2f} "
+        f"| {100 * dense['mean_accuracy']:.1f} | | | | | |"]
+    for r in rows:
+        err = (f"{r['mean_block_error_before']:.4f} -> {r['mean_block_error_after']:.4f}"
+               if r["mean_block_error_before"] is not None else "")
+        vs = f"{r['wall_vs_default']:.2f}x" if r["wall_vs_default"] else ""
+        lines.append(f"| {r['row']} | {r['perplexity']['wiki']:.2f} | "
+                     f"{r['perplexity']['wiki'] / dense['perplexity']['wiki']:.2f} | "
+                     f"{r['perplexity']['austen']:.2f} | {100 * r['mean_accuracy']:.1f} | {err} | "
+                     f"{r['prune_seconds']:.0f} | {r['main_job_seconds'] / 60:.1f} | {vs} | "
+                     f"{r['peak_rss_bytes'] / mib:.0f} |")
+    lines += ["", "![perplexity against wall time](reconstruct.png)", ""]
+    (RESULTS / "reconstruct.md").write_text("\n".join(lines))
+    plot(rows, dense, RESULTS / "reconstruct.png")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default=",".join(f"{m}:{g}" for m in METHODS for g in GRANULARITIES),
+                        help="METHOD:GRANULARITY,... (default: all nine)")
+    parser.add_argument("--tasks-limit", type=int, default=None, help="items per task (default: all)")
+    parser.add_argument("--force", action="store_true", help="redo rows already written")
+    parser.add_argument("--lr", type=float, default=None, help="reconstruction lr (default: the setting's)")
+    parser.add_argument("--epochs", type=int, default=None)
+    parser.add_argument("--batch", type=int, default=None, help="reconstruction batch size in samples")
+    args = parser.parse_args()
+    import torch
+
+    from nmprune.config import PruneSettings
+
+    torch.set_num_threads(2)
+    d = PruneSettings()
+    fit = {"reconstruct_lr": args.lr or d.reconstruct_lr, "reconstruct_epochs": args.epochs or d.reconstruct_epochs,
+           "reconstruct_batch_size": args.batch or d.reconstruct_batch_size}
+    wanted = [tuple(r.split(":")) for r in args.rows.split(",")]
+    ROWS_DIR.mkdir(parents=True, exist_ok=True)
+    bench = Bench(args.tasks_limit)
+    dense_path = ROWS_DIR / "dense.json"
+    if dense_path.exists() and not args.force:
+        dense = json.loads(dense_path.read_text())
+    else:
+        dense = bench.evaluate()
+        dense_path.write_text(json.dumps(dense, indent=1, default=str))
+    print(f"dense: {dense['perplexity']} mean acc {dense['mean_accuracy']:.3f}", flush=True)
+    for method, granularity in wanted:
+        path = row_path(method, granularity)
+        if path.exists() and not args.force:
+            continue
+        record = run_row(bench, method, granularity, fit)
+        path.write_text(json.dumps(record, indent=1, default=str))
+        print(f"{record['row']}: wiki {record['perplexity']['wiki']:.2f} austen "
+              f"{record['perplexity']['austen']:.2f} acc {record['mean_accuracy']:.3f} "
+              f"prune {record['prune_seconds']:.0f}s peak {record['peak_rss_bytes'] >> 20} MiB", flush=True)
+    rows = [json.loads(row_path(m, g).read_text()) for m in METHODS for g in GRANULARITIES
+            if row_path(m, g).exists()]
+    info = {"machine": cpu_description(), "load_seconds": bench.load_seconds,
+            "dense_copy_bytes": bench.dense_bytes, "tasks_limit": args.tasks_limit, "fit": fit,
+            "calibration": f"{d.calib} {d.nsamples} x {d.seqlen}, seed {d.seed}"}
+    summarise(info, dense, rows)
+
+
+if __name__ == "__main__":
+    main()
