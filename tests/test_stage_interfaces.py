@@ -10,6 +10,7 @@ import pytest
 
 from nmprune.distributed import DistributedExecutor
 from nmprune.stages.executor import Executor, LocalExecutor
+from nmprune.stages.reconstruction import ReconstructingStatistics
 from nmprune.stages.sink import BlockSink, ModelSink
 from nmprune.stages.source import BlockSource, ModelBlocks
 from nmprune.stages.statistics import CalibrationStatistics, PrecomputedStatistics, StatisticsStage
@@ -18,7 +19,7 @@ from nmprune.streaming import ShardedWriter, StreamingModel
 STAGES = {
     "block source": (BlockSource, [ModelBlocks, StreamingModel]),
     "sink": (BlockSink, [ModelSink, ShardedWriter]),
-    "statistics": (StatisticsStage, [CalibrationStatistics, PrecomputedStatistics]),
+    "statistics": (StatisticsStage, [CalibrationStatistics, PrecomputedStatistics, ReconstructingStatistics]),
     "executor": (Executor, [LocalExecutor, DistributedExecutor]),
 }
 
