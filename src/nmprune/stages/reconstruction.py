@@ -109,6 +109,8 @@ class ReconstructingStatistics:
         self.pruned: list[Tensor] = list(inputs.hidden)
         self._units: list[_Unit] = []
         self._active: dict[str, nn.Module] = {}
+        self._dense_in: list[Tensor] = []
+        self._additive = False
 
     @property
     def hidden(self) -> list[Tensor]:
@@ -130,6 +132,7 @@ class ReconstructingStatistics:
         ``dense_inputs``); meanwhile the dense block's outputs of every submodel to fit are
         recorded and the dense stream moves past the block."""
         self._active = dict(layers)
+        self._dense_in = list(self.dense)
         units = self._candidates(block)
         order: list[_Unit] = []
         handles = [u.module.register_forward_hook(self._recorder(u, order)) for u in units]
@@ -151,7 +154,21 @@ class ReconstructingStatistics:
         if missing:
             raise RuntimeError(f"block {index}: {', '.join(missing)} never ran in the block's forward pass")
         self._units = order
+        self._additive = self.granularity == "submodule" and self._is_additive()
         return stats
+
+    def _is_additive(self) -> bool:
+        """Whether the block's output is its input plus the outputs of its submodels (a
+        pre-norm residual block: Llama, Qwen, Mistral, Phi-3, GPT-2, OPT; not Gemma 2's
+        post-norms), to 1e-4 of the output's norm over every process's batches."""
+        sums = torch.zeros(2, dtype=torch.float64, device=self.dense[0].device if self.dense else "cpu")
+        if any(u.targets[0].shape != self.dense[0].shape for u in self._units):
+            sums[0] = float("inf")  # a submodel of another width (OPT's fc1): not a residual branch
+        for j, (x, y) in enumerate(zip(self._dense_in, self.dense) if sums[0] == 0 else ()):
+            rest = y.float() - x.float() - sum(u.targets[j].float() for u in self._units)
+            sums += torch.stack([rest.square().sum().double(), y.float().square().sum().double()])
+        self.all_reduce([sums])
+        return bool(sums[0] <= 1e-8 * sums[1])
 
     def _candidates(self, block: nn.Module) -> list[_Unit]:
         """The submodels of ``block`` to fit: the block, or its direct children holding a
@@ -186,26 +203,51 @@ class ReconstructingStatistics:
         self.all_reduce([sums])
         return outs, float(sums[0] / sums[1]) if sums[1] > 0 else 0.0
 
-    def _unit_inputs(self, index: int, block: nn.Module, unit: _Unit, dtype: torch.dtype
-                     ) -> list[tuple[tuple, dict]]:
-        """The arguments ``unit`` receives on each batch of the pruned stream (as ``dtype``)."""
+    def _unit_inputs(self, index: int, block: nn.Module, unit: _Unit, dtype: torch.dtype,
+                     before: Sequence[_Unit] = ()) -> tuple[list[tuple[tuple, dict]], list[Tensor]]:
+        """The arguments ``unit`` receives on each batch of the pruned stream (as ``dtype``),
+        and the sum of the outputs of the submodels ``before`` it on each batch."""
         seen: list[tuple[tuple, dict]] = []
+        earlier: list[Tensor] = []
 
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             seen.append((_cast(args, dtype), _cast(kwargs, dtype)))
             raise _Stop
 
-        handle = unit.module.register_forward_pre_hook(hook, with_kwargs=True)
+        def add(module: nn.Module, args: tuple, out: Any) -> None:
+            earlier[-1] = earlier[-1] + block_hidden(out).float()
+
+        handles = [unit.module.register_forward_pre_hook(hook, with_kwargs=True)]
+        handles += [u.module.register_forward_hook(add) for u in before]
         try:
             with torch.no_grad():
                 for h in self.pruned:
+                    earlier.append(torch.zeros((), device=h.device))
                     try:
                         run_block(block, h.to(dtype), _cast(self._call(index, h), dtype))
                     except _Stop:
                         pass
         finally:
-            handle.remove()
-        return seen
+            for handle in handles:
+                handle.remove()
+        return seen, earlier
+
+    def _residual_targets(self, k: int, earlier: list[Tensor], dense_sum: list[Tensor]) -> None:
+        """Make submodel ``k``'s targets those of the residual stream after it: its dense
+        output plus the dense minus the pruned residual stream entering it (block input plus
+        the earlier submodels' outputs), so that training also cancels the drift the pruned
+        model brought in. ``dense_sum`` (the dense residual entering ``k``) moves past ``k``."""
+        unit = self._units[k]
+        for j, target in enumerate(unit.targets):
+            dense_out = target.float()
+            unit.targets[j] = dense_out + dense_sum[j] - (self.pruned[j].float() + earlier[j])
+            dense_sum[j] = dense_sum[j] + dense_out
+
+    def _targets_kind(self) -> str:
+        """What the submodels were fitted to (docs/methods.md "Local reconstruction")."""
+        if self.granularity == "block":
+            return "block output"
+        return "residual stream" if self._additive else "submodule output"
 
     def advance(self, index: int, block: nn.Module) -> dict[str, Any]:
         """Fit the submodels of block ``index`` in order (pruned weights already in it),
@@ -221,10 +263,15 @@ class ReconstructingStatistics:
         per_unit = self.options.epochs * -(-self.total // self.options.batches_per_step)
         bar = tqdm(total=per_unit * len(self._units), desc=f"reconstructing block {index}",
                    leave=False, disable=not self.progress)
+        dense_sum = [x.float() for x in self._dense_in] if self._additive else []
         try:
             with _training(block, weights):
-                for unit in self._units:
-                    inputs = self._unit_inputs(index, block, unit, torch.float32)
+                for k, unit in enumerate(self._units):
+                    inputs, earlier = self._unit_inputs(index, block, unit, torch.float32,
+                                                        self._units[:k] if self._additive else ())
+                    if self._additive:
+                        self._residual_targets(k, earlier, dense_sum)
+                    del earlier
                     result = fit_masked(lambda j: block_hidden(unit.module(*inputs[j][0], **inputs[j][1])),
                                         unit.targets, self._weights(unit), self.positions, self.total,
                                         replace(self.options, seed=self.options.seed + index),
@@ -247,7 +294,8 @@ class ReconstructingStatistics:
                     w.copy_(s)
             after, error_after, kept = before, error_before, "solved"
         self.pruned = after
-        self._units = []
-        return {"block": index, "reconstruct": self.granularity, "error_before": error_before,
+        self._units, self._dense_in = [], []
+        return {"block": index, "reconstruct": self.granularity, "targets": self._targets_kind(),
+                "error_before": error_before,
                 "error_after": error_after, "kept": kept, "steps": steps,
                 "seconds": time.perf_counter() - started}
