@@ -206,7 +206,7 @@ def main() -> None:
     torch.set_num_threads(2)
     d = PruneSettings()
     fit = {"reconstruct_lr": args.lr or d.reconstruct_lr, "reconstruct_epochs": args.epochs or d.reconstruct_epochs,
-           "reconstruct_batch_size": args.batch or d.reconstruct_batch_size}
+           "reconstruct_batch_size": args.batch or d.reconstruct_batch_size or d.batch_size}
     wanted = [tuple(r.split(":")) for r in args.rows.split(",")]
     ROWS_DIR.mkdir(parents=True, exist_ok=True)
     bench = Bench(args.tasks_limit)

@@ -112,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reconstruct-lr", dest="reconstruct_lr", type=float,
                    help="AdamW learning rate of the reconstruction, decayed linearly to 0 (default 1e-4)")
     p.add_argument("--reconstruct-batch-size", dest="reconstruct_batch_size", type=int,
-                   help="calibration samples per reconstruction step, a multiple of --batch-size (default 8)")
+                   help="calibration samples per reconstruction step, a multiple of --batch-size "
+                        "(default: --batch-size, one calibration batch per step)")
     p.add_argument("--damp", type=float,
                    help="Hessian dampening: solvers see H + DAMP * mean(diag H) * I (default 0.01; "
                         "0 = the paper's undamped loss)")

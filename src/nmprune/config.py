@@ -104,7 +104,7 @@ class PruneSettings:
     ``reconstruct`` (``"none"``, ``"submodule"`` or ``"block"``) trains each block's kept
     weights after its solve, ``reconstruct_epochs`` passes over the calibration set with
     AdamW at ``reconstruct_lr`` in steps of ``reconstruct_batch_size`` samples (a multiple
-    of ``batch_size``; :mod:`nmprune.stages.reconstruction`).
+    of ``batch_size``; None: one calibration batch per step; :mod:`nmprune.stages.reconstruction`).
     """
 
     method: str = "prox"
@@ -124,7 +124,7 @@ class PruneSettings:
     reconstruct: str = "none"
     reconstruct_epochs: int = 1
     reconstruct_lr: float = 1e-4
-    reconstruct_batch_size: int = 8
+    reconstruct_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.pattern, int) and not isinstance(self.pattern, bool):
@@ -148,8 +148,8 @@ class PruneSettings:
                              "(to skip reconstruction, set reconstruct to 'none')")
         if self.reconstruct_lr <= 0:
             raise ValueError(f"reconstruct_lr must be a positive number, got {self.reconstruct_lr!r}")
-        if self.reconstruct_batch_size < 1 or \
-                self.reconstruct != "none" and self.reconstruct_batch_size % self.batch_size:
+        step = self.reconstruct_batch_size
+        if step is not None and (step < 1 or self.reconstruct != "none" and step % self.batch_size):
             raise ValueError(f"reconstruct_batch_size must be a positive multiple of batch_size "
                              f"({self.batch_size}), the calibration batches a step is made of; "
                              f"got {self.reconstruct_batch_size}")
@@ -165,8 +165,8 @@ class PruneSettings:
 
     def fit_options(self) -> FitOptions:
         """How each reconstruction trains (:func:`nmprune.reconstruct.fit_masked`)."""
-        return FitOptions(self.reconstruct_epochs, self.reconstruct_lr,
-                          self.reconstruct_batch_size // self.batch_size, self.seed)
+        step = self.reconstruct_batch_size or self.batch_size
+        return FitOptions(self.reconstruct_epochs, self.reconstruct_lr, step // self.batch_size, self.seed)
 
     def fingerprint(self) -> str:
         """A stable hash of the settings (checkpoints only resume under the same one)."""

@@ -312,7 +312,7 @@ def _reconstruction_summary(config: RunConfig, blocks: list[dict[str, Any]]) -> 
     s = config.prune
     mean = (lambda key: sum(b[key] for b in blocks) / len(blocks)) if blocks else (lambda key: None)
     return {"granularity": s.reconstruct, "epochs": s.reconstruct_epochs, "lr": s.reconstruct_lr,
-            "batch_size": s.reconstruct_batch_size, "mean_error_before": mean("error_before"),
+            "batch_size": s.reconstruct_batch_size or s.batch_size, "mean_error_before": mean("error_before"),
             "mean_error_after": mean("error_after"), "blocks": blocks}
 
 
