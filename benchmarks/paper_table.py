@@ -506,6 +506,7 @@ def propagated(bench: Bench, method: str, log: Callable[[str], None]) -> dict[st
         warnings.simplefilter("ignore", RuntimeWarning)
         report = prune_model(bench.model, calibration=bench.calibration, device="cpu", method=method,
                              refine=refine, pattern=PATTERN, hessian_inputs="pruned", damp=0.0, overrides=bench.skip,
+                             reconstruct="none",  # the paper's ablation: layer solves only
                              progress=bench.progress, **{k: v for k, v in bench.cfg.calib.items() if k != "calib"})
     load = os.getloadavg()[0]
     ppl, eval_seconds = bench.evaluate({n: m.weight.detach().clone() for n, m in bench.modules.items()})

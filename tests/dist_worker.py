@@ -24,7 +24,7 @@ from test_models_tiny import tiny_model, token_batch  # noqa: E402
 from nmprune.checkpoint import Checkpoint  # noqa: E402
 from nmprune.pipeline import prune_model  # noqa: E402
 
-SETTINGS = dict(method="sparsegpt", refine="exact", pattern="2:4", batch_size=2)
+SETTINGS = dict(method="sparsegpt", refine="exact", pattern="2:4", batch_size=2, reconstruct="none")
 RECONSTRUCT = dict(reconstruct_batch_size=2, reconstruct_epochs=5, reconstruct_lr=5e-4)
 
 
@@ -47,8 +47,8 @@ def main(family: str, mode: str, out: Path, reconstruct: str = "none") -> None:
 
     report = prune_model(model, calibration=token_batch(8, 16), device="cpu", progress=False,
                          checkpoint=checkpoint, on_block_done=fail,
-                         hessian_inputs="pruned" if family == "opt" else "dense", **SETTINGS,
-                         **(dict(reconstruct=reconstruct, **RECONSTRUCT) if reconstruct != "none" else {}))
+                         hessian_inputs="pruned" if family == "opt" else "dense",
+                         **{**SETTINGS, **(dict(reconstruct=reconstruct, **RECONSTRUCT) if reconstruct != "none" else {})})
     if rank == 0:
         torch.save(model.state_dict(), out / "state.pt")
         (out / "report.json").write_text(json.dumps(report.to_dict(), default=str))

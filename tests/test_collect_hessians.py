@@ -33,9 +33,10 @@ def test_prune_with_collected_hessians_equals_normal_run(method, refine):
     dense = tiny_model("llama", layers=2)
     ids = token_batch(4, 12)
     normal, reused = copy.deepcopy(dense), copy.deepcopy(dense)
-    r1 = prune_model(normal, calibration=ids, method=method, refine=refine, batch_size=4, progress=False)
+    r1 = prune_model(normal, calibration=ids, method=method, refine=refine, batch_size=4, progress=False,
+                     reconstruct="none")
     stats = collect_hessians(dense, ids, batch_size=4, progress=False)
-    r2 = prune_model(reused, method=method, refine=refine, hessians=stats, progress=False)
+    r2 = prune_model(reused, method=method, refine=refine, hessians=stats, progress=False, reconstruct="none")
     for (k, a), b in zip(normal.state_dict().items(), reused.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=k)
     assert [r["name"] for r in r1.layers] == [r["name"] for r in r2.layers]
@@ -45,8 +46,8 @@ def test_collected_hessians_refuse_pruned_inputs_and_missing_layers():
     model = tiny_model("llama", layers=2)
     stats = collect_hessians(model, token_batch(2, 8), progress=False)
     with pytest.raises(ValueError, match="cannot be used with hessian_inputs='pruned'"):
-        prune_model(copy.deepcopy(model), method="wanda", hessian_inputs="pruned", hessians=stats,
+        prune_model(copy.deepcopy(model), method="wanda", hessian_inputs="pruned", hessians=stats, reconstruct="none",
                     progress=False)
     partial = {k: v for k, v in stats.items() if ".1." not in k}
     with pytest.raises(ValueError, match="hessians has no entry for model.layers.1"):
-        prune_model(copy.deepcopy(model), method="wanda", hessians=partial, progress=False)
+        prune_model(copy.deepcopy(model), method="wanda", hessians=partial, progress=False, reconstruct="none")

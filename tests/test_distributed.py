@@ -158,8 +158,8 @@ def test_reconstruction_on_two_ranks_matches_one_rank(family, granularity, tmp_p
 
     model = build(family)
     one = prune_model(model, calibration=token_batch(8, 16), device="cpu", progress=False,
-                      hessian_inputs="pruned" if family == "opt" else "dense", reconstruct=granularity,
-                      **SETTINGS, **RECONSTRUCT).to_dict()
+                      hessian_inputs="pruned" if family == "opt" else "dense",
+                      **{**SETTINGS, "reconstruct": granularity, **RECONSTRUCT}).to_dict()
     two = json.loads((tmp_path / "two" / "report.json").read_text())
     state_one, state_two = model.state_dict(), torch.load(tmp_path / "two" / "state.pt")
     names = [r["name"] for r in one["layers"] if not r["skipped"]]

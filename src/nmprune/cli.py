@@ -106,11 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reconstruct", dest="reconstruct", choices=list(GRANULARITIES),
                    help="after each block's solve, train its kept weights (mask held) to match the "
                         "dense model's activations: of its attention and MLP one after the other "
-                        "(submodule), or of the whole block (block); default none")
+                        "(submodule), or of the whole block (block); default block")
     p.add_argument("--reconstruct-epochs", dest="reconstruct_epochs", type=int,
                    help="passes over the calibration set per reconstruction (default 1)")
     p.add_argument("--reconstruct-lr", dest="reconstruct_lr", type=float,
-                   help="AdamW learning rate of the reconstruction, decayed linearly to 0 (default 1e-4)")
+                   help="AdamW learning rate of the reconstruction, decayed linearly to 0 (default 3e-3)")
     p.add_argument("--reconstruct-batch-size", dest="reconstruct_batch_size", type=int,
                    help="calibration samples per reconstruction step, a multiple of --batch-size "
                         "(default: --batch-size, one calibration batch per step)")

@@ -121,9 +121,9 @@ class PruneSettings:
     hessian_dtype: str = "float32"
     damp: float = 0.01
     strict: bool = False
-    reconstruct: str = "none"
+    reconstruct: str = "block"
     reconstruct_epochs: int = 1
-    reconstruct_lr: float = 1e-4
+    reconstruct_lr: float = 3e-3
     reconstruct_batch_size: int | None = None
 
     def __post_init__(self) -> None:
