@@ -57,21 +57,23 @@ def _cast(value: Any, dtype: torch.dtype) -> Any:
 
 
 @contextmanager
-def _training(block: nn.Module, weights: Sequence[Tensor]) -> Iterator[None]:
-    """Gradients on for the body, for ``weights`` only (``fit_masked`` turns them on); every
-    parameter of ``block`` is float32 meanwhile and returns to its dtype afterwards."""
-    dtype = next(block.parameters()).dtype
-    flags = {p: p.requires_grad for p in block.parameters()}
-    for p in flags:
+def _training(block: nn.Module) -> Iterator[None]:
+    """Gradients on for the body, but off for every parameter of ``block`` (``fit_masked``
+    turns them on for the weights it trains); every
+    floating parameter of ``block`` is float32 meanwhile (the same tensor objects) and returns
+    to its own dtype afterwards. Buffers are left as they are."""
+    flags = {p: (p.requires_grad, p.dtype) for p in block.parameters()}
+    for p, (_, dtype) in flags.items():
         p.requires_grad_(False)
-    if dtype != torch.float32:
-        block.float()
+        if dtype.is_floating_point and dtype != torch.float32:
+            p.data = p.data.float()
     try:
         with torch.enable_grad():
             yield
     finally:
-        block.to(dtype)
-        for p, flag in flags.items():
+        for p, (flag, dtype) in flags.items():
+            if p.dtype != dtype:
+                p.data = p.data.to(dtype)
             p.requires_grad_(flag)
 
 
@@ -265,7 +267,7 @@ class ReconstructingStatistics:
                    leave=False, disable=not self.progress)
         dense_sum = [x.float() for x in self._dense_in] if self._additive else []
         try:
-            with _training(block, weights):
+            with _training(block):
                 for k, unit in enumerate(self._units):
                     inputs, earlier = self._unit_inputs(index, block, unit, torch.float32,
                                                         self._units[:k] if self._additive else ())
