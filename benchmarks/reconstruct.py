@@ -16,7 +16,7 @@ and skipped by a later run (``--force`` redoes it), so a stopped run continues. 
 is ``benchmarks/results/reconstruct.{json,md,png}`` (perplexity against wall time).
 
     flock /tmp/nmprune-bench.lock python benchmarks/reconstruct.py [--rows wanda:none,...]
-        [--tasks-limit N] [--force] [--lr 1e-3 --epochs 1 --batch 2]
+        [--tasks-limit N] [--tasks-rows ROWS] [--force] [--lr 1e-3 --epochs 1 --batch 2]
 """
 
 from __future__ import annotations
@@ -77,9 +77,9 @@ class Bench:
     def restore(self) -> None:
         self.model.load_state_dict(self.dense)
 
-    def evaluate(self) -> dict[str, Any]:
+    def evaluate(self, tasks: bool = True) -> dict[str, Any]:
         """Perplexities (with the seconds of the wiki one), the offline tasks' accuracies and
-        their mean (each task's headline metric)."""
+        their mean (each task's headline metric; None without ``tasks``)."""
         from nmprune.downstream import OFFLINE_TASKS, DownstreamSettings, evaluate_tasks, headline
         from nmprune.job import evaluate
 
@@ -89,13 +89,15 @@ class Bench:
             ppl.update(evaluate(self.model, self.tokenizer, [name], EVAL_SEQLEN, EVAL_TOKENS, "cpu", False,
                                 self.cache))
             seconds[f"eval_{name}"] = time.perf_counter() - t
+        if not tasks:
+            return {"perplexity": ppl, "accuracy": None, "mean_accuracy": None, "tasks": None, "seconds": seconds}
         t = time.perf_counter()
-        tasks = evaluate_tasks(self.model, self.tokenizer,
-                               DownstreamSettings(OFFLINE_TASKS, limit=self.tasks_limit, batch_size=4))
+        result = evaluate_tasks(self.model, self.tokenizer,
+                                DownstreamSettings(OFFLINE_TASKS, limit=self.tasks_limit, batch_size=4))
         seconds["tasks"] = time.perf_counter() - t
-        accuracy = {task: headline(m)[1] for task, m in tasks.items()}
+        accuracy = {task: headline(m)[1] for task, m in result.items()}
         return {"perplexity": ppl, "accuracy": accuracy,
-                "mean_accuracy": sum(accuracy.values()) / len(accuracy), "tasks": tasks, "seconds": seconds}
+                "mean_accuracy": sum(accuracy.values()) / len(accuracy), "tasks": result, "seconds": seconds}
 
 
 def row_name(method: str, granularity: str) -> str:
@@ -106,7 +108,7 @@ def row_path(method: str, granularity: str) -> Path:
     return ROWS_DIR / f"{method.replace('+', '_')}_{granularity}.json"
 
 
-def run_row(bench: Bench, method: str, granularity: str, fit: dict[str, Any]) -> dict[str, Any]:
+def run_row(bench: Bench, method: str, granularity: str, fit: dict[str, Any], tasks: bool) -> dict[str, Any]:
     from nmprune.pipeline import prune_model
 
     name, refine = METHODS[method]
@@ -118,7 +120,7 @@ def run_row(bench: Bench, method: str, granularity: str, fit: dict[str, Any]) ->
     report = prune_model(bench.model, calibration=bench.calibration, device="cpu", progress=False, **settings)
     prune_seconds = time.perf_counter() - t
     peak = peak_rss()
-    result = bench.evaluate()
+    result = bench.evaluate(tasks)
     blocks = report.blocks
     return {"row": row_name(method, granularity), "method": method, "reconstruct": granularity,
             "settings": report.settings, "prune_seconds": prune_seconds,
@@ -175,13 +177,14 @@ def summarise(bench_info: dict[str, Any], dense: dict[str, Any], rows: list[dict
         "|---|---|---|---|---|---|---|---|---|---|",
         f"| dense | {dense['perplexity']['wiki']:.2f} | 1.00 | {dense['perplexity']['austen']:.2f} "
         f"| {100 * dense['mean_accuracy']:.1f} | | | | | |"]
+    acc = lambda r: f"{100 * r['mean_accuracy']:.1f}" if r["mean_accuracy"] is not None else "not run"
     for r in rows:
         err = (f"{r['mean_block_error_before']:.4f} -> {r['mean_block_error_after']:.4f}"
                if r["mean_block_error_before"] is not None else "")
         vs = f"{r['wall_vs_default']:.2f}x" if r["wall_vs_default"] else ""
         lines.append(f"| {r['row']} | {r['perplexity']['wiki']:.2f} | "
                      f"{r['perplexity']['wiki'] / dense['perplexity']['wiki']:.2f} | "
-                     f"{r['perplexity']['austen']:.2f} | {100 * r['mean_accuracy']:.1f} | {err} | "
+                     f"{r['perplexity']['austen']:.2f} | {acc(r)} | {err} | "
                      f"{r['prune_seconds']:.0f} | {r['main_job_seconds'] / 60:.1f} | {vs} | "
                      f"{r['peak_rss_bytes'] / mib:.0f} |")
     lines += ["", "![perplexity against wall time](reconstruct.png)", ""]
@@ -194,6 +197,8 @@ def main() -> None:
     parser.add_argument("--rows", default=",".join(f"{m}:{g}" for m in METHODS for g in GRANULARITIES),
                         help="METHOD:GRANULARITY,... (default: all nine)")
     parser.add_argument("--tasks-limit", type=int, default=None, help="items per task (default: all)")
+    parser.add_argument("--tasks-rows", default=None,
+                        help="METHOD:GRANULARITY,... that also get the offline tasks (default: every row)")
     parser.add_argument("--force", action="store_true", help="redo rows already written")
     parser.add_argument("--lr", type=float, default=None, help="reconstruction lr (default: the setting's)")
     parser.add_argument("--epochs", type=int, default=None)
@@ -221,7 +226,8 @@ def main() -> None:
         path = row_path(method, granularity)
         if path.exists() and not args.force:
             continue
-        record = run_row(bench, method, granularity, fit)
+        record = run_row(bench, method, granularity, fit,
+                         args.tasks_rows is None or f"{method}:{granularity}" in args.tasks_rows.split(","))
         path.write_text(json.dumps(record, indent=1, default=str))
         print(f"{record['row']}: wiki {record['perplexity']['wiki']:.2f} austen "
               f"{record['perplexity']['austen']:.2f} acc {record['mean_accuracy']:.3f} "
