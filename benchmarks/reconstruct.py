@@ -230,7 +230,7 @@ def main() -> None:
                          args.tasks_rows is None or f"{method}:{granularity}" in args.tasks_rows.split(","))
         path.write_text(json.dumps(record, indent=1, default=str))
         print(f"{record['row']}: wiki {record['perplexity']['wiki']:.2f} austen "
-              f"{record['perplexity']['austen']:.2f} acc {record['mean_accuracy']:.3f} "
+              f"{record['perplexity']['austen']:.2f} acc {record['mean_accuracy']} "
               f"prune {record['prune_seconds']:.0f}s peak {record['peak_rss_bytes'] >> 20} MiB", flush=True)
     rows = [json.loads(row_path(m, g).read_text()) for m in METHODS for g in GRANULARITIES
             if row_path(m, g).exists()]
