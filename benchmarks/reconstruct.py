@@ -160,16 +160,20 @@ def summarise(bench_info: dict[str, Any], dense: dict[str, Any], rows: list[dict
     for r in rows:
         r["main_job_seconds"] = bench_info["load_seconds"] + dense["seconds"]["eval_wiki"] + \
             r["prune_seconds"] + r["seconds"]["eval_wiki"]
+    for r in rows:
         r["wall_vs_default"] = r["main_job_seconds"] / base["main_job_seconds"] if base else None
     (RESULTS / "reconstruct.json").write_text(json.dumps(
         {"bench": bench_info, "dense": dense, "rows": rows}, indent=1, default=str))
     mib = 1 << 20
+    items = "/".join(sorted({str(m.get("n", "?")) for m in dense["tasks"].values()}))
+    done = {(r["method"], r["reconstruct"]) for r in rows}
+    missing = [row_name(m, g) for m in METHODS for g in GRANULARITIES if (m, g) not in done]
     lines = [
         "# Local reconstruction on SmolLM2-135M-Instruct (2:4)", "",
         f"CPU: {bench_info['machine']['model']} ({bench_info['machine']['llvm_target']}), 2 threads; "
         f"calibration {bench_info['calibration']}; reconstruction {bench_info['fit']}; perplexity on the first "
         f"{EVAL_TOKENS} held-out tokens in windows of {EVAL_SEQLEN}; accuracy: mean headline metric of "
-        f"{', '.join(dense['accuracy'])} (limit {bench_info['tasks_limit']}). Peak RSS includes the "
+        f"{', '.join(dense['accuracy'])} ({items} items each; only in the rows that have it). Peak RSS includes the "
         f"benchmark's copy of the dense weights ({bench_info['dense_copy_bytes'] / mib:.0f} MiB). "
         "Main job = load + dense and pruned wiki evaluation + pruning, the stages `nmprune prune` runs.", "",
         "| row | wiki ppl | x dense | austen ppl | mean acc % | block error before -> after | prune s "
@@ -187,6 +191,8 @@ def summarise(bench_info: dict[str, Any], dense: dict[str, Any], rows: list[dict
                      f"{r['perplexity']['austen']:.2f} | {acc(r)} | {err} | "
                      f"{r['prune_seconds']:.0f} | {r['main_job_seconds'] / 60:.1f} | {vs} | "
                      f"{r['peak_rss_bytes'] / mib:.0f} |")
+    if missing:
+        lines += ["", f"Not run yet: {', '.join(missing)}."]
     lines += ["", "![perplexity against wall time](reconstruct.png)", ""]
     (RESULTS / "reconstruct.md").write_text("\n".join(lines))
     plot(rows, dense, RESULTS / "reconstruct.png")
