@@ -9,18 +9,27 @@ peak device memory on Llama-3.1-8B-shaped layers. Writes ``benchmarks/results/gp
    sparsegpt, wanda and prox + exact refinement on the shapes of Llama-3.1-8B's layers
    (4096x4096, 14336x4096, 4096x14336), and the peak device memory of each
    (``torch.cuda.max_memory_allocated``).
-3. **The whole pipeline.** ``nmprune.run`` (wanda + exact refinement) on the packaged
-   SmolLM2-135M-Instruct (saved as safetensors first, so that it can also stream) on the device
-   in memory and streamed, in float32 and bfloat16, against the same run on the CPU in float32:
-   the pruned wiki perplexities, wall seconds and the peak device memory of each run.
+3. **The whole pipeline.** ``nmprune.run`` (wanda + exact refinement, then the default block
+   reconstruction) on the packaged SmolLM2-135M-Instruct (saved as safetensors first, so that
+   it can also stream) on the device in memory and streamed, in float32 and bfloat16, against
+   the same run on the CPU in float32: the pruned wiki perplexities, wall seconds and the peak
+   device memory of each run.
+4. **One Llama-3.1-8B-shaped block.** ``nmprune.run`` on a random one-block Llama with the
+   8B model's block in bfloat16: wanda's layer solves and the block reconstruction stage
+   (:mod:`nmprune.stages.reconstruction`) on 128 x 2048 calibration tokens, their seconds,
+   the block's output error before and after, and the peak device memory.
+
+The parts run in the order ``agreement, pipeline, speed, block`` (``--parts`` picks some) and
+the results are written after each, so a run stopped at a time limit keeps what it finished;
+``--merge`` adds the parts of this run to an earlier ``gpu.json`` of the same device.
 
 On a machine without CUDA it runs the same code on the CPU against itself, with every shape
 divided by ``--scale`` (16 by default there), so that the script always imports and runs
 (tests/test_gpu_check.py, which also gives a tiny ``--model``); such results name the CPU and
-say ``fallback``. The layer solve time of the reconstruction stage (issue 32) is not in it:
-that stage does not exist yet.
+say ``fallback``.
 
     python benchmarks/gpu_check.py [--device cuda] [--scale 1] [--repeats 3] [--out DIR]
+                                   [--parts agreement,pipeline,speed,block] [--merge]
 """
 
 from __future__ import annotations
@@ -28,8 +37,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -137,34 +148,98 @@ def pipeline(device: torch.device, model_dir: Path, work: Path, settings: dict) 
     return rows
 
 
+def block_model_dir(folder: Path, tokenizer_dir: Path, scale: int = 1, layers: int = 1) -> Path:
+    """A random Llama with Llama-3.1-8B's block (hidden 4096, MLP 14336, 32 query and 8
+    key-value heads; widths and head counts divided by ``scale``), ``layers`` blocks, tied
+    embeddings and the tokenizer saved in ``tokenizer_dir``, saved as safetensors in bfloat16."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    heads = max(1, 32 // scale)
+    config = LlamaConfig(hidden_size=4096 // scale, intermediate_size=14336 // scale,
+                         num_attention_heads=heads, head_dim=4096 // scale // heads,
+                         num_key_value_heads=max(1, 8 // scale), num_hidden_layers=layers, vocab_size=len(tokenizer),
+                         tie_word_embeddings=True, max_position_embeddings=8192, rope_theta=500000.0,
+                         torch_dtype="bfloat16")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    path = folder / "llama8b-block"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def block_reconstruction(device: torch.device, model_dir: Path, work: Path, settings: dict) -> dict:
+    """Part 4: one Llama-3.1-8B-shaped block pruned by wanda and reconstructed (the block
+    granularity, the default) by ``nmprune.run`` on ``device`` in bfloat16: seconds of the
+    layer solves and of the reconstruction, the block's output error before and after, and the
+    peak device memory."""
+    import nmprune
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    config = nmprune.build_config({"method": "wanda", "refine": None, "reconstruct": "block", **settings},
+                                  {"model": str(model_dir), "out": str(work / "block"),
+                                   "device": str(device), "dtype": "bfloat16"})
+    report = nmprune.run(config, progress=False)
+    block = report["reconstruction"]["blocks"][0]
+    return {"settings": {k: settings[k] for k in ("nsamples", "seqlen")},
+            "layer_seconds": sum(r["seconds"] for r in report["layers"]),
+            "reconstruction_seconds": block["seconds"], "steps": block["steps"],
+            "error_before": block["error_before"], "error_after": block["error_after"], "kept": block["kept"],
+            "prune_seconds": report["seconds"]["prune"],
+            "peak_device_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
+
+
 def report_markdown(result: dict) -> str:
-    """The results as Markdown tables."""
+    """The results (the parts done so far) as Markdown tables."""
     lines = [f"# Layer solvers on {result['device_name']}", "",
              f"Device `{result['device']}`{' (CPU fallback: no CUDA here)' if result['fallback'] else ''}, "
              f"torch {result['torch']}, CPU {result['cpu']['model']} ({result['cpu']['llvm_target']}); "
-             f"shapes divided by {result['scale']}.", "",
-             "## Agreement with the CPU", "",
-             "| method | refine | shape | same mask cells | loss CPU | loss device | rel. diff |",
-             "|---|---|---|---:|---:|---:|---:|"]
-    for r in result["agreement"]:
-        lines.append(f"| {r['method']} | {r['refine'] or '-'} | {r['shape'][0]}x{r['shape'][1]} | "
-                     f"{r['same_mask_cells']:.4f} | {r['loss_cpu']:.6g} | {r['loss_device']:.6g} | "
-                     f"{r['loss_rel_diff']:.2e} |")
-    lines += ["", "## Solve time and peak device memory", "",
-              "| method | refine | shape | median s | peak device MiB |", "|---|---|---|---:|---:|"]
-    for r in result["speed"]:
-        peak = "-" if r["peak_device_bytes"] is None else f"{r['peak_device_bytes'] / 2**20:.0f}"
-        lines.append(f"| {r['method']} | {r['refine'] or '-'} | {r['shape'][0]}x{r['shape'][1]} | "
-                     f"{r['seconds_median']:.3f} | {peak} |")
-    lines += ["", f"## The whole pipeline ({result['pipeline_model']}), against the CPU", "",
-              "| device | dtype | streamed | perplexity | rel. diff | seconds | peak device MiB |",
-              "|---|---|---|---|---:|---:|---:|"]
-    for r in result["pipeline"]:
-        peak = "-" if r["peak_device_bytes"] is None else f"{r['peak_device_bytes'] / 2**20:.0f}"
-        ppl = ", ".join(f"{k}: {v:.4f}" for k, v in r["perplexity"].items())
-        lines.append(f"| {r['device']} | {r['dtype']} | {'yes' if r['streamed'] else 'no'} | {ppl} | "
-                     f"{r['perplexity_rel_diff']:.2e} | {r['seconds']:.1f} | {peak} |")
+             f"shapes divided by {result['scale']}. Seconds per part: "
+             + ", ".join(f"{k} {v:.0f}" for k, v in result["seconds"].items()) + ".", ""]
+    mib = lambda b: "-" if b is None else f"{b / 2**20:.0f}"  # noqa: E731
+    for name, trace in result.get("failed", {}).items():
+        lines += [f"## Part {name} FAILED", "", "```", trace.rstrip(), "```", ""]
+    if "agreement" in result:
+        lines += ["## Agreement with the CPU", "",
+                  "| method | refine | shape | same mask cells | loss CPU | loss device | rel. diff |",
+                  "|---|---|---|---:|---:|---:|---:|"]
+        lines += [f"| {r['method']} | {r['refine'] or '-'} | {r['shape'][0]}x{r['shape'][1]} | "
+                  f"{r['same_mask_cells']:.4f} | {r['loss_cpu']:.6g} | {r['loss_device']:.6g} | "
+                  f"{r['loss_rel_diff']:.2e} |" for r in result["agreement"]]
+    if "pipeline" in result:
+        lines += ["", f"## The whole pipeline ({result['pipeline_model']}), against the CPU", "",
+                  "| device | dtype | streamed | perplexity | rel. diff | seconds | peak device MiB |",
+                  "|---|---|---|---|---:|---:|---:|"]
+        for r in result["pipeline"]:
+            ppl = ", ".join(f"{k}: {v:.4f}" for k, v in r["perplexity"].items())
+            lines.append(f"| {r['device']} | {r['dtype']} | {'yes' if r['streamed'] else 'no'} | {ppl} | "
+                         f"{r['perplexity_rel_diff']:.2e} | {r['seconds']:.1f} | {mib(r['peak_device_bytes'])} |")
+    if "speed" in result:
+        lines += ["", "## Solve time and peak device memory", "",
+                  "| method | refine | shape | median s | peak device MiB |", "|---|---|---|---:|---:|"]
+        lines += [f"| {r['method']} | {r['refine'] or '-'} | {r['shape'][0]}x{r['shape'][1]} | "
+                  f"{r['seconds_median']:.3f} | {mib(r['peak_device_bytes'])} |" for r in result["speed"]]
+    if "block" in result:
+        b = result["block"]
+        lines += ["", "## One Llama-3.1-8B-shaped block: wanda, then block reconstruction (bfloat16)", "",
+                  "| samples x tokens | layer solves s | reconstruction s | steps | error before | "
+                  "error after | kept | peak device MiB |", "|---|---:|---:|---:|---:|---:|---|---:|",
+                  f"| {b['settings']['nsamples']} x {b['settings']['seqlen']} | {b['layer_seconds']:.1f} | "
+                  f"{b['reconstruction_seconds']:.1f} | {b['steps']} | {b['error_before']:.4g} | "
+                  f"{b['error_after']:.4g} | {b['kept']} | {mib(b['peak_device_bytes'])} |"]
     return "\n".join(lines) + "\n"
+
+
+def _write(result: dict, out: Path) -> None:
+    """Write what is done so far, so that a run stopped at its time limit leaves its parts."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / "gpu.md").write_text(report_markdown(result))
+
+
+PARTS = ("agreement", "pipeline", "speed", "block")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -174,13 +249,27 @@ def main(argv: list[str] | None = None) -> dict:
                         "16 on the CPU)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"comma-separated parts to run, of {', '.join(PARTS)} (default all)")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the other parts of an earlier gpu.json in --out (same device)")
     parser.add_argument("--model", type=Path, help="safetensors model directory for the pipeline "
                         "part (default: the packaged SmolLM2, saved as safetensors)")
+    parser.add_argument("--tokenizer", type=Path, help="tokenizer directory for the block part "
+                        "(default: the pipeline model's)")
     parser.add_argument("--calib", default="wiki", help="calibration and evaluation text (default wiki)")
     parser.add_argument("--nsamples", type=int, default=32)
     parser.add_argument("--seqlen", type=int, default=512)
     parser.add_argument("--eval-max-tokens", dest="eval_max_tokens", type=int, default=4096)
+    parser.add_argument("--block-nsamples", dest="block_nsamples", type=int,
+                        help="calibration samples of the block part, one Llama-3.1-8B-shaped "
+                        "block (default 128 on a GPU, 8 on the CPU)")
+    parser.add_argument("--block-seqlen", dest="block_seqlen", type=int,
+                        help="their length (default 2048 on a GPU, 128 on the CPU)")
     args = parser.parse_args(argv)
+    parts = args.parts.split(",")
+    if unknown := set(parts) - set(PARTS):
+        parser.error(f"unknown parts {sorted(unknown)}; choose from {', '.join(PARTS)}")
     device = torch.device(args.device)
     fallback = device.type != "cuda"
     scale = args.scale or (16 if fallback else 1)
@@ -188,20 +277,51 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "device": str(device), "fallback": fallback, "scale": scale, "torch": torch.__version__,
         "device_name": torch.cuda.get_device_name(device) if not fallback else "the CPU",
-        "cpu": cpu_description(),
-        "agreement": agreement(device, *AGREEMENT_SHAPE[fallback]),
-        "speed": speed(device, shapes, args.repeats),
+        "cpu": cpu_description(), "seconds": {},
     }
+    earlier = args.out / "gpu.json"
+    if args.merge and earlier.exists():
+        old = json.loads(earlier.read_text())
+        if (old["device_name"], old["scale"]) != (result["device_name"], scale):
+            parser.error(f"{earlier} is of {old['device_name']} at scale {old['scale']}, not of "
+                         f"{result['device_name']} at scale {scale}: nothing to merge")
+        result = {**old, **{k: v for k, v in result.items() if k != "seconds"}}
+
+    def part(name: str, compute) -> None:
+        """Run one part; a part that fails is recorded (its traceback) and the next one runs."""
+        start = time.perf_counter()
+        result.pop(name, None)
+        result["failed"] = {k: v for k, v in result.get("failed", {}).items() if k != name}
+        try:
+            result[name] = compute()
+        except Exception:  # noqa: BLE001 -- the check reports every path, the failing ones too
+            result["failed"][name] = traceback.format_exc()
+            print(f"gpu_check: part {name} failed:\n{result['failed'][name]}", file=sys.stderr)
+        result["seconds"][name] = time.perf_counter() - start
+        _write(result, args.out)
+
     settings = {"calib": args.calib, "eval": [args.calib], "nsamples": args.nsamples,
                 "seqlen": args.seqlen, "eval_seqlen": args.seqlen, "eval_max_tokens": args.eval_max_tokens}
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = args.model or packaged_model_dir(Path(tmp))
-        result["pipeline_model"] = "SmolLM2-135M-Instruct" if args.model is None else model_dir.name
-        result["pipeline_settings"] = settings
-        result["pipeline"] = pipeline(device, model_dir, Path(tmp), settings)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu.json").write_text(json.dumps(result, indent=1) + "\n")
-    (args.out / "gpu.md").write_text(report_markdown(result))
+        model_dir = args.model
+        if model_dir is None and ("pipeline" in parts or "block" in parts and args.tokenizer is None):
+            model_dir = packaged_model_dir(Path(tmp))
+        for name in parts:
+            if name == "agreement":
+                part(name, lambda: agreement(device, *AGREEMENT_SHAPE[fallback]))
+            elif name == "pipeline":
+                result["pipeline_model"] = "SmolLM2-135M-Instruct" if args.model is None else model_dir.name
+                result["pipeline_settings"] = settings
+                part(name, lambda: pipeline(device, model_dir, Path(tmp), settings))
+            elif name == "speed":
+                part(name, lambda: speed(device, shapes, args.repeats))
+            else:
+                block_settings = {**settings, "eval": [],
+                                  "nsamples": args.block_nsamples or (8 if fallback else 128),
+                                  "seqlen": args.block_seqlen or (128 if fallback else 2048)}
+                part(name, lambda: block_reconstruction(
+                    device, block_model_dir(Path(tmp), args.tokenizer or model_dir, scale), Path(tmp),
+                    block_settings))
     return result
 
 

@@ -21,7 +21,8 @@ def test_gpu_check_runs_on_the_cpu(tmp_path, monkeypatch):
     model = save_tiny_model_dir(tmp_path / "model", "llama", layers=2, text=text.read_text())
     result = gpu_check.main(["--device", "cpu", "--scale", "64", "--repeats", "1", "--out", str(tmp_path),
                              "--model", str(model), "--calib", str(text), "--nsamples", "4",
-                             "--seqlen", "16", "--eval-max-tokens", "128"])
+                             "--seqlen", "16", "--eval-max-tokens", "128",
+                             "--block-nsamples", "4", "--block-seqlen", "16"])
     assert result["fallback"] and json.loads((tmp_path / "gpu.json").read_text()) == result
     assert "Agreement with the CPU" in (tmp_path / "gpu.md").read_text()
     pairs = {(r["method"], r["refine"]) for r in result["agreement"]}
@@ -39,4 +40,17 @@ def test_gpu_check_runs_on_the_cpu(tmp_path, monkeypatch):
     assert all(r["perplexity_rel_diff"] == 0 for r in result["pipeline"][:3])  # float32: the same run
     assert all(r["perplexity_rel_diff"] < 0.05 for r in result["pipeline"][3:])  # bfloat16: close
     assert "The whole pipeline (model)" in (tmp_path / "gpu.md").read_text()
+    block = result["block"]  # the 8B-shaped block, scaled down: solved, then reconstructed
+    assert block["settings"] == {"nsamples": 4, "seqlen": 16} and block["steps"] == 2
+    assert block["layer_seconds"] > 0 and block["reconstruction_seconds"] > 0
+    assert 0 < block["error_after"] <= block["error_before"] and block["kept"] in ("reconstructed", "solved")
+    assert list(result["seconds"]) == list(gpu_check.PARTS) and result["failed"] == {}
+    # a later run of some parts on the same device keeps the others; a part that fails (here:
+    # no tokenizer) is reported with its traceback and the next part still runs
+    again = gpu_check.main(["--device", "cpu", "--scale", "64", "--repeats", "1", "--out", str(tmp_path),
+                            "--parts", "block,speed", "--merge", "--tokenizer", str(tmp_path / "missing")])
+    assert again["pipeline"] == result["pipeline"] and again["speed"] != result["speed"]
+    assert set(again["seconds"]) == set(gpu_check.PARTS) and "block" not in again
+    assert list(again["failed"]) == ["block"] and "Traceback" in again["failed"]["block"]
+    assert "## Part block FAILED" in (tmp_path / "gpu.md").read_text()
     sys.modules.pop("gpu_check", None)
