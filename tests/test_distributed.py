@@ -102,9 +102,11 @@ def test_balance_window_takes_the_fewest_blocks_that_balance():
 
 
 def _load(out: Path) -> tuple[dict, dict]:
+    """The report and the weights of a saved run (one file, or a streamed run's shards)."""
     from safetensors.torch import load_file
 
-    return json.loads((out / "nmprune_report.json").read_text()), load_file(out / "model.safetensors")
+    state = {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
+    return json.loads((out / "nmprune_report.json").read_text()), state
 
 
 def test_command_line_on_two_ranks_matches_one_rank(tiny_dir, tmp_path):
@@ -115,6 +117,9 @@ def test_command_line_on_two_ranks_matches_one_rank(tiny_dir, tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     (one, state_one), (two, state_two) = _load(tmp_path / "one"), _load(tmp_path / "two")
     check_same_result(one, two, state_one, state_two)
+    # a safetensors model streams under torchrun (no rank holds a copy of the whole model);
+    # rank 0 wrote the shards
+    assert not one["streamed"] and two["streamed"] and state_one.keys() == state_two.keys()
     ppl_one, ppl_two = one["perplexity"]["pruned"][str(text)], two["perplexity"]["pruned"][str(text)]
     assert ppl_two == pytest.approx(ppl_one, rel=1e-3)
     assert not (tmp_path / "two.checkpoint").exists()
@@ -270,3 +275,42 @@ def test_ranks_started_on_different_jobs_all_stop_with_one_message(tiny_dir, tmp
                for e in errors)
     assert "nmprune/" not in run.stderr.replace(str(tmp_path), "")  # no nmprune frame (torchrun prints its own)
     assert not [p for p in tmp_path.iterdir() if p.name == "o" or p.name.startswith("o.")]
+
+
+# Runs the CLI's job on every rank; rank 1 kills itself (SIGKILL) once block 1 is done.
+KILL_RANK1 = """
+import os, signal, sys
+from nmprune.cli import build_parser, config_from_args
+from nmprune.job import run
+config = config_from_args(build_parser().parse_args(sys.argv[1:]))
+kill = lambda i: i == 1 and os.environ["RANK"] == "1" and os.kill(os.getpid(), signal.SIGKILL)
+run(config, progress=False, on_block_done=kill)
+"""
+
+
+def test_streamed_ranks_killed_mid_run_resume_to_the_uninterrupted_model(tiny_dir, tmp_path):
+    """Two ranks stream the model (each reads only its current block); rank 1 is killed with
+    SIGKILL after block 1: torchrun fails, the checkpoint stays consistent, and the same
+    command resumes -- on 2 ranks to the uninterrupted model bit for bit, on 1 rank to the
+    same masks."""
+    base, model_dir, text, yaml_file = tiny_dir
+    args = ["prune", "--config", str(yaml_file), "--quiet", "--method", "sparsegpt", "--refine", "exact",
+            "--reconstruct", "block", "--reconstruct-lr", "1e-3"]
+    straight = torchrun(["-m", "nmprune", *args, "--out", str(tmp_path / "straight")], tmp_path)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    script = tmp_path / "kill.py"
+    script.write_text(KILL_RANK1)
+    for out, ranks in [(tmp_path / "two", 2), (tmp_path / "one", 1)]:
+        killed = torchrun([str(script), *args, "--out", str(out)], tmp_path)
+        assert killed.returncode != 0 and not out.exists()
+        assert Path(f"{out}.checkpoint").is_dir()  # what rank 0 finished before it was stopped
+        if ranks == 2:
+            resumed = torchrun(["-m", "nmprune", *args, "--out", str(out)], tmp_path)
+            assert resumed.returncode == 0, resumed.stderr[-3000:]
+        else:
+            assert main(args + ["--offload", "--out", str(out)]) == 0
+    (a, state_a), (b, state_b), (c, state_c) = (_load(tmp_path / n) for n in ("straight", "two", "one"))
+    assert a["streamed"] and b["streamed"] and b["resumed_from_block"] >= 1 and c["resumed_from_block"] >= 1
+    assert state_a.keys() == state_b.keys() and all(torch.equal(state_a[k], state_b[k]) for k in state_a)
+    names = [r["name"] for r in a["layers"] if not r["skipped"]]
+    assert agreement(state_a, state_c, names) >= 0.999

@@ -58,6 +58,8 @@ class Ranks:
     world: int
     local_rank: int
     device: torch.device
+    #: the ranks on this machine (``LOCAL_WORLD_SIZE``), which share its memory
+    local_world: int = 1
 
     @property
     def is_main(self) -> bool:
@@ -227,7 +229,8 @@ def current(device: str | torch.device | None = None) -> Ranks | None:
     dev = rank_device(device or ("cuda" if nccl else "cpu"), local_rank)
     if nccl and dev.type != "cuda":
         raise ValueError(f"the process group uses NCCL, which needs CUDA; got device {dev}")
-    return Ranks(dist.get_rank(), dist.get_world_size(), local_rank, dev)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    return Ranks(dist.get_rank(), dist.get_world_size(), local_rank, dev, local_world)
 
 
 def setup(device: str | torch.device | None = None) -> Ranks | None:

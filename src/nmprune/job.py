@@ -60,12 +60,20 @@ def downstream_settings(config: RunConfig):
                               config.eval_limit, config.eval_batch_size, tuple(config.eval_include_path))
 
 
+STREAMED_TASKS = (
+    "--eval-tasks cannot run on a streamed model (--offload, a model larger than memory, or "
+    "several ranks on a safetensors model): lm-eval calls the whole model at once, so it "
+    "needs every weight in memory. Prune without --eval-tasks, then run "
+    "'nmprune eval OUT --tasks ...' on the saved model on a machine where it fits (the "
+    "perplexity evaluation streams, --eval-tasks does not)")
+
+
 def open_model(spec: str | None, gguf_file: str | None, dtype: str | None, offload: bool | None,
-               allow_pickle: bool = False):
+               allow_pickle: bool = False, processes: int = 1):
     """``(model, tokenizer, source)``: the model loaded whole, or a
     :class:`~nmprune.streaming.StreamingModel` whose blocks stream from its safetensors
-    checkpoint when ``offload`` says so or the model does not fit in memory
-    (:func:`nmprune.streaming.fit.choose_streaming`)."""
+    checkpoint when ``offload`` says so or ``processes`` copies of the model (one per rank
+    on this machine) do not fit in memory (:func:`nmprune.streaming.fit.choose_streaming`)."""
     from .memory import prefer_mmap
     from .models import check_causal, load_model, load_tokenizer, resolve_model
     from .streaming import StreamingModel
@@ -73,7 +81,7 @@ def open_model(spec: str | None, gguf_file: str | None, dtype: str | None, offlo
 
     source = resolve_model(spec, gguf_file)
     config = check_causal(source)  # read once: a GGUF file's takes seconds to parse
-    if not choose_streaming(source, dtype, offload, config):
+    if not choose_streaming(source, dtype, offload, config, processes):
         return load_model(spec, gguf_file=gguf_file, dtype=dtype, allow_pickle=allow_pickle, config=config)
     print(f"streaming the weights of {source} block by block", file=sys.stderr)
     prefer_mmap(4 << 20)  # the lowest peak: weight-sized temporaries are mapped too (nmprune/memory.py)
@@ -131,6 +139,7 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
     from .output import RunLock, remove_partial_save
     from .stages.source import ModelBlocks
     from .streaming import StreamingModel
+    from .streaming.fit import streamable
     from .validate import check_finite, check_positions, check_prune_inputs
 
     ranks = distributed.setup(config.device)
@@ -150,22 +159,22 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
         if downstream.tasks:
             check_tasks(downstream)
         config.prune.planner()  # every method, refiner, pattern and option, before the model loads
-        digest = model_digest(resolve_model(config.model, config.gguf_file))
+        resolved = resolve_model(config.model, config.gguf_file)
+        digest = model_digest(resolved)
+        offload = config.offload
+        if ranks is not None and ranks.world > 1 and offload is None and streamable(resolved):
+            offload = True  # several ranks never hold a private copy each of a model that can stream
     if ranks is not None:  # every rank the same job, before any of them loads
         ranks.agree({"settings": config.identity(), "model files": digest})
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
 
     with phase("loading the model"):
-        model, tokenizer, source = open_model(config.model, config.gguf_file, config.dtype,
-                                              config.offload, config.allow_pickle)
+        model, tokenizer, source = open_model(config.model, config.gguf_file, config.dtype, offload,
+                                              config.allow_pickle, ranks.local_world if ranks else 1)
         streaming = isinstance(model, StreamingModel)
-        if streaming and ranks is not None and ranks.world > 1:
-            raise ValueError("a streamed run (--offload, or a model larger than memory) runs in "
-                             "one process; run it without torchrun")
         if streaming and downstream.tasks:
-            raise ValueError("--eval-tasks needs the model in memory; it cannot be combined with a "
-                             "streamed run (--offload, or a model larger than memory)")
+            raise ValueError(STREAMED_TASKS)
         if tokenizer is None:
             raise ValueError(f"{source} has no tokenizer; nmprune needs one for calibration and "
                              "evaluation text (save one next to the model)")
@@ -219,6 +228,7 @@ def _prune_and_save(config: RunConfig, model, tokenizer, source, ckpt, calibrati
     from .memory import release_memory
     from .output import save_pretrained_atomic
     from .pipeline import prune_model
+    from .stages.sink import DiscardingSink
     from .streaming import ShardedWriter, StreamingModel
 
     out = Path(config.out)
@@ -249,16 +259,18 @@ def _prune_and_save(config: RunConfig, model, tokenizer, source, ckpt, calibrati
         timings["downstream_dense"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    # streaming: each pruned block goes straight into a shard of OUT.partial/unfinished/
-    sink = ShardedWriter(model, out) if streaming else None
+    # streaming: each pruned block goes straight into a shard of OUT.partial/unfinished/,
+    # written by rank 0 alone
+    sink = (ShardedWriter(model, out) if main_rank else DiscardingSink()) if streaming else None
     try:
         prune_report = prune_model(None if streaming else model, tokenizer, config.prune,
                                    calibration=calibration, device=device, checkpoint=ckpt,
                                    progress=progress, on_block_done=on_block_done,
                                    source=model if streaming else None, sink=sink)
-        pruned_model = StreamingModel(sink.close(tokenizer), dtype=config.dtype) if streaming else model
+        pruned_model = StreamingModel(sink.close(tokenizer), dtype=config.dtype) \
+            if streaming and main_rank else model
     except BaseException:
-        if sink is not None:
+        if isinstance(sink, ShardedWriter):
             sink.abandon()
         raise
     timings["prune"] = time.perf_counter() - t
@@ -360,8 +372,7 @@ def evaluate_model(spec: str | None, *, data: list[str], seqlen: int, max_tokens
     model, tokenizer, source = open_model(spec, gguf_file, dtype or "auto", offload, allow_pickle)
     streaming = isinstance(model, StreamingModel)
     if streaming and tasks is not None and tasks.tasks:
-        raise ValueError("--tasks needs the model in memory; it cannot be combined with "
-                         "--offload or a model larger than memory")
+        raise ValueError(STREAMED_TASKS.replace("--eval-tasks", "--tasks"))
     if tokenizer is None:
         raise ValueError(f"{source} has no tokenizer; save one next to the model")
     check_positions(model.config, {"--seqlen": seqlen})

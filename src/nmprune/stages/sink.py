@@ -4,7 +4,8 @@ A sink (the :class:`BlockSink` interface) receives, block by block, the weights 
 prunable layer as the layer stores them (``module.weight``), keyed by full module name.
 :class:`ModelSink` writes them into a model held in memory (a no-op for a block pruned in
 place; a resumed block's weights come from the checkpoint); a streaming sink writes
-safetensors shards instead.
+safetensors shards instead; :class:`DiscardingSink` keeps nothing (the ranks other than 0 of a
+streamed run under torchrun, where rank 0 writes the shards).
 """
 
 from __future__ import annotations
@@ -41,3 +42,11 @@ class ModelSink:
             for name, module in layers.items():
                 if weights[name].data_ptr() != module.weight.data_ptr():
                     module.weight.copy_(weights[name])
+
+
+class DiscardingSink:
+    """Keeps nothing: a rank other than 0 in a streamed run under torchrun (rank 0's
+    sink writes every block; this rank's copy of a block is released after it)."""
+
+    def write(self, index: int, weights: Mapping[str, Tensor]) -> None:
+        """Nothing to keep."""

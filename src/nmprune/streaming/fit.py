@@ -89,11 +89,11 @@ def available_memory() -> int:
 
 
 def choose_streaming(source: ModelSource, dtype: str | torch.dtype | None, offload: bool | None,
-                     config=None) -> bool:
+                     config=None, processes: int = 1) -> bool:
     """Stream (True) or load whole (False): ``offload`` decides when given; otherwise
-    streaming is picked when an in-memory run would not fit (module docstring). A model
-    that must stream but is no local safetensors checkpoint is a ValueError. ``config`` as
-    in :func:`weight_bytes`."""
+    streaming is picked when ``processes`` in-memory runs (the ranks on this machine, each
+    with its own copy) would not fit (module docstring). A model that must stream but is no
+    local safetensors checkpoint is a ValueError. ``config`` as in :func:`weight_bytes`."""
     if offload is False:
         return False
     if offload:
@@ -103,14 +103,15 @@ def choose_streaming(source: ModelSource, dtype: str | torch.dtype | None, offlo
                              "which loads whole (download or save it as a safetensors directory "
                              "with save_pretrained to stream it)")
         return True
-    need = IN_MEMORY_FACTOR * weight_bytes(source, dtype, config)
+    need = processes * IN_MEMORY_FACTOR * weight_bytes(source, dtype, config)
     avail = available_memory()
     if need <= avail:
         return False
     if streamable(source):
         return True
+    copies = f"{processes} processes x " if processes > 1 else ""
     raise ValueError(f"{source} does not fit in memory: loading it whole takes about {need / GIB:.1f} GiB "
-                     f"({IN_MEMORY_FACTOR} x its weights) and {avail / GIB:.1f} GiB is available; "
+                     f"({copies}{IN_MEMORY_FACTOR} x its weights) and {avail / GIB:.1f} GiB is available; "
                      f"{'GGUF files' if source.gguf_file else 'hub ids'} load whole, only local "
                      "safetensors checkpoints stream: save it with save_pretrained (or download "
                      "it) to a directory and prune that")
