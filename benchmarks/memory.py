@@ -18,6 +18,12 @@ the group's headroom; and, as a control, forced to load the model whole (``offlo
 which the kernel must kill.
 
     flock /tmp/nmprune-bench.lock python benchmarks/memory.py [--blocks 16 24 32] [--methods wanda sparsegpt]
+    flock /tmp/nmprune-bench.lock python benchmarks/memory.py --ranks 2 --blocks 16 32 --methods wanda
+
+With ``--ranks N`` it runs N streamed gloo ranks under torchrun on the 16- and 32-block
+checkpoints instead (each rank writes its own peak RSS at exit), compares their masks with
+one streamed process, and loads the 16-block model whole on the same ranks (one copy each)
+for comparison: ``benchmarks/results/memory_ranks.{json,md}``.
 
 Writes ``benchmarks/results/memory.{json,md}``; the generated checkpoints and outputs
 under ``runs/memory_bench`` are deleted at the end.
@@ -292,6 +298,125 @@ def main(blocks: list[int], methods: list[str], hidden: int, intermediate: int, 
     print("\n".join(lines))
 
 
+# One rank of ``nmprune prune`` under torchrun that writes its own peak RSS (the kernel's
+# ru_maxrss of this process) to PEAKS/rank-RANK.json when it exits.
+RANK_WRAPPER = r"""
+import atexit, json, os, resource, sys
+from pathlib import Path
+from nmprune.cli import main
+peaks = Path(os.environ["NMPRUNE_BENCH_PEAKS"])
+atexit.register(lambda: (peaks / f"rank-{os.environ['RANK']}.json").write_text(json.dumps(
+    {"rank": int(os.environ["RANK"]), "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024})))
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def ranks_run(model: Path, out: Path, method: str, ranks: int, offload: bool) -> dict:
+    """``nmprune prune`` on ``ranks`` gloo ranks (torchrun, one machine): each rank's own
+    peak RSS, the run's wall time and its report."""
+    peaks = WORK / f"peaks-{out.name}"
+    peaks.mkdir()
+    wrapper = WORK / "rank_wrapper.py"
+    wrapper.write_text(RANK_WRAPPER)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+           str(wrapper), *prune_cmd(model, out, method, offload)[1:]]
+    os.environ["NMPRUNE_BENCH_PEAKS"] = str(peaks)
+    r = measured(cmd)
+    if r["rc"] != 0:
+        raise RuntimeError(f"{r['cmd']} failed:\n{r['stderr_tail']}")
+    r["per_rank_peak_rss_bytes"] = [json.loads((peaks / f"rank-{i}.json").read_text())["peak_rss_bytes"]
+                                    for i in range(ranks)]
+    r["report"] = json.loads((out / "nmprune_report.json").read_text())
+    return r
+
+
+def same_masks(a: Path, b: Path) -> float:
+    """Fraction of 2:4 cells with the same mask in the decoder layers of two saved models."""
+    import torch
+    from safetensors.torch import load_file
+
+    from nmprune.pattern import same_mask_cells
+
+    def weights(path: Path) -> dict:
+        return {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()
+                if ".layers." in k and k.endswith("proj.weight")}
+
+    wa, wb = weights(a), weights(b)
+    same = [same_mask_cells(wa[k], wb[k], 4) for k in wa]
+    return float(sum(int(t.sum()) for t in same)) / sum(t.numel() for t in same) if same else float("nan")
+
+
+def ranks_main(blocks: list[int], method: str, hidden: int, intermediate: int, ranks: int) -> None:
+    """Issue 33's check: ``ranks`` streamed gloo ranks on the random checkpoints of ``blocks``
+    blocks against one streamed process (per-rank peak RSS above a bare import, masks), and
+    the same ranks loading the smallest model whole (each rank its own copy), into
+    ``benchmarks/results/memory_ranks.{json,md}``."""
+    shutil.rmtree(WORK, ignore_errors=True)
+    WORK.mkdir(parents=True)
+    load = os.getloadavg()
+    bare = measured([sys.executable, "-c", "import torch, transformers, nmprune"])
+    rows = []
+    try:
+        for n in blocks:
+            model = WORK / f"llama-{n}"
+            subprocess.run([sys.executable, "-c", BUILD.format(hidden=hidden, inter=intermediate, blocks=n,
+                                                               heads=HEADS), str(model)], check=True)
+            size = checkpoint_bytes(model)
+            one = measured(prune_cmd(model, WORK / f"one-{n}", method))
+            if one["rc"] != 0:
+                raise RuntimeError(f"{one['cmd']} failed:\n{one['stderr_tail']}")
+            layouts = [(True, WORK / f"ranks-{n}")] + ([(False, WORK / f"ranks-memory-{n}")] if n == min(blocks) else [])
+            for offload, out in layouts:
+                r = ranks_run(model, out, method, ranks, offload)
+                rows.append({"blocks": n, "checkpoint_bytes": size, "method": method, "ranks": ranks,
+                             "streamed": r["report"]["streamed"], "seconds": r["seconds"],
+                             "one_rank_seconds": one["seconds"], "one_rank_peak_rss_bytes": one["peak_rss_bytes"],
+                             "per_rank_peak_rss_bytes": r["per_rank_peak_rss_bytes"],
+                             "per_rank_above_bare_bytes": [p - bare["peak_rss_bytes"] for p in r["per_rank_peak_rss_bytes"]],
+                             "same_mask_cells_vs_one_rank": same_masks(WORK / f"one-{n}", out),
+                             "perplexity": r["report"]["perplexity"]["pruned"], "cmd": r["cmd"]})
+                shutil.rmtree(out)
+            shutil.rmtree(WORK / f"one-{n}")
+            shutil.rmtree(model)
+    finally:
+        shutil.rmtree(WORK, ignore_errors=True)
+    streamed = [r for r in rows if r["streamed"]]
+    worst = {r["blocks"]: max(r["per_rank_above_bare_bytes"]) for r in streamed}
+    res = {"bare": bare, "rows": rows, "target_fraction": TARGET_FRACTION,
+           "fraction_ok": all(max(r["per_rank_above_bare_bytes"]) <= TARGET_FRACTION * r["checkpoint_bytes"]
+                              for r in streamed),
+           "growth_largest_over_smallest": worst[max(blocks)] / worst[min(blocks)],
+           "masks_ok": all(r["same_mask_cells_vs_one_rank"] >= 0.999 for r in rows),
+           "cpu": cpu_description(), "cpus": os.cpu_count(), "load_average_start": load,
+           "load_average_end": os.getloadavg(),
+           "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                    capture_output=True, text=True).stdout.strip()}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "memory_ranks.json").write_text(json.dumps(res, indent=1))
+    lines = [f"# Peak memory per rank: {ranks} gloo ranks under torchrun", "",
+             f"The random checkpoints of `memory.md` (hidden {hidden}, intermediate {intermediate}, float32), "
+             f"{method}, the default reconstruction, 8 x 128 calibration tokens; each rank's own peak RSS "
+             f"(`getrusage` at exit), against one streamed process. Commit {res['commit']}, "
+             f"{res['cpu']['model']} ({res['cpus']} cores, each rank 1 thread; load average {load[0]:.1f} at "
+             f"the start, {res['load_average_end'][0]:.1f} at the end); bare import "
+             f"{bare['peak_rss_bytes'] / MB:.0f} MiB.", "",
+             "| blocks | checkpoint | weights | per-rank peak RSS | above bare (max) | / checkpoint "
+             "(target <= 25%) | same masks as 1 rank | wall (1 rank) |",
+             "|---:|---:|---|---|---:|---:|---:|---:|"]
+    for r in rows:
+        above = max(r["per_rank_above_bare_bytes"])
+        lines.append(f"| {r['blocks']} | {r['checkpoint_bytes'] / MB:.0f} MiB | "
+                     f"{'streamed' if r['streamed'] else 'in memory, one copy per rank'} | "
+                     + ", ".join(f"{p / MB:.0f}" for p in r["per_rank_peak_rss_bytes"]) + " MiB | "
+                     f"{above / MB:.0f} MiB | {100 * above / r['checkpoint_bytes']:.1f}% | "
+                     f"{100 * r['same_mask_cells_vs_one_rank']:.2f}% | {r['seconds']:.0f} s "
+                     f"({r['one_rank_seconds']:.0f} s) |")
+    lines += ["", f"Largest per-rank peak above bare, streamed, {max(blocks)} blocks over {min(blocks)}: "
+              f"{res['growth_largest_over_smallest']:.2f}x (target <= 1.1x).", ""]
+    (RESULTS / "memory_ranks.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, nargs="+", default=[16, 24, 32])
@@ -299,5 +424,11 @@ if __name__ == "__main__":
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--intermediate", type=int, default=4096)
     parser.add_argument("--skip-smollm2", action="store_true", help="no SmolLM2 runs (a quick check)")
+    parser.add_argument("--ranks", type=int, default=None,
+                        help="instead: RANKS streamed torchrun ranks against one process, per-rank "
+                        "peaks and masks (the first --methods only), into memory_ranks.{json,md}")
     args = parser.parse_args()
-    main(args.blocks, args.methods, args.hidden, args.intermediate, not args.skip_smollm2)
+    if args.ranks:
+        ranks_main(args.blocks, args.methods[0], args.hidden, args.intermediate, args.ranks)
+    else:
+        main(args.blocks, args.methods, args.hidden, args.intermediate, not args.skip_smollm2)
