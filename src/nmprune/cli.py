@@ -131,6 +131,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--restart", action="store_true", default=None,
                    help="discard an existing checkpoint and start over")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--dry-run", dest="dry_run", action="store_true",
+                   help="print what the run will need (memory per rank, disk, time) from the "
+                   "model's configuration and the settings, read no weights, and stop")
+    p.add_argument("--ranks", type=int, help="with --dry-run: the number of torchrun ranks to plan "
+                   "for (default WORLD_SIZE, else 1)")
+    p.add_argument("--device-memory", dest="device_memory", type=float, metavar="GIB",
+                   help="with --dry-run: the device's memory (default: the CUDA device's, when "
+                   "the device is CUDA)")
 
     e = sub.add_parser("eval", help="perplexity on held-out text and accuracy on lm-eval tasks")
     _add_model_args(e)
@@ -190,6 +198,29 @@ def _methods_text() -> str:
     return "\n".join(lines)
 
 
+def _dry_run(config: RunConfig, ranks: int | None, device_memory: float | None) -> str:
+    """``prune --dry-run``: the estimates of :mod:`nmprune.resources` as a table; a device too
+    small for one block is refused (ValueError)."""
+    import os
+
+    import torch
+
+    from .resources import GIB, check_device_fits, needs_table, plan_run
+
+    ranks = ranks if ranks is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    if ranks < 1:
+        raise ValueError(f"--ranks must be at least 1, got {ranks}")
+    needs = plan_run(config, ranks)
+    if device_memory is not None:
+        device_bytes = int(device_memory * GIB)
+    elif needs.device == "cuda" and torch.cuda.is_available():
+        device_bytes = torch.cuda.get_device_properties(0).total_memory
+    else:
+        device_bytes = None
+    check_device_fits(needs, device_bytes)
+    return needs_table(needs)
+
+
 def main(argv: list[str] | None = None) -> int:
     from .distributed import RankError, teardown
 
@@ -205,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
 
             prefer_mmap()  # keeps the resident set flat over a long run (nmprune/memory.py)
             config = config_from_args(args)
+            if args.dry_run:
+                print(_dry_run(config, args.ranks, args.device_memory))
+                return 0
             report = run(config, progress=not args.quiet)
             if "saved_to" in report:  # the process that saved the model (rank 0 under torchrun)
                 for table in (reconstruction_table(report), result_table(report)):

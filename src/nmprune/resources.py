@@ -1,0 +1,201 @@
+"""What a prune run will need, from the model's configuration and the settings alone
+(``nmprune prune --dry-run``): no weight is read.
+
+The model is built on the meta device (accelerate's ``init_empty_weights``) to count its
+parameters and its prunable layers' shapes, as a streamed run does
+(:class:`nmprune.stages.source.DecoderBlocks`). From those and the settings:
+
+* **Memory per rank.** The process itself (:data:`PROCESS_BYTES`: torch, transformers,
+  tokenizer and nmprune, measured on the CPU with a one-megabyte model); the modules outside
+  the blocks (embeddings, LM head) while the block inputs are captured and evaluated; then
+  the block phase: one block's weights, its float32 Hessians (one per distinct input: layers
+  named ``q/k/v_proj`` share one, ``gate/up_proj`` one, every other layer its own), the
+  largest layer's solver memory (its float32 working weight and result, two ``d_in x d_in``
+  factorisations), this rank's share of the calibration hidden states (one set per stream:
+  two without reconstruction, the states in and the states out; four with it, the pruned and
+  the dense stream, the targets and the states out), the float32 activations of one
+  calibration batch, and with reconstruction the block's float32 copy, its gradients and
+  AdamW's two moments (16 bytes per parameter) and autograd's activations of one batch. A
+  run that loads the model whole adds all its weights. On a CUDA device the block phase is
+  device memory and the CPU holds the process, the outside modules and one block on its way.
+* **Disk.** The output (every parameter in the run dtype) and the checkpoint (the pruned
+  layers' weights and the hidden states of every stream).
+* **Time.** The layer solves from the cost model (:func:`nmprune.distributed.job_cost`,
+  seconds on the reference CPU; spread over the ranks; on CUDA divided by
+  :data:`CUDA_SPEEDUP`) and the forward and backward passes from their floating-point
+  operations (2 per parameter and token forward, 6 forward and backward) at
+  :data:`FLOPS` per device kind.
+
+Every figure is an estimate; ``benchmarks/memory.py`` checks the memory ones against
+measured peaks.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass
+
+from .config import RunConfig
+
+MIB = float(1 << 20)
+GIB = float(1 << 30)
+#: the resident set of a run's process before its model: 440 MiB per rank with a 1 MiB model
+#: (benchmarks/results/memory_ranks.json, 2 ranks on the CPU)
+PROCESS_BYTES = 440 * (1 << 20)
+#: layer solves on an NVIDIA H200 against the reference-CPU cost model: 31-133x by method and
+#: shape on Llama-3.1-8B's layers (benchmarks/results/gpu.md), about 50x in the middle
+CUDA_SPEEDUP = 50.0
+#: sustained float32 operations per second of the passes through a block: the reference CPU
+#: (2 threads, SmolLM2's reconstruction) and an H200 (an 8B-shaped block, gpu.md)
+FLOPS = {"cpu": 9e10, "cuda": 6e13}
+#: layers that share their input (one Hessian) when they sit side by side in one module
+SHARED_INPUTS = ({"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"}, {"w1", "w3"})
+
+
+@dataclass
+class RunNeeds:
+    """What :func:`plan_run` estimates (bytes and seconds)."""
+
+    ranks: int
+    device: str
+    streamed: bool
+    blocks: int
+    parameters: int
+    cpu_peak_per_rank: int
+    device_peak_per_rank: int | None
+    block_phase: int
+    output_disk: int
+    checkpoint_disk: int
+    seconds: dict[str, float]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _skeleton(config: RunConfig):
+    """The model on the meta device and its dtype (no weights read)."""
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    from .models import check_causal, parse_dtype, resolve_model
+
+    model_config = check_causal(resolve_model(config.model, config.gguf_file))
+    dtype = parse_dtype(config.dtype)
+    if dtype == "auto":
+        dtype = parse_dtype(getattr(model_config, "dtype", None) or "float32")
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(model_config), dtype=dtype,
+                                                 trust_remote_code=False)
+    model.tie_weights()
+    return model, torch.empty((), dtype=dtype).element_size()
+
+
+def _hessian_inputs(shapes: dict[str, tuple[int, int]]) -> list[int]:
+    """``d_in`` of each distinct layer input of one block (module docstring)."""
+    seen: dict[tuple[str, int], int] = {}
+    widths = []
+    for name, (_, d_in) in shapes.items():
+        parent, _, leaf = name.rpartition(".")
+        group = next((i for i, g in enumerate(SHARED_INPUTS) if leaf in g), None)
+        key = (parent, group) if group is not None else (name, -1)
+        if key not in seen:
+            seen[key] = d_in
+            widths.append(d_in)
+    return widths
+
+
+def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None) -> RunNeeds:
+    """The estimates of the module docstring for ``config`` on ``ranks`` ranks; ``streamed``
+    says whether the weights stream (default: ``config.offload``, else streamed with several
+    ranks)."""
+    from .devices import default_device
+    from .distributed import job_cost
+    from .stages.source import DecoderBlocks
+
+    model, itemsize = _skeleton(config)
+    source = DecoderBlocks(model)
+    s = config.prune
+    plan = s.planner()
+    streamed = streamed if streamed is not None else (config.offload or (config.offload is None and ranks > 1))
+    device = default_device(config.device).type
+    params = sum(p.numel() for p in model.parameters())
+    block_params = [sum(p.numel() for p in b.parameters()) for b in source.blocks]
+    outside = params - sum(block_params)
+    shapes = source.layer_shapes()
+    hidden_size = model.config.hidden_size
+    intermediate = max((d_out for d_out, _ in shapes.values()), default=hidden_size)
+    recon = s.reconstruct != "none"
+    per_block = [{n: shapes[n] for n in source.layers(i)} for i in range(len(source))]
+    largest = max(block_params)
+    block = largest * itemsize
+    hessians = max(sum(4 * d * d for d in _hessian_inputs(b)) for b in per_block)
+    solver = max(4 * (2 * r * d + 2 * d * d) for r, d in shapes.values())
+    tokens = s.nsamples * s.seqlen
+    sets = 4 if recon else 2
+    hidden = -(-s.nsamples // ranks) * s.seqlen * hidden_size * itemsize * sets
+    batch_tokens = s.batch_size * s.seqlen
+    activations = batch_tokens * (3 * intermediate + 4 * hidden_size) * 4
+    training = (16 * largest + batch_tokens * (16 * hidden_size + 4 * intermediate) * 4) if recon else 0
+    block_phase = block + hessians + solver + hidden + activations + training
+    whole = 0 if streamed else params * itemsize
+    if device == "cuda":
+        cpu_peak = PROCESS_BYTES + whole + outside * itemsize + block
+        device_peak = block_phase
+    else:
+        cpu_peak = PROCESS_BYTES + whole + max(outside * itemsize + hidden, block_phase)
+        device_peak = None
+    layers = [(shapes[n], p) for n, p in plan_layers(plan, shapes).items() if p is not None]
+    solve = sum(job_cost(r, d, p.method.name, p.refiner.name if p.refiner else None)
+                for (r, d), p in layers) / ranks
+    if device == "cuda":
+        solve /= CUDA_SPEEDUP
+    passes = 2 + (1 if s.hessian_inputs == "pruned" else 0)  # statistics and propagation
+    forward = 2.0 * sum(block_params) * tokens
+    seconds = {"layer_solves": solve, "calibration_passes": passes * forward / FLOPS[device] / ranks}
+    if recon:
+        seconds["reconstruction"] = (3 * s.reconstruct_epochs + 2) * forward / FLOPS[device] / ranks
+    if config.eval:
+        seconds["evaluation"] = 2 * len(config.eval) * 2.0 * params * (config.eval_max_tokens or tokens) \
+            / FLOPS[device]
+    pruned_weights = sum(r * d for r, d in shapes.values()) * itemsize
+    return RunNeeds(ranks=ranks, device=device, streamed=bool(streamed), blocks=len(source), parameters=params,
+                    cpu_peak_per_rank=cpu_peak, device_peak_per_rank=device_peak, block_phase=block_phase,
+                    output_disk=params * itemsize,
+                    checkpoint_disk=pruned_weights + tokens * hidden_size * itemsize * (2 if recon else 1),
+                    seconds=seconds)
+
+
+def plan_layers(planner, shapes: dict[str, tuple[int, int]]) -> dict:
+    """Each layer's plan (``None``: skipped), without the planner's warnings."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return planner.plan_layers(shapes)
+
+
+def check_device_fits(needs: RunNeeds, device_bytes: int | None) -> None:
+    """Refuse a device too small for one block's phase (weights, Hessians, solver, states)."""
+    if device_bytes is not None and needs.device_peak_per_rank is not None \
+            and needs.device_peak_per_rank > device_bytes:
+        raise ValueError(f"one block's phase needs about {needs.device_peak_per_rank / GIB:.1f} GiB of "
+                         f"device memory and the device has {device_bytes / GIB:.1f} GiB: use more ranks "
+                         "(the calibration states are shared), fewer or shorter calibration samples "
+                         "(--nsamples, --seqlen), or --reconstruct none")
+
+
+def needs_table(needs: RunNeeds) -> str:
+    """The estimates as a Markdown table."""
+    rows = [("ranks", str(needs.ranks)), ("device", needs.device),
+            ("weights", "streamed block by block" if needs.streamed else
+             "loaded whole" + (" (a copy per rank)" if needs.ranks > 1 else "")),
+            ("decoder blocks", str(needs.blocks)), ("parameters", f"{needs.parameters / 1e9:.3f} B"),
+            ("peak CPU memory per rank", f"{needs.cpu_peak_per_rank / GIB:.2f} GiB")]
+    if needs.device_peak_per_rank is not None:
+        rows.append(("peak device memory per rank", f"{needs.device_peak_per_rank / GIB:.2f} GiB"))
+    rows += [("disk: output", f"{needs.output_disk / GIB:.2f} GiB"),
+             ("disk: checkpoint (deleted at the end)", f"{needs.checkpoint_disk / GIB:.2f} GiB")]
+    rows += [(f"time: {k.replace('_', ' ')}", f"{v / 60:.1f} min") for k, v in needs.seconds.items()]
+    rows.append(("time: total", f"{sum(needs.seconds.values()) / 60:.1f} min"))
+    return "\n".join(["| estimate | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows])

@@ -1,0 +1,67 @@
+"""``nmprune prune --dry-run`` (nmprune/resources.py): the plan of a run from the model's
+configuration alone, for any number of ranks and device, and the refusal of a device too
+small for one block."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import LlamaConfig
+
+from nmprune.cli import main
+from nmprune.config import build_config
+from nmprune.resources import _hessian_inputs, plan_run
+
+GIB = 1 << 30
+
+
+def llama_config_dir(path, blocks: int, hidden: int = 4096, intermediate: int = 14336):
+    """A model directory holding only an 8B-shaped Llama's config.json: no weights at all."""
+    LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_attention_heads=32,
+                num_key_value_heads=8, num_hidden_layers=blocks, vocab_size=128256, dtype="bfloat16",
+                tie_word_embeddings=False, architectures=["LlamaForCausalLM"]).save_pretrained(path)
+    return path
+
+
+def test_dry_run_reads_only_the_configuration_and_writes_nothing(tmp_path, capsys):
+    model = llama_config_dir(tmp_path / "llama", blocks=4)
+    out = tmp_path / "out"
+    assert main(["prune", "--dry-run", "--model", str(model), "--out", str(out), "--device", "cpu"]) == 0
+    printed = capsys.readouterr().out
+    assert "| peak CPU memory per rank |" in printed and "| time: total |" in printed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["llama"]  # no output, checkpoint or lock
+
+
+def test_the_plan_scales_with_blocks_ranks_and_settings(tmp_path):
+    small, large = (plan_run(build_config({"model": str(llama_config_dir(tmp_path / f"m{n}", n)),
+                                           "device": "cpu"}), ranks=2) for n in (16, 32))
+    assert small.streamed and large.streamed  # several ranks stream
+    # streamed memory is one block's: flat in the depth; disk and time grow with it
+    assert large.cpu_peak_per_rank == small.cpu_peak_per_rank
+    assert 1.5 < large.output_disk / small.output_disk < 2.0  # the blocks double, the embeddings stay
+    assert sum(large.seconds.values()) > 1.8 * sum(small.seconds.values())
+    one = plan_run(build_config({"model": str(tmp_path / "m16"), "device": "cpu"}), ranks=1)
+    assert not one.streamed and one.cpu_peak_per_rank > small.output_disk  # the whole model in memory
+    assert one.seconds["layer_solves"] == pytest.approx(2 * small.seconds["layer_solves"])
+    bare = plan_run(build_config({"model": str(tmp_path / "m16"), "device": "cpu", "reconstruct": "none"}),
+                    ranks=2)
+    assert "reconstruction" not in bare.seconds and bare.block_phase < small.block_phase
+
+
+def test_hessians_are_counted_once_per_shared_input():
+    shapes = {"l.0.self_attn.q_proj": (4096, 4096), "l.0.self_attn.k_proj": (1024, 4096),
+              "l.0.self_attn.v_proj": (1024, 4096), "l.0.self_attn.o_proj": (4096, 4096),
+              "l.0.mlp.gate_proj": (14336, 4096), "l.0.mlp.up_proj": (14336, 4096),
+              "l.0.mlp.down_proj": (4096, 14336)}
+    assert _hessian_inputs(shapes) == [4096, 4096, 4096, 14336]
+
+
+def test_a_device_too_small_for_one_block_is_refused_up_front(tmp_path, capsys):
+    model = llama_config_dir(tmp_path / "llama", blocks=2)
+    args = ["prune", "--dry-run", "--model", str(model), "--out", str(tmp_path / "o"), "--device", "cuda"]
+    assert main(args + ["--device-memory", "80"]) == 0
+    assert "| peak device memory per rank |" in capsys.readouterr().out
+    assert main(args + ["--device-memory", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "nmprune: error: one block's phase needs about" in err and "the device has 4.0 GiB" in err
+    assert main(args + ["--ranks", "0"]) == 2
+    assert "--ranks must be at least 1" in capsys.readouterr().err
