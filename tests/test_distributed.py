@@ -314,3 +314,41 @@ def test_streamed_ranks_killed_mid_run_resume_to_the_uninterrupted_model(tiny_di
     assert state_a.keys() == state_b.keys() and all(torch.equal(state_a[k], state_b[k]) for k in state_a)
     names = [r["name"] for r in a["layers"] if not r["skipped"]]
     assert agreement(state_a, state_c, names) >= 0.999
+
+
+# Runs the CLI's job on every rank; rank 0 touches the model's weight file once block 0 is done.
+TOUCH_WEIGHTS = """
+import os, sys
+from pathlib import Path
+from nmprune.cli import build_parser, config_from_args, main
+weights = Path(sys.argv[sys.argv.index("--model") + 1]) / "model.safetensors"
+import nmprune.job as job
+run = job.run
+job.run = lambda config, **kw: run(config, **kw, on_block_done=lambda i: i == 0 and os.environ["RANK"] == "0"
+                                   and os.utime(weights, ns=(1, 1)))
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_shard_changed_under_streamed_ranks_stops_every_rank_with_one_message(tiny_dir, tmp_path):
+    """The weights file changes after block 0 (another process rewrote it): every rank stops
+    with exit code 2 and one message naming the file; the checkpoint keeps block 0, and once
+    the file is restored the same command resumes."""
+    base, model_dir, text, yaml_file = tiny_dir
+    model = tmp_path / "model"
+    shutil.copytree(model_dir, model)
+    stamp = (model / "model.safetensors").stat()
+    script = tmp_path / "touch.py"
+    script.write_text(TOUCH_WEIGHTS)
+    args = ["prune", "--config", str(yaml_file), "--model", str(model), "--quiet", "--out", str(tmp_path / "o")]
+    run = torchrun([str(script), *args], tmp_path)
+    assert run.returncode != 0 and not (tmp_path / "o").exists()
+    errors = run.stderr.split("nmprune: error: ")[1:]
+    assert len(errors) == 2 and all("model.safetensors changed while the run was reading" in e or
+                                    "failed during" in e for e in errors), run.stderr[-3000:]
+    assert run.stderr.count("exitcode  : 2") >= 1 and "exitcode  : 1 " not in run.stderr
+    assert (tmp_path / "o.checkpoint").is_dir()
+    os.utime(model / "model.safetensors", ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    resumed = torchrun(["-m", "nmprune", *args], tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert json.loads((tmp_path / "o" / "nmprune_report.json").read_text())["resumed_from_block"] >= 1

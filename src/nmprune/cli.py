@@ -262,9 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # the user's input or environment; anything else is a bug
         print(f"nmprune: error: {' '.join(str(e).split())}", file=sys.stderr)
         failure, code = e, 1 if isinstance(e, OSError) and e.errno in IO_FAILURES else 2
-    except RankError as e:
+    except RankError as e:  # another rank's error: its code when it was the user's input
         print(f"nmprune: error: {e}", file=sys.stderr)
-        failure, code = e, 1
+        failure, code = e, 2 if e.user_error else 1
     finally:
         teardown(failure)  # a bug's traceback goes on after it
     return code

@@ -43,7 +43,13 @@ DEFAULT_TIMEOUT_S = 1800.0
 
 
 class RankError(RuntimeError):
-    """Another rank (or this one) failed; the message names the rank and its error."""
+    """Another rank (or this one) failed; the message names the rank and its error.
+    ``user_error``: every failing rank's error was the user's input (a ValueError, which the
+    command line ends with exit code 2), not a bug or the environment."""
+
+    def __init__(self, message: str, user_error: bool = False):
+        super().__init__(message)
+        self.user_error = user_error
 
 
 class JobMismatch(ValueError):
@@ -73,15 +79,16 @@ class Ranks:
         an ``error`` raises it again; when any rank brought one, the others raise
         :class:`RankError` naming it; otherwise the payloads come back by rank."""
         status = None if error is None else f"{type(error).__name__}: {error}"
+        user = isinstance(error, ValueError)
         gathered: list[Any] = [None] * self.world
-        dist.all_gather_object(gathered, (status, payload))
+        dist.all_gather_object(gathered, (status, user, payload))
         if error is not None:
             raise error
-        failed = [(r, s) for r, (s, _) in enumerate(gathered) if s is not None]
+        failed = [(r, s, u) for r, (s, u, _) in enumerate(gathered) if s is not None]
         if failed:
-            text = "; ".join(f"rank {r} failed during {phase}: {s}" for r, s in failed)
-            raise RankError(text)
-        return [p for _, p in gathered]
+            text = "; ".join(f"rank {r} failed during {phase}: {s}" for r, s, _ in failed)
+            raise RankError(text, user_error=all(u for _, _, u in failed))
+        return [p for _, _, p in gathered]
 
     def agree(self, digests: dict[str, str]) -> None:
         """Every rank brings the same ``digests`` (name -> digest: the settings, the model

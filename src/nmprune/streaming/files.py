@@ -94,6 +94,7 @@ class SafetensorsFiles:
         self.directory = directory
         self.weight_map = weight_map
         self._meta: dict[str, tuple[tuple[int, ...], str]] = {}
+        self._stamps: dict[str, tuple[int, int]] = {}  # shard -> (size, mtime) when opened
 
     @classmethod
     def open(cls, directory: str | os.PathLike) -> "SafetensorsFiles":
@@ -133,6 +134,8 @@ class SafetensorsFiles:
         from safetensors import safe_open
 
         try:
+            stat = path.stat()
+            self._stamps[path.name] = (stat.st_size, stat.st_mtime_ns)
             with safe_open(str(path), framework="pt") as handle:
                 keys = list(handle.keys())
                 for key in keys:
@@ -191,6 +194,18 @@ class SafetensorsFiles:
             by_shard.setdefault(self.weight_map[key], []).append(key)
         out = {}
         for shard, names in by_shard.items():
-            with safe_open(str(self.directory / shard), framework="pt") as handle:
-                out.update((k, handle.get_tensor(k)) for k in names)
+            path = self.directory / shard
+            try:
+                stat = path.stat()
+                if (stat.st_size, stat.st_mtime_ns) != self._stamps[shard]:
+                    raise CheckpointFileError(
+                        f"{path} changed while the run was reading the model (size or modification "
+                        "time differ from when it was opened): the blocks read so far came from "
+                        "the old file. Restore it, or rerun with --restart on the new model")
+                with safe_open(str(path), framework="pt") as handle:
+                    out.update((k, handle.get_tensor(k)) for k in names)
+            except CheckpointFileError:
+                raise
+            except Exception as e:  # a removed or unreadable shard; safetensors' own error type
+                raise CheckpointFileError(f"cannot read {path}: {e}") from e
         return {k: out[k] for k in keys}
