@@ -17,8 +17,13 @@ blocks (:func:`nmprune.distributed.balance_window`) and over all blocks at once.
 the paper's GPU); a second column scales the 1-GPU total to the paper's measured 11,170 s
 for its method on that model (Table ``tab:runtime``).
 
+A second projection covers the streamed design (every rank reads only its current block) for
+Llama-3.1-8B and 70B with nmprune's defaults, from ``nmprune prune --dry-run``'s model
+(:func:`projection_streamed`; ``--projection-only`` redoes just that section).
+
 Writes benchmarks/results/distributed.{json,md}. Run:
     flock /tmp/nmprune-bench.lock python benchmarks/distributed.py [extra nmprune prune flags]
+    python benchmarks/distributed.py --projection-only
 """
 
 from __future__ import annotations
@@ -138,11 +143,52 @@ def main(extra: list[str]) -> None:
         "fit_seconds_per_row_din2": factor, "cpu_matmul_flops_2_threads": cpu_flops,
         "flops_per_row_din2": factor * cpu_flops,
         "projection_8b": projection(factor * cpu_flops),
+        "projection_streamed": projection_streamed(),
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "distributed.json").write_text(json.dumps(result, indent=1))
     (RESULTS / "distributed.md").write_text(markdown(result))
     print(markdown(result))
+
+
+# The streamed design's projection: the paper's calibration (128 x 2048 tokens), bfloat16,
+# prox + exact refinement with block reconstruction (nmprune's defaults), on H200-class GPUs
+PROJECTED = {"Llama-3.1-8B": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                                  num_key_value_heads=8, num_hidden_layers=32),
+             "Llama-3.1-70B": dict(hidden_size=8192, intermediate_size=28672, num_attention_heads=64,
+                                   num_key_value_heads=8, num_hidden_layers=80)}
+READ_BYTES_PER_S = 2e9  # shared file system, per rank (assumed); every rank reads each block once
+
+
+def projection_streamed() -> list[dict]:
+    """Each PROJECTED model on 1/2/4/8 GPUs, streamed: per-rank memory and the time of each
+    phase from ``nmprune prune --dry-run``'s model (:mod:`nmprune.resources`), except the
+    layer solves: with reconstruction one block is solved at a time, so they take the
+    busiest rank's share of each block (:func:`makespan`), not the mean."""
+    from transformers import LlamaConfig
+
+    from nmprune.config import build_config
+    from nmprune.distributed import job_cost
+    from nmprune.resources import CUDA_SPEEDUP, plan_run
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, shape in PROJECTED.items():
+            LlamaConfig(**shape, vocab_size=128256, dtype="bfloat16", tie_word_embeddings=False,
+                        architectures=["LlamaForCausalLM"]).save_pretrained(f"{tmp}/{name}")
+            block = [job_cost(r, d, "prox", "exact") / CUDA_SPEEDUP for r, d in LLAMA_8B_BLOCK.values()]
+            scale = shape["hidden_size"] / 4096  # every 8B layer's rows and d_in times this
+            block = [c * scale ** 3 for c in block]
+            for gpus in (1, 2, 4, 8):
+                config = build_config({"model": f"{tmp}/{name}", "device": "cuda", "nsamples": 128,
+                                       "seqlen": 2048, "eval": []})
+                needs = plan_run(config, gpus, streamed=True)
+                seconds = {**needs.seconds, "layer_solves": makespan(block, gpus) * shape["num_hidden_layers"],
+                           "reading_blocks": needs.output_disk / READ_BYTES_PER_S}
+                rows.append({"model": name, "gpus": gpus, "cpu_peak_per_rank": needs.cpu_peak_per_rank,
+                             "device_peak_per_rank": needs.device_peak_per_rank, "seconds": seconds,
+                             "total_seconds": sum(seconds.values())})
+    return rows
 
 
 def markdown(r: dict) -> str:
@@ -189,8 +235,36 @@ def markdown(r: dict) -> str:
                      f"({p['window_blocks']}) | {p['whole_model_seconds']:.0f} s | {p['ideal_seconds']:.0f} s | "
                      f"{p['per_block_paper_scaled'] / 60:.0f} / {p['window_paper_scaled'] / 60:.0f} / "
                      f"{p['whole_model_paper_scaled'] / 60:.0f} |")
+    if "projection_streamed" in r:
+        lines += ["", "## Projection of the streamed design: Llama-3.1-8B and 70B on 1, 2, 4, 8 GPUs", "",
+                  "Every rank streams the model (reads only its current block from a shared file system, "
+                  f"assumed {READ_BYTES_PER_S / 1e9:.0f} GB/s per rank), runs its share of the 128 x 2048 "
+                  "calibration tokens and solves its share of each block's layers; rank 0 writes. "
+                  "nmprune's defaults (prox + exact, block reconstruction, bfloat16). Memory and the "
+                  "passes' time come from `nmprune prune --dry-run` (nmprune/resources.py: layer solves "
+                  "at the cost model / 50 and passes at 60 TFLOP/s, both from an H200 in "
+                  "benchmarks/results/gpu.md); the layer solves take the busiest rank's share of "
+                  "each block, one block at a time, because reconstruction needs each block's pruned "
+                  "outputs before the next (no window of blocks: the largest layer, the down "
+                  "projection, caps the speed-up near 1.8x). Estimates, not measurements: no "
+                  "multi-GPU run has been made.", "",
+                  "| model | GPUs | CPU peak / rank | device peak / rank | layer solves | calibration passes "
+                  "| reconstruction | reading blocks | total |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for p in r["projection_streamed"]:
+            sec = p["seconds"]
+            lines.append(f"| {p['model']} | {p['gpus']} | {p['cpu_peak_per_rank'] / 2**30:.1f} GiB | "
+                         f"{p['device_peak_per_rank'] / 2**30:.1f} GiB | {sec['layer_solves'] / 60:.0f} min | "
+                         f"{sec['calibration_passes'] / 60:.1f} min | {sec.get('reconstruction', 0) / 60:.1f} min | "
+                         f"{sec['reading_blocks'] / 60:.1f} min | {p['total_seconds'] / 60:.0f} min |")
     return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    if sys.argv[1:] == ["--projection-only"]:  # redo the projection, keep the measured runs
+        result = json.loads((RESULTS / "distributed.json").read_text())
+        result["projection_streamed"] = projection_streamed()
+        (RESULTS / "distributed.json").write_text(json.dumps(result, indent=1))
+        (RESULTS / "distributed.md").write_text(markdown(result))
+        print(markdown(result))
+    else:
+        main(sys.argv[1:])

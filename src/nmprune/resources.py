@@ -21,8 +21,9 @@ parameters and its prunable layers' shapes, as a streamed run does
 * **Disk.** The output (every parameter in the run dtype) and the checkpoint (the pruned
   layers' weights and the hidden states of every stream).
 * **Time.** The layer solves from the cost model (:func:`nmprune.distributed.job_cost`,
-  seconds on the reference CPU; spread over the ranks; on CUDA divided by
-  :data:`CUDA_SPEEDUP`) and the forward and backward passes from their floating-point
+  seconds on the reference CPU; on CUDA divided by :data:`CUDA_SPEEDUP`), spread over the
+  ranks: the busiest rank's share of each block when blocks are solved one at a time (with
+  reconstruction or pruned inputs), the mean otherwise (a window of blocks balances them) and the forward and backward passes from their floating-point
   operations (2 per parameter and token forward, 6 forward and backward) at
   :data:`FLOPS` per device kind.
 
@@ -110,7 +111,7 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None) ->
     says whether the weights stream (default: ``config.offload``, else streamed with several
     ranks)."""
     from .devices import default_device
-    from .distributed import job_cost
+    from .distributed import job_cost, makespan
     from .stages.source import DecoderBlocks
 
     model, itemsize = _skeleton(config)
@@ -145,9 +146,13 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None) ->
     else:
         cpu_peak = PROCESS_BYTES + whole + max(outside * itemsize + hidden, block_phase)
         device_peak = None
-    layers = [(shapes[n], p) for n, p in plan_layers(plan, shapes).items() if p is not None]
-    solve = sum(job_cost(r, d, p.method.name, p.refiner.name if p.refiner else None)
-                for (r, d), p in layers) / ranks
+    plans = plan_layers(plan, shapes)
+    costs = [[job_cost(*b[n], p.method.name, p.refiner.name if p.refiner else None)
+              for n in b if (p := plans[n]) is not None] for b in per_block]
+    if recon or s.hessian_inputs == "pruned":  # one block at a time: the busiest rank's share
+        solve = sum(makespan(c, ranks) for c in costs)
+    else:  # a window of blocks keeps the ranks near balance (nmprune.distributed.balance_window)
+        solve = sum(map(sum, costs)) / ranks
     if device == "cuda":
         solve /= CUDA_SPEEDUP
     passes = 2 + (1 if s.hessian_inputs == "pruned" else 0)  # statistics and propagation
