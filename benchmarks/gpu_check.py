@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--scale", type=int, help="divide every shape by this (default 1 on a GPU, "
                         "16 on the CPU)")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--parts", default=",".join(PARTS),
                         help=f"comma-separated parts to run, of {', '.join(PARTS)} (default all)")
