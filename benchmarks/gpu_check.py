@@ -28,7 +28,7 @@ divided by ``--scale`` (16 by default there), so that the script always imports 
 (tests/test_gpu_check.py, which also gives a tiny ``--model``); such results name the CPU and
 say ``fallback``.
 
-    python benchmarks/gpu_check.py [--device cuda] [--scale 1] [--repeats 3] [--out DIR]
+    python benchmarks/gpu_check.py [--device cuda] [--scale 1] [--repeats 2] [--out DIR]
                                    [--parts agreement,pipeline,speed,block] [--merge]
 """
 
