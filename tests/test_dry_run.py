@@ -9,7 +9,7 @@ from transformers import LlamaConfig
 
 from nmprune.cli import main
 from nmprune.config import build_config
-from nmprune.resources import _hessian_inputs, plan_run
+from nmprune.resources import hessian_inputs, plan_run
 
 GIB = 1 << 30
 
@@ -55,7 +55,7 @@ def test_hessians_are_counted_once_per_shared_input():
               "l.0.self_attn.v_proj": (1024, 4096), "l.0.self_attn.o_proj": (4096, 4096),
               "l.0.mlp.gate_proj": (14336, 4096), "l.0.mlp.up_proj": (14336, 4096),
               "l.0.mlp.down_proj": (4096, 14336)}
-    assert _hessian_inputs(shapes) == [4096, 4096, 4096, 14336]
+    assert hessian_inputs(shapes) == [4096, 4096, 4096, 14336]
 
 
 def test_a_device_too_small_for_one_block_is_refused_up_front(tmp_path, capsys):

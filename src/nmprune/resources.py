@@ -92,7 +92,7 @@ def _skeleton(config: RunConfig):
     return model, torch.empty((), dtype=dtype).element_size()
 
 
-def _hessian_inputs(shapes: dict[str, tuple[int, int]]) -> list[int]:
+def hessian_inputs(shapes: dict[str, tuple[int, int]]) -> list[int]:
     """``d_in`` of each distinct layer input of one block (module docstring)."""
     seen: dict[tuple[str, int], int] = {}
     widths = []
@@ -130,7 +130,7 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None) ->
     per_block = [{n: shapes[n] for n in source.layers(i)} for i in range(len(source))]
     largest = max(block_params)
     block = largest * itemsize
-    hessians = max(sum(4 * d * d for d in _hessian_inputs(b)) for b in per_block)
+    hessians = max(sum(4 * d * d for d in hessian_inputs(b)) for b in per_block)
     solver = max(4 * (2 * r * d + 2 * d * d) for r, d in shapes.values())
     tokens = s.nsamples * s.seqlen
     sets = 4 if recon else 2
