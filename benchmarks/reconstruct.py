@@ -153,7 +153,9 @@ def lr_sweep(bench: Bench, rows: list[tuple[str, str]], lrs: list[float], fit: d
     records.sort(key=lambda r: (r["row"], r["lr"]))
     lines = ["# Reconstruction learning rate on SmolLM2 (2:4)", "",
              f"Calibration and epochs as `benchmarks/results/reconstruct.md`; {records[0]['machine']['model']} "
-             f"({records[0]['machine']['llvm_target']}). Dense wiki {dense['perplexity']['wiki']:.2f}.", "",
+             f"({records[0]['machine']['llvm_target']}). Dense wiki {dense['perplexity']['wiki']:.2f}. "
+             "Rows of the sweep may share the CPU with other work (each row's JSON holds the load "
+             "average): compare their perplexities, and their times only with rows run alone.", "",
              "| row | lr | wiki | x dense | austen | prune s |", "|---|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['row']} | {r['lr']:g} | {r['perplexity']['wiki']:.2f} | "
               f"{r['perplexity']['wiki'] / dense['perplexity']['wiki']:.3f} | {r['perplexity']['austen']:.2f} | "
