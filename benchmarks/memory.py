@@ -146,6 +146,10 @@ def checkpoint_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.glob("*.safetensors"))
 
 
+#: further ``nmprune prune`` flags for every run (``--prune-args``)
+EXTRA_PRUNE_ARGS: list[str] = []
+
+
 def prune_cmd(model: Path, out: Path, method: str, offload: bool | None = True) -> list[str]:
     """``offload``: True streams (``--offload``), False loads the model whole (YAML
     ``offload: false``), None lets nmprune choose from the memory available."""
@@ -153,7 +157,8 @@ def prune_cmd(model: Path, out: Path, method: str, offload: bool | None = True) 
     return ["nmprune", "prune", "--config", str(config), "--model", str(model),
             "--out", str(out), "--method", method,
             "--refine", "none", "--nsamples", "8", "--seqlen", "128", "--eval-seqlen", "128",
-            "--eval-max-tokens", "2048", "--quiet", *(["--offload"] if offload is True else [])]
+            "--eval-max-tokens", "2048", "--quiet", *(["--offload"] if offload is True else []),
+            *EXTRA_PRUNE_ARGS]
 
 
 def plan_lines() -> list[str]:
@@ -355,7 +360,8 @@ def estimated_peak(model: Path, out: Path, method: str, ranks: int, offload: boo
     return plan_run(config, ranks, streamed=offload).cpu_peak_per_rank
 
 
-def ranks_main(blocks: list[int], method: str, hidden: int, intermediate: int, ranks: int) -> None:
+def ranks_main(blocks: list[int], method: str, hidden: int, intermediate: int, ranks: int,
+               smollm2: bool = True, name: str = "memory_ranks") -> None:
     """Issue 33's check: ``ranks`` streamed gloo ranks on the random checkpoints of ``blocks``
     blocks against one streamed process (per-rank peak RSS above a bare import, masks), and
     the same ranks loading the smallest model whole (each rank its own copy), into
@@ -366,7 +372,7 @@ def ranks_main(blocks: list[int], method: str, hidden: int, intermediate: int, r
     bare = measured([sys.executable, "-c", "import torch, transformers, nmprune"])
     rows = []
     try:
-        for n in [*blocks, "SmolLM2"]:
+        for n in [*blocks, *(["SmolLM2"] if smollm2 else [])]:
             model = WORK / f"llama-{n}"
             if n == "SmolLM2":  # the packaged model as float32 safetensors, wiki text
                 subprocess.run([sys.executable, "-c", CONVERT, str(model)], check=True)
@@ -414,10 +420,12 @@ def ranks_main(blocks: list[int], method: str, hidden: int, intermediate: int, r
            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
                                     capture_output=True, text=True).stdout.strip()}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "memory_ranks.json").write_text(json.dumps(res, indent=1))
+    res["prune_args"] = EXTRA_PRUNE_ARGS
+    (RESULTS / f"{name}.json").write_text(json.dumps(res, indent=1))
     lines = [f"# Peak memory per rank: {ranks} gloo ranks under torchrun", "",
              f"The random checkpoints of `memory.md` (hidden {hidden}, intermediate {intermediate}, float32), "
-             f"{method}, the default reconstruction, 8 x 128 calibration tokens; each rank's own peak RSS "
+             f"{method}, {' '.join(EXTRA_PRUNE_ARGS) or 'the default reconstruction'}, 8 x 128 calibration "
+             "tokens; each rank's own peak RSS "
              f"(`getrusage` at exit), against one streamed process. Commit {res['commit']}, "
              f"{res['cpu']['model']} ({res['cpus']} cores, each rank 1 thread; load average {load[0]:.1f} at "
              f"the start, {res['load_average_end'][0]:.1f} at the end); bare import "
@@ -438,7 +446,7 @@ def ranks_main(blocks: list[int], method: str, hidden: int, intermediate: int, r
               f"{res['growth_largest_over_smallest']:.2f}x (target <= 1.1x). The dry run's estimates "
               f"{'are all' if res['estimates_within_25_percent'] else 'are NOT all'} within 25% of the "
               "measured peaks.", ""]
-    (RESULTS / "memory_ranks.md").write_text("\n".join(lines))
+    (RESULTS / f"{name}.md").write_text("\n".join(lines))
     print("\n".join(lines))
 
 
@@ -452,8 +460,13 @@ if __name__ == "__main__":
     parser.add_argument("--ranks", type=int, default=None,
                         help="instead: RANKS streamed torchrun ranks against one process, per-rank "
                         "peaks and masks (the first --methods only), into memory_ranks.{json,md}")
+    parser.add_argument("--prune-args", default="", help="further nmprune prune flags for every run, "
+                        "e.g. '--reconstruct none' (with --ranks: results named memory_ranks_<flags>)")
     args = parser.parse_args()
+    EXTRA_PRUNE_ARGS.extend(args.prune_args.split())
     if args.ranks:
-        ranks_main(args.blocks, args.methods[0], args.hidden, args.intermediate, args.ranks)
+        name = "memory_ranks" + "".join(f"_{a.lstrip('-')}" for a in EXTRA_PRUNE_ARGS)
+        ranks_main(args.blocks, args.methods[0], args.hidden, args.intermediate, args.ranks,
+                   not args.skip_smollm2, name)
     else:
         main(args.blocks, args.methods, args.hidden, args.intermediate, not args.skip_smollm2)
