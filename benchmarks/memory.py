@@ -303,15 +303,19 @@ def main(blocks: list[int], methods: list[str], hidden: int, intermediate: int, 
     print("\n".join(lines))
 
 
-# One rank of ``nmprune prune`` under torchrun that writes its own peak RSS (the kernel's
-# ru_maxrss of this process) to PEAKS/rank-RANK.json when it exits.
+# One rank of ``nmprune prune`` that writes its own peak RSS to PEAKS/rank-RANK.json when it
+# exits: VmHWM, the high-water mark of this process's own memory map. (ru_maxrss would not do:
+# it keeps the RSS of the process that forked it, this benchmark's, across the exec.)
 RANK_WRAPPER = r"""
-import atexit, json, os, resource, sys
+import atexit, json, os, sys
 from pathlib import Path
 from nmprune.cli import main
 peaks = Path(os.environ["NMPRUNE_BENCH_PEAKS"])
-atexit.register(lambda: (peaks / f"rank-{os.environ['RANK']}.json").write_text(json.dumps(
-    {"rank": int(os.environ["RANK"]), "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024})))
+rank = int(os.environ.get("RANK", "0"))
+def hwm():
+    line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+atexit.register(lambda: (peaks / f"rank-{rank}.json").write_text(json.dumps({"rank": rank, "peak_rss_bytes": hwm()})))
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -323,8 +327,9 @@ def ranks_run(model: Path, out: Path, method: str, ranks: int, offload: bool) ->
     peaks.mkdir()
     wrapper = WORK / "rank_wrapper.py"
     wrapper.write_text(RANK_WRAPPER)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-           str(wrapper), *prune_cmd(model, out, method, offload)[1:]]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)] \
+        if ranks > 1 else [sys.executable]
+    cmd = [*launcher, str(wrapper), *prune_cmd(model, out, method, offload)[1:]]
     os.environ["NMPRUNE_BENCH_PEAKS"] = str(peaks)
     r = measured(cmd)
     if r["rc"] != 0:
@@ -382,13 +387,11 @@ def ranks_main(blocks: list[int], method: str, hidden: int, intermediate: int, r
                 subprocess.run([sys.executable, "-c", BUILD.format(hidden=hidden, inter=intermediate, blocks=n,
                                                                    heads=HEADS), str(model)], check=True)
             size = checkpoint_bytes(model)
-            one = measured(prune_cmd(model, WORK / f"one-{n}", method))
-            if one["rc"] != 0:
-                raise RuntimeError(f"{one['cmd']} failed:\n{one['stderr_tail']}")
+            one = ranks_run(model, WORK / f"one-{n}", method, 1, True)
             layouts = [(True, WORK / f"ranks-{n}")] + ([(False, WORK / f"ranks-memory-{n}")] if n == min(blocks) else [])
             rows.append({"blocks": n, "checkpoint_bytes": size, "method": method, "ranks": 1, "streamed": True,
-                         "seconds": one["seconds"], "per_rank_peak_rss_bytes": [one["peak_rss_bytes"]],
-                         "per_rank_above_bare_bytes": [one["peak_rss_bytes"] - bare["peak_rss_bytes"]],
+                         "seconds": one["seconds"], "per_rank_peak_rss_bytes": one["per_rank_peak_rss_bytes"],
+                         "per_rank_above_bare_bytes": [p - bare["peak_rss_bytes"] for p in one["per_rank_peak_rss_bytes"]],
                          "estimated_peak_bytes": estimated_peak(model, WORK / f"one-{n}", method, 1, True),
                          "same_mask_cells_vs_one_rank": 1.0, "cmd": one["cmd"]})
             for offload, out in layouts:
