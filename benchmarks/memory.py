@@ -21,7 +21,7 @@ which the kernel must kill.
     flock /tmp/nmprune-bench.lock python benchmarks/memory.py --ranks 2 --blocks 16 32 --methods wanda
 
 With ``--ranks N`` it runs N streamed gloo ranks under torchrun on the 16- and 32-block
-checkpoints instead (each rank writes its own peak RSS at exit), compares their masks with
+checkpoints instead (each rank writes its own peak RSS, VmHWM, at exit), compares their masks with
 one streamed process, and loads the 16-block model whole on the same ranks (one copy each)
 for comparison: ``benchmarks/results/memory_ranks.{json,md}``.
 
@@ -429,7 +429,7 @@ def ranks_main(blocks: list[int], method: str, hidden: int, intermediate: int, r
              f"The random checkpoints of `memory.md` (hidden {hidden}, intermediate {intermediate}, float32), "
              f"{method}, {' '.join(EXTRA_PRUNE_ARGS) or 'the default reconstruction'}, 8 x 128 calibration "
              "tokens; each rank's own peak RSS "
-             f"(`getrusage` at exit), against one streamed process. Commit {res['commit']}, "
+             f"(VmHWM at exit), against one streamed process. Commit {res['commit']}, "
              f"{res['cpu']['model']} ({res['cpus']} cores, each rank 1 thread; load average {load[0]:.1f} at "
              f"the start, {res['load_average_end'][0]:.1f} at the end); bare import "
              f"{bare['peak_rss_bytes'] / MB:.0f} MiB.", "",
