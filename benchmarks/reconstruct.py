@@ -17,7 +17,8 @@ is ``benchmarks/results/reconstruct.{json,md,png}`` (perplexity against wall tim
 
     flock /tmp/nmprune-bench.lock python benchmarks/reconstruct.py [--rows wanda:none,...]
         [--tasks-limit N] [--tasks-rows ROWS] [--force] [--lr 1e-3 --epochs 1 --batch 2]
-    python benchmarks/reconstruct.py --rows prox+exact:block --lr-sweep 2e-3,5e-3
+    python benchmarks/reconstruct.py --rows prox+exact:block --sweep reconstruct_lr=2e-3 \\
+        --sweep batch_size=1,reconstruct_batch_size=1
 """
 
 from __future__ import annotations
@@ -133,36 +134,60 @@ def run_row(bench: Bench, method: str, granularity: str, fit: dict[str, Any], ta
             "blocks": blocks, "machine": cpu_description(), "load_average": os.getloadavg()}
 
 
-def lr_sweep(bench: Bench, rows: list[tuple[str, str]], lrs: list[float], fit: dict[str, Any],
-             dense: dict[str, Any]) -> None:
-    """Each row at each learning rate (perplexities only; rows already written are skipped),
-    into ``reconstruct/lr_sweep/`` and the table ``reconstruct_lr_sweep.md``."""
-    folder = ROWS_DIR / "lr_sweep"
+def parse_variant(text: str) -> dict[str, Any]:
+    """``"KEY=VALUE,KEY=VALUE"`` as ``PruneSettings`` overrides (numbers parsed as numbers)."""
+    variant: dict[str, Any] = {}
+    for item in text.split(","):
+        key, _, value = item.partition("=")
+        for kind in (int, float):
+            try:
+                variant[key.strip()] = kind(value)
+                break
+            except ValueError:
+                continue
+        else:
+            variant[key.strip()] = value.strip()
+    return variant
+
+
+def variant_name(variant: dict[str, Any]) -> str:
+    return ",".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(variant.items()))
+
+
+def sweep(bench: Bench, rows: list[tuple[str, str]], variants: list[dict[str, Any]], fit: dict[str, Any],
+          dense: dict[str, Any]) -> None:
+    """Each row with each variant of its settings (perplexities only; rows already written are
+    skipped), into ``reconstruct/sweep/`` and the table ``reconstruct_sweep.md``, next to
+    the grid's row of the same method and granularity (the defaults)."""
+    folder = ROWS_DIR / "sweep"
     folder.mkdir(parents=True, exist_ok=True)
     for method, granularity in rows:
-        for lr in lrs:
-            path = folder / f"{row_path(method, granularity).stem}_lr{lr:g}.json"
+        for variant in variants:
+            name = variant_name(variant)
+            path = folder / f"{row_path(method, granularity).stem}_{name.replace('=', '').replace(',', '_')}.json"
             if not path.exists():
-                record = run_row(bench, method, granularity, {**fit, "reconstruct_lr": lr}, tasks=False)
-                path.write_text(json.dumps({**record, "lr": lr}, indent=1, default=str))
+                record = run_row(bench, method, granularity, {**fit, **variant}, tasks=False)
+                path.write_text(json.dumps({**record, "variant": variant}, indent=1, default=str))
+                print(f"{record['row']} {name}: wiki {record['perplexity']['wiki']:.2f}", flush=True)
     records = [json.loads(f.read_text()) for f in folder.glob("*.json")]
-    for method, granularity in rows:  # the grid's row of each, at the learning rate it ran with
+    for method, granularity in rows:  # the grid's row of each: the defaults
         if row_path(method, granularity).exists():
-            grid = json.loads(row_path(method, granularity).read_text())
-            records.append({**grid, "lr": grid["settings"]["reconstruct_lr"]})
-    records.sort(key=lambda r: (r["row"], r["lr"]))
-    lines = ["# Reconstruction learning rate on SmolLM2 (2:4)", "",
-             f"Calibration and epochs as `benchmarks/results/reconstruct.md`; {records[0]['machine']['model']} "
-             f"({records[0]['machine']['llvm_target']}). Dense wiki {dense['perplexity']['wiki']:.2f}. "
-             "Rows of the sweep may share the CPU with other work (each row's JSON holds the load "
-             "average): compare their perplexities, and their times only with rows run alone.", "",
-             "| row | lr | wiki | x dense | austen | prune s |", "|---|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r['row']} | {r['lr']:g} | {r['perplexity']['wiki']:.2f} | "
+            records.append({**json.loads(row_path(method, granularity).read_text()), "variant": {}})
+    records.sort(key=lambda r: (r["row"], variant_name(r["variant"])))
+    lines = ["# Reconstruction settings on SmolLM2 (2:4)", "",
+             f"Calibration and settings as `benchmarks/results/reconstruct.md` except the ones named; "
+             f"{records[0]['machine']['model']} ({records[0]['machine']['llvm_target']}). Dense wiki "
+             f"{dense['perplexity']['wiki']:.2f}. Rows of the sweep may share the CPU with other work (each "
+             "row's JSON holds the load average): compare their perplexities, and their times only with "
+             "rows run alone.", "",
+             "| row | changed from the defaults | wiki | x dense | austen | prune s |",
+             "|---|---|---:|---:|---:|---:|"]
+    lines += [f"| {r['row']} | {variant_name(r['variant']) or '(defaults)'} | {r['perplexity']['wiki']:.2f} | "
               f"{r['perplexity']['wiki'] / dense['perplexity']['wiki']:.3f} | {r['perplexity']['austen']:.2f} | "
               f"{r['prune_seconds']:.0f} |" for r in records]
-    (RESULTS / "reconstruct_lr_sweep.md").write_text("\n".join(lines) + "\n")
-    (RESULTS / "reconstruct_lr_sweep.json").write_text(json.dumps(
-        [{k: r[k] for k in ("row", "lr", "perplexity", "prune_seconds", "settings")} for r in records],
+    (RESULTS / "reconstruct_sweep.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / "reconstruct_sweep.json").write_text(json.dumps(
+        [{k: r[k] for k in ("row", "variant", "perplexity", "prune_seconds", "settings")} for r in records],
         indent=1, default=str) + "\n")
 
 
@@ -243,8 +268,9 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=None, help="reconstruction lr (default: the setting's)")
     parser.add_argument("--epochs", type=int, default=None)
     parser.add_argument("--batch", type=int, default=None, help="reconstruction batch size in samples")
-    parser.add_argument("--lr-sweep", default=None, help="LR,LR,...: run --rows at each learning rate "
-                        "instead (perplexities only), into reconstruct_lr_sweep.{md,json}")
+    parser.add_argument("--sweep", action="append", default=None, metavar="KEY=VALUE,...",
+                        help="run --rows with these settings changed instead (perplexities only), into "
+                             "reconstruct_sweep.{md,json}; repeat for more variants")
     args = parser.parse_args()
     import torch
 
@@ -264,8 +290,8 @@ def main() -> None:
         dense = bench.evaluate()
         dense_path.write_text(json.dumps(dense, indent=1, default=str))
     print(f"dense: {dense['perplexity']} mean acc {dense['mean_accuracy']:.3f}", flush=True)
-    if args.lr_sweep:
-        lr_sweep(bench, wanted, [float(x) for x in args.lr_sweep.split(",")], fit, dense)
+    if args.sweep:
+        sweep(bench, wanted, [parse_variant(v) for v in args.sweep], fit, dense)
         return
     for method, granularity in wanted:
         path = row_path(method, granularity)

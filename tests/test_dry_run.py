@@ -14,11 +14,15 @@ from nmprune.resources import hessian_inputs, plan_run
 GIB = 1 << 30
 
 
-def llama_config_dir(path, blocks: int, hidden: int = 4096, intermediate: int = 14336):
-    """A model directory holding only an 8B-shaped Llama's config.json: no weights at all."""
+def llama_config_dir(path, blocks: int, hidden: int = 4096, intermediate: int = 14336,
+                     sharded: bool = True):
+    """A model directory holding an 8B-shaped Llama's config.json and no weights; ``sharded``
+    adds an (empty) safetensors index, so that the run would take it for a model that streams."""
     LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_attention_heads=32,
                 num_key_value_heads=8, num_hidden_layers=blocks, vocab_size=128256, dtype="bfloat16",
                 tie_word_embeddings=False, architectures=["LlamaForCausalLM"]).save_pretrained(path)
+    if sharded:
+        (path / "model.safetensors.index.json").write_text('{"metadata": {}, "weight_map": {}}')
     return path
 
 
@@ -48,6 +52,17 @@ def test_the_plan_scales_with_blocks_ranks_and_settings(tmp_path):
                     ranks=2)
     assert "reconstruction" not in bare.seconds and bare.block_phase < small.block_phase
     assert bare.seconds["layer_solves"] == pytest.approx(one.seconds["layer_solves"] / 2)
+
+
+def test_ranks_plan_to_stream_only_a_model_that_can(tmp_path):
+    """The run streams several ranks only from safetensors files (a GGUF file or a hub id
+    loads whole, on every rank); the plan makes the same choice."""
+    whole = plan_run(build_config({"model": str(llama_config_dir(tmp_path / "m", 16, sharded=False)),
+                                   "device": "cpu"}), ranks=2)
+    assert not whole.streamed and whole.cpu_peak_per_rank > whole.output_disk
+    kept = plan_run(build_config({"model": str(llama_config_dir(tmp_path / "s", 16)), "device": "cpu",
+                                  "offload": False}), ranks=2)
+    assert not kept.streamed  # offload: false keeps every rank in memory
 
 
 def test_hessians_are_counted_once_per_shared_input():

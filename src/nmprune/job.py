@@ -12,7 +12,6 @@ import json
 import platform
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -139,7 +138,7 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
     from .output import RunLock, remove_partial_save
     from .stages.source import ModelBlocks
     from .streaming import StreamingModel
-    from .streaming.fit import streamable
+    from .streaming.fit import ranks_offload
     from .validate import check_finite, check_positions, check_prune_inputs
 
     ranks = distributed.setup(config.device)
@@ -161,9 +160,7 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
         config.prune.planner()  # every method, refiner, pattern and option, before the model loads
         resolved = resolve_model(config.model, config.gguf_file)
         digest = model_digest(resolved)
-        offload = config.offload
-        if ranks is not None and ranks.world > 1 and offload is None and streamable(resolved):
-            offload = True  # several ranks never hold a private copy each of a model that can stream
+        offload = ranks_offload(config.offload, ranks.world if ranks is not None else 1, resolved)
     if ranks is not None:  # every rank the same job, before any of them loads
         ranks.agree({"settings": config.identity(), "model files": digest})
     timings: dict[str, float] = {}
@@ -183,9 +180,8 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
         timings["load"] = time.perf_counter() - t0
         if not streaming:  # a streamed model's weights are read block by block later
             check_finite(model, source)
-        with warnings.catch_warnings():  # prune_model warns about skipped layers itself
-            warnings.simplefilter("ignore")
-            config.prune.planner().plan_layers((model if streaming else ModelBlocks(model)).layer_shapes())
+        # prune_model warns about skipped layers itself
+        config.prune.planner().plan_layers((model if streaming else ModelBlocks(model)).layer_shapes(), warn=False)
         # the text is tokenised before the checkpoint exists: a text too short is refused with
         # nothing written
         cache: dict[str, Any] = {}

@@ -74,14 +74,15 @@ class RunNeeds:
 
 
 def _skeleton(config: RunConfig):
-    """The model on the meta device and its dtype (no weights read)."""
+    """The model on the meta device, its dtype's size and where it is (no weights read)."""
     import torch
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
     from .models import check_causal, parse_dtype, resolve_model
 
-    model_config = check_causal(resolve_model(config.model, config.gguf_file))
+    resolved = resolve_model(config.model, config.gguf_file)
+    model_config = check_causal(resolved)
     dtype = parse_dtype(config.dtype)
     if dtype == "auto":
         dtype = parse_dtype(getattr(model_config, "dtype", None) or "float32")
@@ -89,7 +90,7 @@ def _skeleton(config: RunConfig):
         model = AutoModelForCausalLM.from_config(copy.deepcopy(model_config), dtype=dtype,
                                                  trust_remote_code=False)
     model.tie_weights()
-    return model, torch.empty((), dtype=dtype).element_size()
+    return model, torch.empty((), dtype=dtype).element_size(), resolved
 
 
 def hessian_inputs(shapes: dict[str, tuple[int, int]]) -> list[int]:
@@ -108,17 +109,19 @@ def hessian_inputs(shapes: dict[str, tuple[int, int]]) -> list[int]:
 
 def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None) -> RunNeeds:
     """The estimates of the module docstring for ``config`` on ``ranks`` ranks; ``streamed``
-    says whether the weights stream (default: ``config.offload``, else streamed with several
-    ranks)."""
+    says whether the weights stream (default: as the run decides from ``config.offload``, the
+    number of ranks and the model's files, :func:`~nmprune.streaming.fit.ranks_offload`)."""
     from .devices import default_device
     from .distributed import job_cost, makespan
     from .stages.source import DecoderBlocks
+    from .streaming.fit import ranks_offload
 
-    model, itemsize = _skeleton(config)
+    model, itemsize, resolved = _skeleton(config)
     source = DecoderBlocks(model)
     s = config.prune
     plan = s.planner()
-    streamed = streamed if streamed is not None else (config.offload or (config.offload is None and ranks > 1))
+    if streamed is None:  # as the run decides before memory is considered (nmprune.job.run)
+        streamed = bool(ranks_offload(config.offload, ranks, resolved))
     device = default_device(config.device).type
     params = sum(p.numel() for p in model.parameters())
     block_params = [sum(p.numel() for p in b.parameters()) for b in source.blocks]
@@ -146,7 +149,7 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None) ->
     else:
         cpu_peak = PROCESS_BYTES + whole + max(outside * itemsize + hidden, block_phase)
         device_peak = None
-    plans = plan_layers(plan, shapes)
+    plans = plan.plan_layers(shapes, warn=False)
     costs = [[job_cost(*b[n], p.method.name, p.refiner.name if p.refiner else None)
               for n in b if (p := plans[n]) is not None] for b in per_block]
     if recon or s.hessian_inputs == "pruned":  # one block at a time: the busiest rank's share
@@ -169,15 +172,6 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None) ->
                     output_disk=params * itemsize,
                     checkpoint_disk=pruned_weights + tokens * hidden_size * itemsize * (2 if recon else 1),
                     seconds=seconds)
-
-
-def plan_layers(planner, shapes: dict[str, tuple[int, int]]) -> dict:
-    """Each layer's plan (``None``: skipped), without the planner's warnings."""
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return planner.plan_layers(shapes)
 
 
 def check_device_fits(needs: RunNeeds, device_bytes: int | None) -> None:

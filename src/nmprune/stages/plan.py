@@ -211,12 +211,14 @@ class Planner:
                 return plan
         return self.default
 
-    def plan_layers(self, shapes: Mapping[str, tuple[int, int]]) -> dict[str, LayerPlan | None]:
+    def plan_layers(self, shapes: Mapping[str, tuple[int, int]],
+                    warn: bool = True) -> dict[str, LayerPlan | None]:
         """The plan of every layer, given each full name's weight shape ``(d_out, d_in)``.
 
         Every override must match some layer. A layer whose ``d_in`` is not divisible by its
-        pattern's M stays dense with a warning (an error when ``strict``). A model of which
-        no layer would be pruned is an error naming the patterns and the widths found.
+        pattern's M stays dense with a warning (when ``warn``; an error when ``strict``). A
+        model of which no layer would be pruned is an error naming the patterns and the
+        widths found.
         """
         for glob, _ in self.overrides:
             if not any(fnmatch.fnmatchcase(n, glob) for n in shapes):
@@ -229,7 +231,8 @@ class Planner:
                 message = f"layer {name} has d_in={d_in}, not divisible by M={plan.pattern.m}"
                 if self.strict:
                     raise ValueError(message + "; skip it with an override or run without strict")
-                warnings.warn(message + "; it stays dense", stacklevel=2)
+                if warn:
+                    warnings.warn(message + "; it stays dense", stacklevel=2)
                 plan = None
             plans[name] = plan
         if shapes and all(p is None for p in plans.values()):

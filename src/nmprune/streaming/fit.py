@@ -32,6 +32,13 @@ def streamable(source: ModelSource) -> bool:
     return source.gguf_file is None and p.is_dir() and ((p / SINGLE).is_file() or (p / INDEX).is_file())
 
 
+def ranks_offload(offload: bool | None, processes: int, source: ModelSource) -> bool | None:
+    """The ``offload`` a run of ``processes`` ranks uses: several ranks never hold a private
+    copy each of a model that can stream (:func:`streamable`), so ``None`` (decide by memory)
+    becomes ``True`` for them; otherwise ``offload`` as given."""
+    return True if offload is None and processes > 1 and streamable(source) else offload
+
+
 def weight_bytes(source: ModelSource, dtype: str | torch.dtype | None = "auto", config=None) -> int:
     """Bytes of the model's distinct parameters in the run dtype (module docstring);
     ``config`` is the model's configuration when the caller has read it already."""
