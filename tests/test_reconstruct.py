@@ -81,7 +81,7 @@ def test_fit_masked_takes_the_same_steps_however_the_batches_are_split():
                     loss.backward()
                     error += torch.tensor([float(loss.detach()), float(diff.numel())], dtype=torch.float64)
         if w.grad is not None:
-            grads[0] += w.grad
+            grads[0] += w.grad[halves[0] != 0]  # the gradients are summed compact: the kept entries
 
     gen = torch.Generator().manual_seed(options.seed)
     for _ in range(options.epochs):
@@ -90,6 +90,46 @@ def test_fit_masked_takes_the_same_steps_however_the_batches_are_split():
     fit_masked(lambda j: xs[j] @ halves[0].T, [targets[j] for j in own[0]], [halves[0]],
                own[0], 6, options, all_reduce)
     assert torch.allclose(halves[0], one, rtol=1e-8, atol=1e-10)  # summation order only
+
+
+def test_fit_masked_steps_as_adamw_on_the_whole_weight_with_masked_gradients():
+    """The optimiser holds only the kept entries; the reference is torch's AdamW on the dense
+    weights with the pruned entries' gradients zeroed and the weights masked after each step
+    (float64 weights, two layers, gradients accumulated over 2 batches per step, 3 epochs)."""
+    torch.manual_seed(2)
+    xs = [torch.randn(8, 12, dtype=torch.float64) for _ in range(5)]
+    targets = [torch.tanh(x @ torch.randn(12, 6, dtype=torch.float64)) for x in xs]
+    first, second = torch.randn(8, 12, dtype=torch.float64), torch.randn(6, 8, dtype=torch.float64)
+    first[:, 1::4] = 0
+    first[:, 2::4] = 0
+    second[:, ::2] = 0
+    options = FitOptions(epochs=3, lr=5e-2, batches_per_step=2, seed=4)
+    ours = [first.clone(), second.clone()]
+    fit_masked(lambda j: torch.tanh(xs[j] @ ours[0].T) @ ours[1].T, targets, ours, range(5), 5, options)
+
+    ref = [first.clone().requires_grad_(True), second.clone().requires_grad_(True)]
+    masks = [w.detach() != 0 for w in ref]
+    optimiser = torch.optim.AdamW(ref, lr=options.lr, weight_decay=0.0)
+    steps = 3 * 3
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimiser, lambda k: 1.0 - k / steps)
+    gen = torch.Generator().manual_seed(options.seed)
+    for _ in range(options.epochs):
+        order = torch.randperm(5, generator=gen).tolist()
+        for step in range(3):
+            optimiser.zero_grad()
+            batch = order[2 * step:2 * step + 2]
+            for j in batch:  # the error in float32, as fit_masked's
+                ((torch.tanh(xs[j] @ ref[0].T) @ ref[1].T).float() - targets[j].float()).square().sum().backward()
+            for w, m in zip(ref, masks):
+                w.grad.div_(sum(targets[j].numel() for j in batch)).mul_(m)
+            optimiser.step()
+            schedule.step()
+            with torch.no_grad():
+                for w, m in zip(ref, masks):
+                    w.mul_(m)
+    for a, b, m in zip(ours, ref, masks):
+        assert torch.equal(a != 0, m)
+        torch.testing.assert_close(a, b.detach(), rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -156,6 +196,32 @@ def test_reconstruction_holds_the_mask_and_brings_the_model_closer_to_the_dense_
     assert _logit_error(fitted, dense, ids) < 1.5 * _logit_error(solved, dense, ids)
 
 
+def test_a_block_that_training_made_worse_gets_its_solved_weights_back(monkeypatch):
+    """When a fit raises a block's output error, the block is restored from the compact copy
+    of its solved weights: every block worsened gives, bit for bit, the model without
+    reconstruction (its solves see the dense model's inputs either way)."""
+    import nmprune.stages.reconstruction as stage
+    from nmprune.reconstruct import FitResult
+
+    def worsen(run, targets, weights, *args, **kwargs) -> FitResult:
+        with torch.no_grad():
+            for w in weights:
+                w.mul_(3.0)  # the zeros stay zeros; the kept weights are far off
+        return FitResult(1, 1.0, 1.0, 0.0)
+
+    monkeypatch.setattr(stage, "fit_masked", worsen)
+    dense = tiny_model("llama", layers=3)
+    solved, fitted = copy.deepcopy(dense), copy.deepcopy(dense)
+    calib = token_batch(8, 16)
+    prune_model(solved, calibration=calib, device="cpu", progress=False, **SOLVE)
+    report = prune_model(fitted, calibration=calib, device="cpu", progress=False, reconstruct="block",
+                         **FIT, **SOLVE)
+    assert [b["kept"] for b in report.blocks] == ["solved"] * 3
+    assert all(b["error_after"] == b["error_before"] for b in report.blocks)
+    for (n, p), q in zip(fitted.named_parameters(), solved.parameters()):
+        assert torch.equal(p, q), n
+
+
 def test_reconstruction_is_reproducible_and_resumes_to_the_uninterrupted_result(tmp_path):
     calib = token_batch(8, 16)
     kwargs = dict(calibration=calib, device="cpu", progress=False, reconstruct="submodule", **FIT, **SOLVE)
@@ -202,6 +268,46 @@ def test_reconstruction_of_a_bfloat16_model_trains_in_float32_and_keeps_the_mask
         assert int((w.reshape(w.shape[0], -1, 4) != 0).sum(-1).max()) <= 2
     assert all(b["error_after"] <= b["error_before"] for b in report.blocks)
     assert any(b["kept"] == "reconstructed" for b in report.blocks)
+
+
+def test_fit_masked_steps_as_adamw_on_the_whole_weight_with_masked_gradients():
+    """The optimiser holds only the kept entries; the reference is torch's AdamW on the dense
+    weights with the pruned entries' gradients zeroed and the weights masked after each step
+    (float64 weights, two layers, gradients accumulated over 2 batches per step, 3 epochs)."""
+    torch.manual_seed(2)
+    xs = [torch.randn(8, 12, dtype=torch.float64) for _ in range(5)]
+    targets = [torch.tanh(x @ torch.randn(12, 6, dtype=torch.float64)) for x in xs]
+    first, second = torch.randn(8, 12, dtype=torch.float64), torch.randn(6, 8, dtype=torch.float64)
+    first[:, 1::4] = 0
+    first[:, 2::4] = 0
+    second[:, ::2] = 0
+    options = FitOptions(epochs=3, lr=5e-2, batches_per_step=2, seed=4)
+    ours = [first.clone(), second.clone()]
+    fit_masked(lambda j: torch.tanh(xs[j] @ ours[0].T) @ ours[1].T, targets, ours, range(5), 5, options)
+
+    ref = [first.clone().requires_grad_(True), second.clone().requires_grad_(True)]
+    masks = [w.detach() != 0 for w in ref]
+    optimiser = torch.optim.AdamW(ref, lr=options.lr, weight_decay=0.0)
+    steps = 3 * 3
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimiser, lambda k: 1.0 - k / steps)
+    gen = torch.Generator().manual_seed(options.seed)
+    for _ in range(options.epochs):
+        order = torch.randperm(5, generator=gen).tolist()
+        for step in range(3):
+            optimiser.zero_grad()
+            batch = order[2 * step:2 * step + 2]
+            for j in batch:  # the error in float32, as fit_masked's
+                ((torch.tanh(xs[j] @ ref[0].T) @ ref[1].T).float() - targets[j].float()).square().sum().backward()
+            for w, m in zip(ref, masks):
+                w.grad.div_(sum(targets[j].numel() for j in batch)).mul_(m)
+            optimiser.step()
+            schedule.step()
+            with torch.no_grad():
+                for w, m in zip(ref, masks):
+                    w.mul_(m)
+    for a, b, m in zip(ours, ref, masks):
+        assert torch.equal(a != 0, m)
+        torch.testing.assert_close(a, b.detach(), rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("bad, message", [

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +64,50 @@ class FitResult:
     seconds: float
 
 
+class KeptEntries:
+    """Where a weight's nonzeros are, to move them between the weight and a compact vector.
+
+    Boolean indexing and ``masked_scatter`` on a whole weight build int64 index temporaries
+    of up to twice the weight's float32 size; both work here on slices of ``CHUNK``
+    entries, so the temporaries stay a few tens of MiB whatever the layer's size.
+    """
+
+    CHUNK = 1 << 22
+
+    def __init__(self, weight: Tensor):
+        if not weight.is_contiguous():
+            raise ValueError("KeptEntries needs a contiguous weight")
+        self.mask = (weight.detach() != 0).reshape(-1)
+        n = self.mask.numel()
+        self.bounds = [*range(0, n, self.CHUNK), n]
+        counts = [int(self.mask[a:b].sum()) for a, b in zip(self.bounds, self.bounds[1:])]
+        self.offsets = [0]
+        for c in counts:
+            self.offsets.append(self.offsets[-1] + c)
+
+    @property
+    def count(self) -> int:
+        return self.offsets[-1]
+
+    def _slices(self) -> Iterator[tuple[slice, slice]]:
+        for k in range(len(self.bounds) - 1):
+            yield slice(self.bounds[k], self.bounds[k + 1]), slice(self.offsets[k], self.offsets[k + 1])
+
+    def gather(self, dense: Tensor, into: Tensor | None = None) -> Tensor:
+        """``dense``'s entries at the kept positions, in order; added to ``into`` if given."""
+        flat = dense.detach().reshape(-1)
+        out = into if into is not None else torch.zeros(self.count, dtype=dense.dtype, device=dense.device)
+        for whole, kept in self._slices():
+            out[kept] += flat[whole][self.mask[whole]]
+        return out
+
+    def scatter(self, values: Tensor, weight: Tensor) -> None:
+        """Write ``values`` into ``weight``'s kept positions (the others are left as they are)."""
+        flat = weight.detach().view(-1)
+        for whole, kept in self._slices():
+            flat[whole].masked_scatter_(self.mask[whole], values[kept])
+
+
 def _no_reduce(tensors: Sequence[Tensor]) -> None:
     """One process: its sums are already the totals."""
 
@@ -81,19 +125,40 @@ def fit_masked(run: Callable[[int], Tensor], targets: Sequence[Tensor], weights:
     each step, those of the step's batches it holds. ``weights`` (leaf tensors, float32 or
     wider) are trained in place with ``torch.optim.AdamW`` (no weight decay) and a
     linear decay of the learning rate to zero; their zeros stay zero. The errors are
-    accumulated in float32. ``on_step()`` runs after every step (a progress bar). Raises :class:`ReconstructionDiverged` (the weights then hold
-    an unfinished step and must be discarded) when a step's loss is not finite.
+    accumulated in float32. ``on_step()`` runs after every step (a progress bar). Raises
+    :class:`ReconstructionDiverged` (the weights then hold an unfinished step and must be
+    discarded) when a step's loss is not finite.
+
+    The optimiser holds only the kept entries: each weight's nonzeros are a compact vector
+    (``N/M`` of the weight) that AdamW steps, with its gradient and its two moments, and
+    that is scattered back into the weight after each step. A weight's dense gradient lives
+    only while backpropagation passes through its layer (a hook moves its kept entries into
+    the compact gradient), so training holds about twice the kept entries beyond the
+    weights, not four times the weights. AdamW on the compact vector is AdamW on the weight
+    with its pruned entries' gradients zeroed: those entries would never move.
     """
     started = time.perf_counter()
-    masks = [w.detach() != 0 for w in weights]
+    entries = [KeptEntries(w) for w in weights]
+    kept = [e.gather(w) for e, w in zip(entries, weights)]
+    for v in kept:
+        v.grad = torch.zeros_like(v)
     local = {int(g): j for j, g in enumerate(positions)}
     steps_per_epoch = math.ceil(total / options.batches_per_step)
     all_steps = options.epochs * steps_per_epoch
     flags = [w.requires_grad for w in weights]
-    for w in weights:
+
+    def compact(v: Tensor, where: KeptEntries) -> Callable[[Tensor], None]:
+        def hook(w: Tensor) -> None:
+            where.gather(w.grad, into=v.grad)
+            w.grad = None
+        return hook
+
+    handles = []
+    for w, v, where in zip(weights, kept, entries):
         w.requires_grad_(True)
-        w.grad = torch.zeros_like(w)
-    optimiser = torch.optim.AdamW(list(weights), lr=options.lr, weight_decay=0.0)
+        w.grad = None
+        handles.append(w.register_post_accumulate_grad_hook(compact(v, where)))
+    optimiser = torch.optim.AdamW(kept, lr=options.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimiser, lambda step: 1.0 - step / all_steps)
     generator = torch.Generator().manual_seed(options.seed)
     device = weights[0].device
@@ -114,24 +179,26 @@ def fit_masked(run: Callable[[int], Tensor], targets: Sequence[Tensor], weights:
                     loss.backward()
                     error += torch.stack([loss.detach().double(), torch.tensor(float(diff.numel()),
                                                                                dtype=torch.float64, device=device)])
-                grads = [w.grad for w in weights]
+                grads = [v.grad for v in kept]
                 all_reduce([*grads, error])
                 if not math.isfinite(float(error[0])):
                     raise ReconstructionDiverged(
                         f"the reconstruction loss became {float(error[0])} in epoch {epoch + 1}, step "
                         f"{step + 1}; lower the learning rate (now {options.lr:g})")
-                for grad, mask in zip(grads, masks):
-                    grad.div_(max(float(error[1]), 1.0)).mul_(mask)
+                for grad in grads:
+                    grad.div_(max(float(error[1]), 1.0))
                 optimiser.step()
                 schedule.step()
                 with torch.no_grad():
-                    for w, mask in zip(weights, masks):
-                        w.mul_(mask)
+                    for w, v, where in zip(weights, kept, entries):
+                        where.scatter(v, w)
                 sums += error
                 if on_step is not None:
                     on_step()
             epoch_mse.append(float(sums[0] / sums[1]) if sums[1] > 0 else 0.0)
     finally:
+        for handle in handles:
+            handle.remove()
         for w, flag in zip(weights, flags):
             w.grad = None
             w.requires_grad_(flag)

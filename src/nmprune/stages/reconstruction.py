@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from ..reconstruct import FitOptions, ReconstructionDiverged, fit_masked
+from ..reconstruct import FitOptions, KeptEntries, ReconstructionDiverged, fit_masked
 from .block_runner import BlockCall, BlockInputs, block_hidden, run_block
 from .statistics import CalibrationStatistics, InputStats
 
@@ -258,9 +258,10 @@ class ReconstructingStatistics:
         ``error_after``), and ``kept``: ``"reconstructed"``, or ``"solved"`` when training
         did not lower that error (the solved weights are then restored)."""
         started = time.perf_counter()
-        before, error_before = self._propagate(index, block)
+        _, error_before = self._propagate(index, block)  # the outputs are recomputed if needed
         weights = [w for u in self._units for w in self._weights(u)]
-        solved = [w.detach().clone() for w in weights]
+        # the solved weights, kept compact (their nonzeros and where they are) while training
+        solved = [(where, where.gather(w)) for w in weights for where in [KeptEntries(w)]]
         steps = 0
         per_unit = self.options.epochs * -(-self.total // self.options.batches_per_step)
         bar = tqdm(total=per_unit * len(self._units), desc=f"reconstructing block {index}",
@@ -292,9 +293,11 @@ class ReconstructingStatistics:
         kept = "reconstructed"
         if not error_after < error_before:
             with torch.no_grad():
-                for w, s in zip(weights, solved):
-                    w.copy_(s)
-            after, error_after, kept = before, error_before, "solved"
+                for w, (where, values) in zip(weights, solved):
+                    where.scatter(values, w.zero_())
+            after, error_after = self._propagate(index, block)
+            kept = "solved"
+        del solved
         self.pruned = after
         self._units, self._dense_in = [], []
         return {"block": index, "reconstruct": self.granularity, "targets": self._targets_kind(),
