@@ -14,8 +14,10 @@ parameters and its prunable layers' shapes, as a streamed run does
   factorisations), this rank's share of the calibration hidden states (one set per stream:
   two without reconstruction, the states in and the states out; four with it, the pruned and
   the dense stream, the targets and the states out), the float32 activations of one
-  calibration batch, and with reconstruction the block's float32 copy, its gradients and
-  AdamW's two moments (16 bytes per parameter) and autograd's activations of one batch. A
+  calibration batch, and with reconstruction the block in float32, two masks of every pruned
+  weight, 20 bytes per kept entry (:func:`nmprune.reconstruct.fit_masked`'s compact value,
+  gradient and two AdamW moments, and the solved weights' backup), one layer's dense
+  gradient and autograd's activations of one batch. A
   run that loads the model whole adds all its weights. On a CUDA device the block phase is
   device memory and the CPU holds the process, the outside modules and one block on its way.
 * **Disk.** The output (every parameter in the run dtype) and the checkpoint (the pruned
@@ -131,6 +133,7 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None) ->
     intermediate = max((d_out for d_out, _ in shapes.values()), default=hidden_size)
     recon = s.reconstruct != "none"
     per_block = [{n: shapes[n] for n in source.layers(i)} for i in range(len(source))]
+    plans = plan.plan_layers(shapes, warn=False)
     largest = max(block_params)
     block = largest * itemsize
     hessians = max(sum(4 * d * d for d in hessian_inputs(b)) for b in per_block)
@@ -140,7 +143,13 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None) ->
     hidden = -(-s.nsamples // ranks) * s.seqlen * hidden_size * itemsize * sets
     batch_tokens = s.batch_size * s.seqlen
     activations = batch_tokens * (3 * intermediate + 4 * hidden_size) * 4
-    training = (16 * largest + batch_tokens * (16 * hidden_size + 4 * intermediate) * 4) if recon else 0
+    # the block in float32, then per pruned weight: two masks (bytes) and 20 bytes per kept
+    # entry (its compact value, gradient, two AdamW moments and the solved backup); one
+    # layer's dense gradient in flight, and autograd's activations of one batch
+    kept = max((p.pattern.n / p.pattern.m for p in plans.values() if p is not None), default=1.0)
+    pruned = max(sum(r * d for n, (r, d) in b.items() if plans[n] is not None) for b in per_block)
+    training = ((4 - itemsize) * largest + pruned * (2 + 20 * kept) + 4 * max(r * d for r, d in shapes.values())
+                + batch_tokens * (16 * hidden_size + 4 * intermediate) * 4) if recon else 0
     block_phase = block + hessians + solver + hidden + activations + training
     whole = 0 if streamed else params * itemsize
     if device == "cuda":
@@ -149,7 +158,6 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None) ->
     else:
         cpu_peak = PROCESS_BYTES + whole + max(outside * itemsize + hidden, block_phase)
         device_peak = None
-    plans = plan.plan_layers(shapes, warn=False)
     costs = [[job_cost(*b[n], p.method.name, p.refiner.name if p.refiner else None)
               for n in b if (p := plans[n]) is not None] for b in per_block]
     if recon or s.hessian_inputs == "pruned":  # one block at a time: the busiest rank's share
