@@ -270,46 +270,6 @@ def test_reconstruction_of_a_bfloat16_model_trains_in_float32_and_keeps_the_mask
     assert any(b["kept"] == "reconstructed" for b in report.blocks)
 
 
-def test_fit_masked_steps_as_adamw_on_the_whole_weight_with_masked_gradients():
-    """The optimiser holds only the kept entries; the reference is torch's AdamW on the dense
-    weights with the pruned entries' gradients zeroed and the weights masked after each step
-    (float64 weights, two layers, gradients accumulated over 2 batches per step, 3 epochs)."""
-    torch.manual_seed(2)
-    xs = [torch.randn(8, 12, dtype=torch.float64) for _ in range(5)]
-    targets = [torch.tanh(x @ torch.randn(12, 6, dtype=torch.float64)) for x in xs]
-    first, second = torch.randn(8, 12, dtype=torch.float64), torch.randn(6, 8, dtype=torch.float64)
-    first[:, 1::4] = 0
-    first[:, 2::4] = 0
-    second[:, ::2] = 0
-    options = FitOptions(epochs=3, lr=5e-2, batches_per_step=2, seed=4)
-    ours = [first.clone(), second.clone()]
-    fit_masked(lambda j: torch.tanh(xs[j] @ ours[0].T) @ ours[1].T, targets, ours, range(5), 5, options)
-
-    ref = [first.clone().requires_grad_(True), second.clone().requires_grad_(True)]
-    masks = [w.detach() != 0 for w in ref]
-    optimiser = torch.optim.AdamW(ref, lr=options.lr, weight_decay=0.0)
-    steps = 3 * 3
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimiser, lambda k: 1.0 - k / steps)
-    gen = torch.Generator().manual_seed(options.seed)
-    for _ in range(options.epochs):
-        order = torch.randperm(5, generator=gen).tolist()
-        for step in range(3):
-            optimiser.zero_grad()
-            batch = order[2 * step:2 * step + 2]
-            for j in batch:  # the error in float32, as fit_masked's
-                ((torch.tanh(xs[j] @ ref[0].T) @ ref[1].T).float() - targets[j].float()).square().sum().backward()
-            for w, m in zip(ref, masks):
-                w.grad.div_(sum(targets[j].numel() for j in batch)).mul_(m)
-            optimiser.step()
-            schedule.step()
-            with torch.no_grad():
-                for w, m in zip(ref, masks):
-                    w.mul_(m)
-    for a, b, m in zip(ours, ref, masks):
-        assert torch.equal(a != 0, m)
-        torch.testing.assert_close(a, b.detach(), rtol=1e-10, atol=1e-12)
-
-
 @pytest.mark.parametrize("bad, message", [
     (dict(reconstruct="layer"), "reconstruct must be one of none, submodule, block"),
     (dict(reconstruct_lr=0.0), "reconstruct_lr must be a positive number"),
