@@ -92,6 +92,28 @@ def test_fit_masked_takes_the_same_steps_however_the_batches_are_split():
     assert torch.allclose(halves[0], one, rtol=1e-8, atol=1e-10)  # summation order only
 
 
+@pytest.mark.parametrize("chunk", [5, 1 << 22])
+def test_kept_entries_move_the_nonzeros_in_order_across_chunks(monkeypatch, chunk):
+    """Chunked gather and scatter agree with whole-tensor boolean indexing, chunk borders
+    falling inside rows included."""
+    from nmprune.reconstruct import KeptEntries
+
+    monkeypatch.setattr(KeptEntries, "CHUNK", chunk)
+    torch.manual_seed(3)
+    w = torch.randn(7, 12)
+    w[torch.rand(7, 12) < 0.5] = 0
+    where = KeptEntries(w)
+    assert where.count == int((w != 0).sum())
+    assert torch.equal(where.gather(w), w[w != 0])
+    other = torch.randn(7, 12)
+    into = torch.ones(where.count)
+    assert where.gather(other, into=into) is into and torch.equal(into, 1 + other[w != 0])
+    values = torch.arange(where.count, dtype=torch.float32)
+    target = torch.full((7, 12), -1.0)
+    where.scatter(values, target)
+    assert torch.equal(target[w != 0], values) and bool((target[w == 0] == -1).all())
+
+
 def test_fit_masked_steps_as_adamw_on_the_whole_weight_with_masked_gradients():
     """The optimiser holds only the kept entries; the reference is torch's AdamW on the dense
     weights with the pruned entries' gradients zeroed and the weights masked after each step
