@@ -115,7 +115,8 @@ def _no_reduce(tensors: Sequence[Tensor]) -> None:
 def fit_masked(run: Callable[[int], Tensor], targets: Sequence[Tensor], weights: Sequence[Tensor],
                positions: Sequence[int], total: int, options: FitOptions,
                all_reduce: Callable[[Sequence[Tensor]], None] = _no_reduce,
-               on_step: Callable[[], None] | None = None) -> FitResult:
+               on_step: Callable[[], None] | None = None,
+               entries: Sequence[KeptEntries] | None = None) -> FitResult:
     """Lower ``sum_b ||run(b) - targets[b]||^2 / count`` over the nonzero entries of ``weights``.
 
     ``run(j)`` computes the submodel's output on this process's calibration batch ``j``
@@ -125,7 +126,8 @@ def fit_masked(run: Callable[[int], Tensor], targets: Sequence[Tensor], weights:
     each step, those of the step's batches it holds. ``weights`` (leaf tensors, float32 or
     wider) are trained in place with ``torch.optim.AdamW`` (no weight decay) and a
     linear decay of the learning rate to zero; their zeros stay zero. The errors are
-    accumulated in float32. ``on_step()`` runs after every step (a progress bar). Raises
+    accumulated in float32. ``on_step()`` runs after every step (a progress bar);
+    ``entries`` are the weights' :class:`KeptEntries` when the caller holds them already. Raises
     :class:`ReconstructionDiverged` (the weights then hold an unfinished step and must be
     discarded) when a step's loss is not finite.
 
@@ -138,7 +140,7 @@ def fit_masked(run: Callable[[int], Tensor], targets: Sequence[Tensor], weights:
     with its pruned entries' gradients zeroed: those entries would never move.
     """
     started = time.perf_counter()
-    entries = [KeptEntries(w) for w in weights]
+    entries = list(entries) if entries is not None else [KeptEntries(w) for w in weights]
     kept = [e.gather(w) for e, w in zip(entries, weights)]
     for v in kept:
         v.grad = torch.zeros_like(v)

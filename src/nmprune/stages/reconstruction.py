@@ -261,7 +261,8 @@ class ReconstructingStatistics:
         _, error_before = self._propagate(index, block)  # the outputs are recomputed if needed
         weights = [w for u in self._units for w in self._weights(u)]
         # the solved weights, kept compact (their nonzeros and where they are) while training
-        solved = [(where, where.gather(w)) for w in weights for where in [KeptEntries(w)]]
+        where = {id(w): KeptEntries(w) for w in weights}
+        solved = [where[id(w)].gather(w) for w in weights]
         steps = 0
         per_unit = self.options.epochs * -(-self.total // self.options.batches_per_step)
         bar = tqdm(total=per_unit * len(self._units), desc=f"reconstructing block {index}",
@@ -278,7 +279,8 @@ class ReconstructingStatistics:
                     result = fit_masked(lambda j: block_hidden(unit.module(*inputs[j][0], **inputs[j][1])),
                                         unit.targets, self._weights(unit), self.positions, self.total,
                                         replace(self.options, seed=self.options.seed + index),
-                                        self.all_reduce, bar.update)
+                                        self.all_reduce, bar.update,
+                                        [where[id(w)] for w in self._weights(unit)])
                     steps += result.steps
                     del inputs
                     unit.targets.clear()
@@ -293,11 +295,11 @@ class ReconstructingStatistics:
         kept = "reconstructed"
         if not error_after < error_before:
             with torch.no_grad():
-                for w, (where, values) in zip(weights, solved):
-                    where.scatter(values, w.zero_())
+                for w, values in zip(weights, solved):
+                    where[id(w)].scatter(values, w.zero_())
             after, error_after = self._propagate(index, block)
             kept = "solved"
-        del solved
+        del solved, where
         self.pruned = after
         self._units, self._dense_in = [], []
         return {"block": index, "reconstruct": self.granularity, "targets": self._targets_kind(),
