@@ -14,7 +14,7 @@ parameters and its prunable layers' shapes, as a streamed run does
   factorisations), this rank's share of the calibration hidden states (one set per stream:
   two without reconstruction, the states in and the states out; four with it, the pruned and
   the dense stream, the targets and the states out), the float32 activations of one
-  calibration batch, and with reconstruction the block in float32, two masks of every pruned
+  calibration batch, and with reconstruction the block in float32, a mask of every pruned
   weight, 20 bytes per kept entry (:func:`nmprune.reconstruct.fit_masked`'s compact value,
   gradient and two AdamW moments, and the solved weights' backup), one layer's dense
   gradient and autograd's activations of one batch. A
@@ -143,12 +143,12 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None) ->
     hidden = -(-s.nsamples // ranks) * s.seqlen * hidden_size * itemsize * sets
     batch_tokens = s.batch_size * s.seqlen
     activations = batch_tokens * (3 * intermediate + 4 * hidden_size) * 4
-    # the block in float32, then per pruned weight: two masks (bytes) and 20 bytes per kept
+    # the block in float32, then per pruned weight: a mask (a byte) and 20 bytes per kept
     # entry (its compact value, gradient, two AdamW moments and the solved backup); one
     # layer's dense gradient in flight, and autograd's activations of one batch
     kept = max((p.pattern.n / p.pattern.m for p in plans.values() if p is not None), default=1.0)
     pruned = max(sum(r * d for n, (r, d) in b.items() if plans[n] is not None) for b in per_block)
-    training = ((4 - itemsize) * largest + pruned * (2 + 20 * kept) + 4 * max(r * d for r, d in shapes.values())
+    training = ((4 - itemsize) * largest + pruned * (1 + 20 * kept) + 4 * max(r * d for r, d in shapes.values())
                 + batch_tokens * (16 * hidden_size + 4 * intermediate) * 4) if recon else 0
     block_phase = block + hessians + solver + hidden + activations + training
     whole = 0 if streamed else params * itemsize
