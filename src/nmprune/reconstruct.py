@@ -24,6 +24,7 @@ import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 from torch import Tensor
@@ -80,10 +81,8 @@ class KeptEntries:
         self.mask = (weight.detach() != 0).reshape(-1)
         n = self.mask.numel()
         self.bounds = [*range(0, n, self.CHUNK), n]
-        counts = [int(self.mask[a:b].sum()) for a, b in zip(self.bounds, self.bounds[1:])]
-        self.offsets = [0]
-        for c in counts:
-            self.offsets.append(self.offsets[-1] + c)
+        self.offsets = list(accumulate((int(self.mask[a:b].sum()) for a, b in zip(self.bounds, self.bounds[1:])),
+                                       initial=0))
 
     @property
     def count(self) -> int:

@@ -276,11 +276,11 @@ class ReconstructingStatistics:
                     if self._additive:
                         self._residual_targets(k, earlier, dense_sum)
                     del earlier
+                    trained = self._weights(unit)
                     result = fit_masked(lambda j: block_hidden(unit.module(*inputs[j][0], **inputs[j][1])),
-                                        unit.targets, self._weights(unit), self.positions, self.total,
+                                        unit.targets, trained, self.positions, self.total,
                                         replace(self.options, seed=self.options.seed + index),
-                                        self.all_reduce, bar.update,
-                                        [where[id(w)] for w in self._weights(unit)])
+                                        self.all_reduce, bar.update, [where[id(w)] for w in trained])
                     steps += result.steps
                     del inputs
                     unit.targets.clear()
