@@ -298,7 +298,7 @@ def test_reconstruction_of_a_bfloat16_model_trains_in_float32_and_keeps_the_mask
     (dict(reconstruct_lr=-1.0), "reconstruct_lr must be a positive number"),
     (dict(reconstruct_epochs=-1), "reconstruct_epochs must be a positive integer"),
     (dict(reconstruct_epochs=0), "set reconstruct to 'none'"),
-    (dict(reconstruct="block", reconstruct_batch_size=3), "multiple of batch_size"),
+    (dict(reconstruct="block", batch_size=2, reconstruct_batch_size=3), "multiple of batch_size"),
     (dict(reconstruct_batch_size=0), "multiple of batch_size"),
     (dict(reconstruct_lr=float("nan")), "setting 'reconstruct_lr' must be a finite number"),
     (dict(reconstruct_epochs=1.5), "setting 'reconstruct_epochs' must be an integer")])

@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seqlen", type=int, help="calibration sequence length (default 512)")
     p.add_argument("--seed", type=int, help="calibration sampling seed (default 0)")
     p.add_argument("--batch-size", dest="batch_size", type=int,
-                   help="calibration sequences per forward pass (default 2)")
+                   help="calibration sequences per forward pass and per reconstruction step (default 1)")
     p.add_argument("--hessian-inputs", dest="hessian_inputs", choices=["dense", "pruned"],
                    help="block inputs from the dense model (default) or the pruned blocks")
     p.add_argument("--hessian-dtype", dest="hessian_dtype", choices=["float32", "float64"])

@@ -116,7 +116,7 @@ class PruneSettings:
     nsamples: int = 64
     seqlen: int = 512
     seed: int = 0
-    batch_size: int = 2
+    batch_size: int = 1
     hessian_inputs: str = "dense"
     hessian_dtype: str = "float32"
     damp: float = 0.01
