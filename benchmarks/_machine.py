@@ -9,6 +9,7 @@ only comparable between runs on the same CPU, so the benchmarks record it with
 from __future__ import annotations
 
 import platform
+import subprocess
 from pathlib import Path
 
 
@@ -28,3 +29,9 @@ def cpu_description() -> dict[str, str]:
     except ImportError:
         target = "unknown"
     return {"model": model, "llvm_target": target}
+
+
+def code_commit() -> str:
+    """The short hash of the checkout the benchmark ran (``""`` outside a git work tree)."""
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
+                          capture_output=True, text=True).stdout.strip()

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _machine import cpu_description  # noqa: E402
+from _machine import code_commit, cpu_description  # noqa: E402
 
 from nmprune.distributed import balance_window, makespan  # noqa: E402
 from nmprune.pattern import same_mask_cells  # noqa: E402
@@ -104,8 +104,7 @@ def projection(factor_flops: float) -> list[dict]:
 
 
 def main(extra: list[str]) -> None:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
+    commit = code_commit()
     load_start = os.getloadavg()[0]
     base = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     with tempfile.TemporaryDirectory() as tmp:

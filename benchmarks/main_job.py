@@ -4,7 +4,9 @@ SmolLM2-135M-Instruct with the default settings (issue targets: at most 15 minut
 
 Runs the command as a subprocess, takes its peak RSS from ``getrusage(RUSAGE_CHILDREN)``
 (exact, like ``/usr/bin/time -v``), reads the stage timings and perplexities from the run's
-``nmprune_report.json``, and writes ``benchmarks/results/main_job.{json,md}``. The memory
+``nmprune_report.json``, and writes ``benchmarks/results/main_job.{json,md}`` (with extra
+flags: ``main_job_<flags>.{json,md}``, for example the run without reconstruction that issue
+32's time target compares against, measured back to back). The memory
 bound counts the model in float32 (the size of the saved safetensors) and one float32
 ``d_in x d_in`` Hessian per distinct layer input of the decoder blocks (q/k/v and gate/up
 share theirs), i.e. all the Hessians a dense-input run computes.
@@ -23,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from _machine import cpu_description
+from _machine import code_commit, cpu_description
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -36,6 +38,22 @@ def hessian_bytes(report: dict) -> int:
                "gateup" if any(k in r["name"] for k in ("gate_proj", "up_proj")) else r["name"],
                r["block"]): r["shape"][1] for r in report["layers"]}
     return sum(4 * d * d for d in groups.values())
+
+
+def baseline_row(res: dict, extra: list[str]) -> list[str]:
+    """The issue-32 row of the default run's table: its wall time against the run without
+    reconstruction (``main_job_reconstruct_none.json``, run back to back on the same CPU), at
+    most 2x; nothing when this run has extra flags or that file is missing or from another CPU."""
+    path = RESULTS / "main_job_reconstruct_none.json"
+    if extra or not path.exists():
+        return []
+    base = json.loads(path.read_text())
+    if base["cpu"] != res["cpu"]:
+        return []
+    ratio = res["wall_seconds"] / base["wall_seconds"]
+    res["vs_no_reconstruction"] = ratio
+    return [f"| wall time vs `--reconstruct none` ({base['wall_seconds'] / 60:.1f} min, code of "
+            f"{base.get('commit', '?')}) | {ratio:.2f}x | 2x | {'yes' if ratio <= 2 else 'NO'} |"]
 
 
 def main(extra: list[str]) -> None:
@@ -60,16 +78,18 @@ def main(extra: list[str]) -> None:
            "stage_seconds": report["seconds"], "perplexity": report["perplexity"],
            "summary": report["summary"], "method": report["config"]["method"],
            "refine": report["config"]["refine"], "cpus": os.cpu_count(), "cpu": cpu_description(),
-           "load_average_start": load, "load_average_end": os.getloadavg()}
+           "load_average_start": load, "load_average_end": os.getloadavg(), "commit": code_commit()}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "main_job.json").write_text(json.dumps(res, indent=1))
+    stem = "_".join(["main_job", *(a.strip("-").replace("=", "") for a in extra)])
     mb = 1 << 20
     st = report["seconds"]
     lines = ["# Main job: `" + res["command"].replace(str(ROOT) + "/", "") + "`", "",
-             f"Packaged SmolLM2-135M-Instruct, default settings ({res['method']} + {res['refine']}), "
+             f"Packaged SmolLM2-135M-Instruct, default settings{' but ' + ' '.join(extra) if extra else ''} "
+             f"({res['method']} + {res['refine']}, reconstruction {report['config']['reconstruct']}), "
              f"this 2-core CPU ({res['cpu']['model']}, LLVM target {res['cpu']['llvm_target']}); load average {load[0]:.1f} at the start, {res['load_average_end'][0]:.1f} at the end.", "",
              "| target | measured | limit | met |", "|---|---|---|---|",
              f"| wall time | {wall / 60:.1f} min ({res['cpu_seconds'] / 60:.1f} CPU min) | {LIMIT_SECONDS / 60:.0f} min | {'yes' if res['time_ok'] else 'NO'} |",
+             *baseline_row(res, extra),
              f"| peak RSS | {peak / mb:.0f} MiB | {bound / mb:.0f} MiB = 2 x model {model_bytes / mb:.0f} MiB "
              f"+ Hessians {hess / mb:.0f} MiB | {'yes' if res['memory_ok'] else 'NO'} |", "",
              "| stage | seconds |", "|---|---|"]
@@ -81,7 +101,8 @@ def main(extra: list[str]) -> None:
     for name in ("dense", "pruned"):
         lines.append(f"| {name} | " + " | ".join(f"{v:.2f}" for v in ppl[name].values()) + " |")
     lines += ["", f"Mean layer loss relative to Wanda: {report['summary'].get('mean_loss_vs_wanda', float('nan')):.3f}"]
-    (RESULTS / "main_job.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"{stem}.json").write_text(json.dumps(res, indent=1))
     print("\n".join(lines))
 
 

@@ -40,7 +40,7 @@ import sys
 import time
 from pathlib import Path
 
-from _machine import cpu_description
+from _machine import code_commit, cpu_description
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -259,8 +259,7 @@ def main(blocks: list[int], methods: list[str], hidden: int, intermediate: int, 
            "growth_largest_over_smallest": growth, "capped_ok": capped["rc"] == 0,
            "cpus": os.cpu_count(), "cpu": cpu_description(), "load_average_start": load,
            "load_average_end": os.getloadavg(),
-           "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                                    capture_output=True, text=True).stdout.strip()}
+           "commit": code_commit()}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "memory.json").write_text(json.dumps(res, indent=1))
     lines = ["# Peak memory of streamed pruning (`nmprune prune --offload`)", "",
@@ -420,8 +419,7 @@ def ranks_main(blocks: list[int], method: str, hidden: int, intermediate: int, r
            "estimates_within_25_percent": all(abs(r["estimate_over_measured"] - 1) <= 0.25 for r in rows),
            "cpu": cpu_description(), "cpus": os.cpu_count(), "load_average_start": load,
            "load_average_end": os.getloadavg(),
-           "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                                    capture_output=True, text=True).stdout.strip()}
+           "commit": code_commit()}
     RESULTS.mkdir(parents=True, exist_ok=True)
     res["prune_args"] = EXTRA_PRUNE_ARGS
     (RESULTS / f"{name}.json").write_text(json.dumps(res, indent=1))

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _machine import cpu_description
+from _machine import code_commit, cpu_description
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -131,7 +131,8 @@ def run_row(bench: Bench, method: str, granularity: str, fit: dict[str, Any], ta
             "peak_rss_bytes": peak, **result,
             "mean_block_error_before": sum(b["error_before"] for b in blocks) / len(blocks) if blocks else None,
             "mean_block_error_after": sum(b["error_after"] for b in blocks) / len(blocks) if blocks else None,
-            "blocks": blocks, "machine": cpu_description(), "load_average": os.getloadavg()}
+            "blocks": blocks, "machine": cpu_description(), "load_average": os.getloadavg(),
+            "commit": code_commit()}
 
 
 def parse_variant(text: str) -> dict[str, Any]:
@@ -230,26 +231,28 @@ def summarise(bench_info: dict[str, Any], dense: dict[str, Any], rows: list[dict
     lines = [
         "# Local reconstruction on SmolLM2-135M-Instruct (2:4)", "",
         f"CPU: {bench_info['machine']['model']} ({bench_info['machine']['llvm_target']}), 2 threads; "
-        f"calibration {bench_info['calibration']}; reconstruction {bench_info['fit']}; perplexity on the first "
+        f"calibration {bench_info['calibration']}; reconstruction lr {bench_info['fit']['reconstruct_lr']:g}, "
+        f"{bench_info['fit']['reconstruct_epochs']} epoch(s), the samples per step of each row; perplexity on the first "
         f"{EVAL_TOKENS} held-out tokens in windows of {EVAL_SEQLEN}; accuracy: mean headline metric of "
         f"{', '.join(dense['accuracy'])} ({items} items each; only in the rows that have it). Peak RSS includes the "
         f"benchmark's copy of the dense weights ({bench_info['dense_copy_bytes'] / mib:.0f} MiB). "
         "Main job = load + dense and pruned wiki evaluation + pruning, the stages `nmprune prune` runs.", "",
-        "| row | wiki ppl | x dense | austen ppl | mean acc % | block error before -> after | prune s "
-        "| main job min | vs prox+exact/none | peak RSS MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-        f"| dense | {dense['perplexity']['wiki']:.2f} | 1.00 | {dense['perplexity']['austen']:.2f} "
-        f"| {100 * dense['mean_accuracy']:.1f} | | | | | |"]
+        "| row | samples / step | wiki ppl | x dense | austen ppl | mean acc % | block error before -> after "
+        "| prune s | main job min | vs prox+exact/none | peak RSS MiB | code |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| dense | | {dense['perplexity']['wiki']:.2f} | 1.00 | {dense['perplexity']['austen']:.2f} "
+        f"| {100 * dense['mean_accuracy']:.1f} | | | | | | |"]
     acc = lambda r: f"{100 * r['mean_accuracy']:.1f}" if r["mean_accuracy"] is not None else "not run"
     for r in rows:
         err = (f"{r['mean_block_error_before']:.4f} -> {r['mean_block_error_after']:.4f}"
                if r["mean_block_error_before"] is not None else "")
         vs = f"{r['wall_vs_default']:.2f}x" if r["wall_vs_default"] else ""
-        lines.append(f"| {r['row']} | {r['perplexity']['wiki']:.2f} | "
+        step = r["settings"]["reconstruct_batch_size"] if r["reconstruct"] != "none" else ""
+        lines.append(f"| {r['row']} | {step} | {r['perplexity']['wiki']:.2f} | "
                      f"{r['perplexity']['wiki'] / dense['perplexity']['wiki']:.2f} | "
                      f"{r['perplexity']['austen']:.2f} | {acc(r)} | {err} | "
                      f"{r['prune_seconds']:.0f} | {r['main_job_seconds'] / 60:.1f} | {vs} | "
-                     f"{r['peak_rss_bytes'] / mib:.0f} |")
+                     f"{r['peak_rss_bytes'] / mib:.0f} | {r.get('commit', 'not recorded')} |")
     if missing:
         lines += ["", f"Not run yet: {', '.join(missing)}."]
     lines += ["", "![perplexity against wall time](reconstruct.png)", ""]
