@@ -262,6 +262,10 @@ def test_reconstruction_is_reproducible_and_resumes_to_the_uninterrupted_result(
         prune_model(interrupted, checkpoint=Checkpoint.open(tmp_path / "ck", "t"), on_block_done=stop, **kwargs)
     ck = Checkpoint.open(tmp_path / "ck", "t")
     assert ck.done_blocks == 2 and [b["block"] for b in ck.get("blocks")] == [0, 1]
+    dense, pruned = ck.hidden()  # the two streams as held, not copied side by side
+    width = straight.config.hidden_size
+    assert len(dense) == len(pruned) == 4 and all(h.shape == (2, 16, width) for h in dense + pruned)
+    assert not all(torch.equal(d, p) for d, p in zip(dense, pruned))
     resumed = tiny_model("llama", layers=3)
     rep2 = prune_model(resumed, checkpoint=ck, **kwargs)
     assert rep2.resumed_from_block == 2

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from .output import check_owned, mark, marker, remove_owned
 
-FORMAT = 2
+FORMAT = 3  # 3: the hidden states as streams (stream{k}_batch_{j}), not side by side
 MANIFEST = "manifest.json"
 #: The only file names a manifest may list (nothing outside the directory is ever touched).
 _FILE_NAME = re.compile(r"(block|hidden)_\d{4}\.safetensors")
@@ -227,15 +227,11 @@ class Checkpoint:
 
     # -- blocks --------------------------------------------------------------------------
 
-    def save_block(self, index: int, weights: dict[str, Tensor], hidden: list[Tensor] | None,
-                   records: list[dict[str, Any]]) -> None:
-        """Durably record block ``index`` as finished (it must be the next one)."""
-        self.save_blocks(index, [weights], hidden, records)
-
-    def save_blocks(self, first: int, weights: list[dict[str, Tensor]], hidden: list[Tensor] | None,
+    def save_blocks(self, first: int, weights: list[dict[str, Tensor]], hidden: list[list[Tensor]] | None,
                     records: list[dict[str, Any]], blocks: Sequence[dict[str, Any]] = ()) -> None:
         """Durably record blocks ``first, first + 1, ...`` (one weight dict each; ``first``
-        must be the next block) as finished at once; ``hidden`` enters the block after them.
+        must be the next block) as finished at once; ``hidden`` (streams of per-batch tensors,
+        the statistics stage's) enters the block after them.
         ``records`` (one per layer) and ``blocks`` (one per block, the reconstruction's;
         the extra ``"blocks"``) join those of the earlier blocks in the same manifest write."""
         if first != self.done_blocks:
@@ -248,7 +244,8 @@ class Checkpoint:
         last = first + len(weights) - 1
         if hidden is not None:
             hname = f"hidden_{last:04d}.safetensors"
-            files[hname] = self._save(hname, {f"batch_{j:06d}": h for j, h in enumerate(hidden)})
+            files[hname] = self._save(hname, {f"stream{k}_batch_{j:06d}": h for k, stream in enumerate(hidden)
+                                              for j, h in enumerate(stream)})
         for f in old_hidden:
             del files[f]
         if blocks:
@@ -292,13 +289,16 @@ class Checkpoint:
                                           f"the model's is {tuple(shape)}")
         return saved
 
-    def hidden(self) -> list[Tensor]:
-        """The saved hidden states entering block ``done_blocks``."""
+    def hidden(self) -> list[list[Tensor]]:
+        """The saved hidden states entering block ``done_blocks``, stream by stream."""
         names = [f for f in self.manifest["files"] if f.startswith("hidden_")]
         if len(names) != 1:
             raise CheckpointError(f"the checkpoint in {self.directory} holds no block inputs; {_RESTART}")
         tensors = self._load(names[0])
-        return [tensors[k] for k in sorted(tensors)]
+        streams: dict[int, list[Tensor]] = {}
+        for key in sorted(tensors):
+            streams.setdefault(int(key[len("stream"):key.index("_")]), []).append(tensors[key])
+        return [streams[k] for k in sorted(streams)]
 
     def remove(self) -> None:
         """Delete the files this checkpoint wrote, and its directory if nmprune made it

@@ -171,8 +171,8 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
                 saved = checkpoint.hidden() if start > 0 and checkpoint is not None else None
             stage = _statistics_stage(inputs, settings, executor, len(sizes), progress and executor.is_main)
             if start > 0:
-                stage.hidden = executor.scatter_batches(
-                    None if saved is None else [h.to(device) for h in saved], stage.hidden)
+                stage.hidden = [executor.scatter_batches(None if saved is None else [h.to(device) for h in saved[k]],
+                                                         local) for k, local in enumerate(stage.hidden)]
             del saved
         else:
             stage = PrecomputedStatistics(hessians)
@@ -195,8 +195,9 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
                                         progress and executor.is_main, busy)
             report.layers += new
             report.blocks += fitted
-            hidden = executor.gather_batches(stage.hidden, sizes) \
-                if saving and stage.hidden is not None else None
+            streams = stage.hidden if saving else None
+            hidden = [executor.gather_batches(s, sizes) for s in streams] if streams is not None else None
+            del streams
             with executor.phase(f"saving block {i}" if k == 1 else f"saving blocks {i}-{i + k - 1}"):
                 weights = [{name: m.weight for name, m in source.layers(j).items()} for j in group]
                 for j in group:  # no loop variable keeps the last block's weights alive

@@ -115,16 +115,13 @@ class ReconstructingStatistics:
         self._additive = False
 
     @property
-    def hidden(self) -> list[Tensor]:
-        """The dense and the pruned hidden states entering the next block, side by side in
-        the last dimension (what a checkpoint saves)."""
-        return [torch.cat([d, p], dim=-1) for d, p in zip(self.dense, self.pruned)]
+    def hidden(self) -> list[list[Tensor]]:
+        """The two streams entering the next block: the dense and the pruned hidden states."""
+        return [self.dense, self.pruned]
 
     @hidden.setter
-    def hidden(self, saved: list[Tensor]) -> None:
-        halves = [h.chunk(2, dim=-1) for h in saved]
-        self.dense = [d.contiguous() for d, _ in halves]
-        self.pruned = [p.contiguous() for _, p in halves]
+    def hidden(self, saved: list[list[Tensor]]) -> None:
+        self.dense, self.pruned = (list(s) for s in saved)
 
     def _call(self, index: int, hidden: Tensor) -> BlockCall:
         return self.inputs.call(index, hidden)
@@ -157,6 +154,8 @@ class ReconstructingStatistics:
             raise RuntimeError(f"block {index}: {', '.join(missing)} never ran in the block's forward pass")
         self._units = order
         self._additive = self.granularity == "submodule" and self._is_additive()
+        if not self._additive:  # only the residual targets need the block's dense inputs
+            self._dense_in = []
         return stats
 
     def _is_additive(self) -> bool:
@@ -194,14 +193,18 @@ class ReconstructingStatistics:
         inside = {id(m) for m in unit.module.modules()}
         return [m.weight for m in self._active.values() if id(m) in inside]
 
-    def _propagate(self, index: int, block: nn.Module) -> tuple[list[Tensor], float]:
-        """The block's outputs on the pruned stream and their squared error relative to the
-        dense outputs (summed over all processes' batches)."""
-        outs = [run_block(block, h, self._call(index, h)) for h in self.pruned]
-        sums = torch.zeros(2, dtype=torch.float64, device=outs[0].device if outs else "cpu")
-        for out, target in zip(outs, self.dense):
+    def _propagate(self, index: int, block: nn.Module, keep: bool = True) -> tuple[list[Tensor], float]:
+        """The block's outputs on the pruned stream (only with ``keep``: otherwise each is
+        dropped once its error is summed) and their squared error relative to the dense
+        outputs (summed over all processes' batches)."""
+        outs = []
+        sums = torch.zeros(2, dtype=torch.float64, device=self.dense[0].device if self.dense else "cpu")
+        for h, target in zip(self.pruned, self.dense):
+            out = run_block(block, h, self._call(index, h))
             sums[0] += (out.float() - target.float()).square().sum().double()
             sums[1] += target.float().square().sum().double()
+            if keep:
+                outs.append(out)
         self.all_reduce([sums])
         return outs, float(sums[0] / sums[1]) if sums[1] > 0 else 0.0
 
@@ -258,7 +261,7 @@ class ReconstructingStatistics:
         ``error_after``), and ``kept``: ``"reconstructed"``, or ``"solved"`` when training
         did not lower that error (the solved weights are then restored)."""
         started = time.perf_counter()
-        _, error_before = self._propagate(index, block)  # the outputs are recomputed if needed
+        _, error_before = self._propagate(index, block, keep=False)  # recomputed if the solve is kept
         weights = [w for u in self._units for w in self._weights(u)]
         # the solved weights, kept compact (their nonzeros and where they are) while training
         where = {id(w): KeptEntries(w) for w in weights}

@@ -145,12 +145,13 @@ class StatisticsStage(Protocol):
     """What :func:`nmprune.pipeline.prune_model` asks of the statistics stage."""
 
     @property
-    def hidden(self) -> list[Tensor] | None:
-        """The hidden states entering the next block to collect (what a checkpoint saves;
+    def hidden(self) -> list[list[Tensor]] | None:
+        """The hidden states entering the next block to collect, as streams (one list of
+        per-batch tensors each; what a checkpoint saves, each tensor as it is held, no copy;
         None when there are none); set from a checkpoint on resume."""
 
     @hidden.setter
-    def hidden(self, saved: list[Tensor]) -> None: ...
+    def hidden(self, saved: list[list[Tensor]]) -> None: ...
 
     def collect(self, index: int, block: nn.Module, layers: Mapping[str, nn.Module]
                 ) -> dict[str, InputStats]:
@@ -179,13 +180,13 @@ class CalibrationStatistics:
         self.inputs, self.dtype, self.dense_inputs, self.reduce = inputs, dtype, dense_inputs, reduce
 
     @property
-    def hidden(self) -> list[Tensor]:
-        """The hidden states entering the next block to collect (what a checkpoint saves)."""
-        return self.inputs.hidden
+    def hidden(self) -> list[list[Tensor]]:
+        """The one stream of hidden states entering the next block to collect."""
+        return [self.inputs.hidden]
 
     @hidden.setter
-    def hidden(self, saved: list[Tensor]) -> None:
-        self.inputs.hidden = saved
+    def hidden(self, saved: list[list[Tensor]]) -> None:
+        (self.inputs.hidden,) = saved
 
     def collect(self, index: int, block: nn.Module, layers: Mapping[str, nn.Module]) -> dict[str, InputStats]:
         """Run block ``index`` on every batch; the statistics of ``layers`` by their keys."""
