@@ -67,6 +67,7 @@ class Bench:
         t = time.perf_counter()
         self.model, self.tokenizer, _ = open_model(None, None, "auto", False)
         self.load_seconds = time.perf_counter() - t
+        self.commit = code_commit()  # the code this process runs, whatever is committed meanwhile
         self.dense = {k: v.clone() for k, v in self.model.state_dict().items()}
         self.dense_bytes = sum(v.numel() * v.element_size() for v in self.dense.values())
         d = PruneSettings()
@@ -132,7 +133,7 @@ def run_row(bench: Bench, method: str, granularity: str, fit: dict[str, Any], ta
             "mean_block_error_before": sum(b["error_before"] for b in blocks) / len(blocks) if blocks else None,
             "mean_block_error_after": sum(b["error_after"] for b in blocks) / len(blocks) if blocks else None,
             "blocks": blocks, "machine": cpu_description(), "load_average": os.getloadavg(),
-            "commit": code_commit()}
+            "commit": bench.commit}
 
 
 def parse_variant(text: str) -> dict[str, Any]:

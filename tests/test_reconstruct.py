@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 
 import pytest
 import torch
@@ -218,12 +219,17 @@ def test_reconstruction_holds_the_mask_and_brings_the_model_closer_to_the_dense_
     assert _logit_error(fitted, dense, ids) < 1.5 * _logit_error(solved, dense, ids)
 
 
-def test_a_block_that_training_made_worse_gets_its_solved_weights_back(monkeypatch):
+@pytest.mark.parametrize("scratch", ["memory", "folder", "missing folder"])
+def test_a_block_that_training_made_worse_gets_its_solved_weights_back(monkeypatch, tmp_path, scratch):
     """When a fit raises a block's output error, the block is restored from the compact copy
-    of its solved weights: every block worsened gives, bit for bit, the model without
-    reconstruction (its solves see the dense model's inputs either way)."""
+    of its solved weights (in memory, or in an unnamed file in the scratch folder while the
+    block trains, which leaves nothing there; a folder that does not exist keeps the copy in
+    memory): every block worsened gives, bit for bit, the model without reconstruction (its
+    solves see the dense model's inputs either way)."""
     import nmprune.stages.reconstruction as stage
     from nmprune.reconstruct import FitResult
+
+    folder = {"memory": None, "folder": tmp_path, "missing folder": tmp_path / "absent"}[scratch]
 
     def worsen(run, targets, weights, *args, **kwargs) -> FitResult:
         with torch.no_grad():
@@ -236,8 +242,19 @@ def test_a_block_that_training_made_worse_gets_its_solved_weights_back(monkeypat
     solved, fitted = copy.deepcopy(dense), copy.deepcopy(dense)
     calib = token_batch(8, 16)
     prune_model(solved, calibration=calib, device="cpu", progress=False, **SOLVE)
+    saved = []
+    spill = stage._SolvedBackup.__init__
+
+    def watch(self, values, where):
+        spill(self, values, where)
+        saved.append(self.values is None)
+
+    monkeypatch.setattr(stage._SolvedBackup, "__init__", watch)
     report = prune_model(fitted, calibration=calib, device="cpu", progress=False, reconstruct="block",
-                         **FIT, **SOLVE)
+                         scratch=folder, **FIT, **SOLVE)
+    assert saved == [scratch == "folder"] * 3  # on disk only in a folder that exists
+    if folder is not None and folder.exists():
+        assert os.listdir(folder) == []
     assert [b["kept"] for b in report.blocks] == ["solved"] * 3
     assert all(b["error_after"] == b["error_before"] for b in report.blocks)
     for (n, p), q in zip(fitted.named_parameters(), solved.parameters()):

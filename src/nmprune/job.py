@@ -262,7 +262,8 @@ def _prune_and_save(config: RunConfig, model, tokenizer, source, ckpt, calibrati
         prune_report = prune_model(None if streaming else model, tokenizer, config.prune,
                                    calibration=calibration, device=device, checkpoint=ckpt,
                                    progress=progress, on_block_done=on_block_done,
-                                   source=model if streaming else None, sink=sink)
+                                   source=model if streaming else None, sink=sink,
+                                   scratch=Path(config.checkpoint_dir or f"{out}.checkpoint"))
         pruned_model = StreamingModel(sink.close(tokenizer), dtype=config.dtype) \
             if streaming and main_rank else model
     except BaseException:

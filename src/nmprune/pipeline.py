@@ -16,6 +16,7 @@ after it. This module only wires the stages.
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
@@ -90,7 +91,7 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
                 checkpoint: Checkpoint | None = None, progress: bool = True,
                 on_block_done: Callable[[int], None] | None = None,
                 hessians: dict[str, InputStats] | None = None, source: BlockSource | None = None,
-                sink: BlockSink | None = None,
+                sink: BlockSink | None = None, scratch: str | os.PathLike | None = None,
                 **setting_kwargs: Any) -> PruneReport:
     """Prune every linear layer inside ``model``'s decoder blocks to N:M, in place.
 
@@ -107,6 +108,8 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
     ``source`` and ``sink`` replace the in-memory block source and sink built from ``model``
     (then ``None``): a :class:`nmprune.streaming.StreamingModel` and a
     :class:`nmprune.streaming.ShardedWriter` prune a model larger than memory.
+    ``scratch``: a folder on disk where, with reconstruction, each block's solved weights
+    wait in an unnamed temporary file while the block trains (default: in memory).
 
     Inside an initialised ``torch.distributed`` process group of several ranks (e.g. under
     ``torchrun``; :mod:`nmprune.distributed`) every rank calls this with the same model and
@@ -169,7 +172,8 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
             with executor.phase("capturing the block inputs"):
                 inputs = source.capture(batches, device, keep_hidden=start == 0 or executor.world > 1)
                 saved = checkpoint.hidden() if start > 0 and checkpoint is not None else None
-            stage = _statistics_stage(inputs, settings, executor, len(sizes), progress and executor.is_main)
+            stage = _statistics_stage(inputs, settings, executor, len(sizes), progress and executor.is_main,
+                                      scratch)
             if start > 0:
                 stage.hidden = [executor.scatter_batches(None if saved is None else [h.to(device) for h in saved[k]],
                                                          local) for k, local in enumerate(stage.hidden)]
@@ -226,15 +230,16 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
 
 
 def _statistics_stage(inputs: BlockInputs, settings: PruneSettings, executor: Executor,
-                      batches: int, progress: bool) -> StatisticsStage:
+                      batches: int, progress: bool, scratch: str | os.PathLike | None) -> StatisticsStage:
     """The statistics stage of ``settings`` on the captured ``inputs``: with reconstruction
-    (``settings.reconstruct``), the one that also fits each block after its solve."""
+    (``settings.reconstruct``), the one that also fits each block after its solve (and keeps
+    each block's solved weights in ``scratch`` meanwhile)."""
     dtype, dense = getattr(torch, settings.hessian_dtype), settings.hessian_inputs == "dense"
     if settings.reconstruct == "none":
         return CalibrationStatistics(inputs, dtype, dense, executor.reduce)
     return ReconstructingStatistics(inputs, dtype, dense, executor.reduce, settings.reconstruct,
                                     settings.fit_options(), executor.shard(range(batches)), batches,
-                                    executor.all_reduce, progress)
+                                    executor.all_reduce, progress, scratch)
 
 
 def _prune_blocks(group: range, source: BlockSource, plans: dict[str, LayerPlan | None],

@@ -17,6 +17,8 @@ fits them one by one).
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -27,6 +29,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from ..memory import release_memory
 from ..reconstruct import FitOptions, KeptEntries, ReconstructionDiverged, fit_masked
 from .block_runner import BlockCall, BlockInputs, block_hidden, run_block
 from .statistics import CalibrationStatistics, InputStats
@@ -77,6 +80,35 @@ def _training(block: nn.Module) -> Iterator[None]:
             p.requires_grad_(flag)
 
 
+class _SolvedBackup:
+    """The solved weights' kept values while their block trains, to restore them if training
+    does not help: in memory, or with ``folder`` in an unnamed temporary file there (it
+    vanishes when closed, or with the process), so that they take no memory meanwhile. A
+    folder that cannot hold the file (missing on this machine) keeps them in memory."""
+
+    def __init__(self, values: list[Tensor], folder: str | os.PathLike | None):
+        self.devices = [v.device for v in values]
+        self.values: list[Tensor] | None = values
+        self.file = None
+        if folder is not None:
+            try:
+                self.file = tempfile.TemporaryFile(dir=folder)
+            except OSError:
+                return
+            torch.save([v.cpu() for v in values], self.file)
+            self.values = None
+
+    def load(self) -> list[Tensor]:
+        if self.values is not None:
+            return self.values
+        self.file.seek(0)
+        return [v.to(d) for v, d in zip(torch.load(self.file, weights_only=True), self.devices)]
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
 @dataclass(eq=False)
 class _Unit:
     """One submodel to fit: its name in the block ('' for the block itself), the module
@@ -95,18 +127,20 @@ class ReconstructingStatistics:
     ``reduce`` sums the layer statistics over processes and ``all_reduce`` sums tensors in
     place; ``positions`` are this process's batches among ``total`` (their order in the
     calibration split), so every process takes the same optimiser steps. ``progress``
-    shows a bar of each block's steps.
+    shows a bar of each block's steps. ``scratch``: a folder on disk where each block's solved
+    weights wait while it trains (:class:`_SolvedBackup`; None: in memory).
     """
 
     def __init__(self, inputs: BlockInputs, dtype: torch.dtype, dense_inputs: bool,
                  reduce: Callable[[list[InputStats]], None], granularity: str, options: FitOptions,
                  positions: Sequence[int], total: int, all_reduce: Callable[[Sequence[Tensor]], None],
-                 progress: bool = False):
+                 progress: bool = False, scratch: str | os.PathLike | None = None):
         if granularity not in GRANULARITIES[1:]:
             raise ValueError(f"reconstruct must be one of {', '.join(GRANULARITIES[1:])} here, got {granularity!r}")
         self.inputs, self.dtype, self.dense_inputs, self.reduce = inputs, dtype, dense_inputs, reduce
         self.granularity, self.options, self.all_reduce = granularity, options, all_reduce
         self.positions, self.total, self.progress = list(positions), total, progress
+        self.scratch = scratch
         self.dense: list[Tensor] = list(inputs.hidden)
         self.pruned: list[Tensor] = list(inputs.hidden)
         self._units: list[_Unit] = []
@@ -265,11 +299,15 @@ class ReconstructingStatistics:
         weights = [w for u in self._units for w in self._weights(u)]
         # the solved weights, kept compact (their nonzeros and where they are) while training
         where = {id(w): KeptEntries(w) for w in weights}
-        solved = [where[id(w)].gather(w) for w in weights]
+        solved = _SolvedBackup([where[id(w)].gather(w) for w in weights], self.scratch)
         steps = 0
         per_unit = self.options.epochs * -(-self.total // self.options.batches_per_step)
         bar = tqdm(total=per_unit * len(self._units), desc=f"reconstructing block {index}",
                    leave=False, disable=not self.progress)
+
+        def on_step() -> None:
+            bar.update()
+            release_memory(collect=False)  # the step's temporaries: heap pages back to the system
         dense_sum = [x.float() for x in self._dense_in] if self._additive else []
         try:
             with _training(block):
@@ -283,7 +321,7 @@ class ReconstructingStatistics:
                     result = fit_masked(lambda j: block_hidden(unit.module(*inputs[j][0], **inputs[j][1])),
                                         unit.targets, trained, self.positions, self.total,
                                         replace(self.options, seed=self.options.seed + index),
-                                        self.all_reduce, bar.update, [where[id(w)] for w in trained])
+                                        self.all_reduce, on_step, [where[id(w)] for w in trained])
                     steps += result.steps
                     del inputs
                     unit.targets.clear()
@@ -292,16 +330,18 @@ class ReconstructingStatistics:
                 raise ReconstructionDiverged(f"the reconstructed block's error is {error_after}; "
                                              f"lower the learning rate (now {self.options.lr:g})")
         except ReconstructionDiverged as e:
+            solved.close()
             raise ReconstructionDiverged(f"block {index}: {e}") from e
         finally:
             bar.close()
         kept = "reconstructed"
         if not error_after < error_before:
             with torch.no_grad():
-                for w, values in zip(weights, solved):
+                for w, values in zip(weights, solved.load()):
                     where[id(w)].scatter(values, w.zero_())
             after, error_after = self._propagate(index, block)
             kept = "solved"
+        solved.close()
         del solved, where
         self.pruned = after
         self._units, self._dense_in = [], []
