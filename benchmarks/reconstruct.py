@@ -204,7 +204,8 @@ def plot(rows: list[dict[str, Any]], dense: dict[str, Any], path: Path) -> None:
     colours = {"none": "tab:grey", "submodule": "tab:blue", "block": "tab:orange"}
     for r in rows:
         ax.scatter(r["main_job_seconds"] / 60, r["perplexity"]["wiki"], marker=markers[r["method"]],
-                   color=colours[r["reconstruct"]], s=50, label=r["row"])
+                   color=colours[r["reconstruct"]], s=50, label=r["row"] + (" (time shared, see notes)" if r.get("note") else ""),
+                   facecolors="none" if r.get("note") else None)
     ax.axhline(dense["perplexity"]["wiki"], color="black", lw=0.8, ls=":", label="dense")
     ax.axhline(2 * dense["perplexity"]["wiki"], color="tab:red", lw=0.8, ls="--", label="2x dense (target)")
     ax.set_xlabel("main job wall time (min; load + prune + wiki evaluations)")
@@ -254,6 +255,8 @@ def summarise(bench_info: dict[str, Any], dense: dict[str, Any], rows: list[dict
                      f"{r['perplexity']['austen']:.2f} | {acc(r)} | {err} | "
                      f"{r['prune_seconds']:.0f} | {r['main_job_seconds'] / 60:.1f} | {vs} | "
                      f"{r['peak_rss_bytes'] / mib:.0f} | {r.get('commit', 'not recorded')} |")
+    notes = [f"- {r['row']}: {r['note']}" for r in rows if r.get("note")]
+    lines += ["", *notes] if notes else []
     if missing:
         lines += ["", f"Not run yet: {', '.join(missing)}."]
     lines += ["", "![perplexity against wall time](reconstruct.png)", ""]
