@@ -29,7 +29,6 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from ..memory import release_memory
 from ..reconstruct import FitOptions, KeptEntries, ReconstructionDiverged, fit_masked
 from .block_runner import BlockCall, BlockInputs, block_hidden, run_block
 from .statistics import CalibrationStatistics, InputStats
@@ -304,10 +303,6 @@ class ReconstructingStatistics:
         per_unit = self.options.epochs * -(-self.total // self.options.batches_per_step)
         bar = tqdm(total=per_unit * len(self._units), desc=f"reconstructing block {index}",
                    leave=False, disable=not self.progress)
-
-        def on_step() -> None:
-            bar.update()
-            release_memory(collect=False)  # the step's temporaries: heap pages back to the system
         dense_sum = [x.float() for x in self._dense_in] if self._additive else []
         try:
             with _training(block):
@@ -321,7 +316,7 @@ class ReconstructingStatistics:
                     result = fit_masked(lambda j: block_hidden(unit.module(*inputs[j][0], **inputs[j][1])),
                                         unit.targets, trained, self.positions, self.total,
                                         replace(self.options, seed=self.options.seed + index),
-                                        self.all_reduce, on_step, [where[id(w)] for w in trained])
+                                        self.all_reduce, bar.update, [where[id(w)] for w in trained])
                     steps += result.steps
                     del inputs
                     unit.targets.clear()
