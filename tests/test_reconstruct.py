@@ -243,13 +243,13 @@ def test_a_block_that_training_made_worse_gets_its_solved_weights_back(monkeypat
     calib = token_batch(8, 16)
     prune_model(solved, calibration=calib, device="cpu", progress=False, **SOLVE)
     saved = []
-    spill = stage._SolvedBackup.__init__
+    spill = stage.SolvedBackup.__init__
 
     def watch(self, values, where):
         spill(self, values, where)
         saved.append(self.values is None)
 
-    monkeypatch.setattr(stage._SolvedBackup, "__init__", watch)
+    monkeypatch.setattr(stage.SolvedBackup, "__init__", watch)
     report = prune_model(fitted, calibration=calib, device="cpu", progress=False, reconstruct="block",
                          scratch=folder, **FIT, **SOLVE)
     assert saved == [scratch == "folder"] * 3  # on disk only in a folder that exists

@@ -79,7 +79,7 @@ def _training(block: nn.Module) -> Iterator[None]:
             p.requires_grad_(flag)
 
 
-class _SolvedBackup:
+class SolvedBackup:
     """The solved weights' kept values while their block trains, to restore them if training
     does not help: in memory, or with ``folder`` in an unnamed temporary file there (it
     vanishes when closed, or with the process), so that they take no memory meanwhile. A
@@ -127,7 +127,7 @@ class ReconstructingStatistics:
     place; ``positions`` are this process's batches among ``total`` (their order in the
     calibration split), so every process takes the same optimiser steps. ``progress``
     shows a bar of each block's steps. ``scratch``: a folder on disk where each block's solved
-    weights wait while it trains (:class:`_SolvedBackup`; None: in memory).
+    weights wait while it trains (:class:`SolvedBackup`; None: in memory).
     """
 
     def __init__(self, inputs: BlockInputs, dtype: torch.dtype, dense_inputs: bool,
@@ -298,7 +298,7 @@ class ReconstructingStatistics:
         weights = [w for u in self._units for w in self._weights(u)]
         # the solved weights, kept compact (their nonzeros and where they are) while training
         where = {id(w): KeptEntries(w) for w in weights}
-        solved = _SolvedBackup([where[id(w)].gather(w) for w in weights], self.scratch)
+        solved = SolvedBackup([where[id(w)].gather(w) for w in weights], self.scratch)
         steps = 0
         per_unit = self.options.epochs * -(-self.total // self.options.batches_per_step)
         bar = tqdm(total=per_unit * len(self._units), desc=f"reconstructing block {index}",
