@@ -204,7 +204,7 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
                 ckpt = Checkpoint.open(ckpt_dir, config.identity(), restart=config.restart)
                 ckpt.bind("model files", digest)
         return _prune_and_save(config, model, tokenizer, source, ckpt, calibration, cache, timings,
-                               t0, progress, on_block_done, ranks)
+                               t0, progress, on_block_done, ranks, ckpt_dir)
     except ValueError:
         if ckpt is not None and ckpt.created and ckpt.done_blocks == 0:
             ckpt.remove()  # refused before any progress: leave no checkpoint of this run
@@ -215,7 +215,7 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
 
 def _prune_and_save(config: RunConfig, model, tokenizer, source, ckpt, calibration, cache,
                     timings: dict[str, float], t0: float, progress: bool, on_block_done,
-                    ranks) -> dict[str, Any]:
+                    ranks, ckpt_dir: Path) -> dict[str, Any]:
     """:func:`run` after loading: dense perplexity and accuracy, pruning, pruned
     perplexity and accuracy, save (``ckpt`` is None on ranks other than 0, which return
     the pruning report once pruning is done)."""
@@ -263,7 +263,7 @@ def _prune_and_save(config: RunConfig, model, tokenizer, source, ckpt, calibrati
                                    calibration=calibration, device=device, checkpoint=ckpt,
                                    progress=progress, on_block_done=on_block_done,
                                    source=model if streaming else None, sink=sink,
-                                   scratch=Path(config.checkpoint_dir or f"{out}.checkpoint"))
+                                   scratch=ckpt_dir)
         pruned_model = StreamingModel(sink.close(tokenizer), dtype=config.dtype) \
             if streaming and main_rank else model
     except BaseException:
