@@ -93,10 +93,11 @@ def test_fit_masked_takes_the_same_steps_however_the_batches_are_split():
     assert torch.allclose(halves[0], one, rtol=1e-8, atol=1e-10)  # summation order only
 
 
-@pytest.mark.parametrize("chunk", [5, 1 << 22])
+@pytest.mark.parametrize("chunk", [5, 16, 1 << 22])
 def test_kept_entries_move_the_nonzeros_in_order_across_chunks(monkeypatch, chunk):
     """Chunked gather and scatter agree with whole-tensor boolean indexing, chunk borders
-    falling inside rows included."""
+    falling inside rows and inside a byte of the packed mask included; the mask takes one
+    bit per weight."""
     from nmprune.reconstruct import KeptEntries
 
     monkeypatch.setattr(KeptEntries, "CHUNK", chunk)
@@ -105,6 +106,7 @@ def test_kept_entries_move_the_nonzeros_in_order_across_chunks(monkeypatch, chun
     w[torch.rand(7, 12) < 0.5] = 0
     where = KeptEntries(w)
     assert where.count == int((w != 0).sum())
+    assert sum(b.numel() for b in where.bits) == sum(-(-min(chunk, 84 - a) // 8) for a in range(0, 84, chunk))
     assert torch.equal(where.gather(w), w[w != 0])
     other = torch.randn(7, 12)
     into = torch.ones(where.count)
@@ -222,10 +224,10 @@ def test_reconstruction_holds_the_mask_and_brings_the_model_closer_to_the_dense_
 @pytest.mark.parametrize("scratch", ["memory", "folder", "missing folder"])
 def test_a_block_that_training_made_worse_gets_its_solved_weights_back(monkeypatch, tmp_path, scratch):
     """When a fit raises a block's output error, the block is restored from the compact copy
-    of its solved weights (in memory, or in an unnamed file in the scratch folder while the
-    block trains, which leaves nothing there; a folder that does not exist keeps the copy in
-    memory): every block worsened gives, bit for bit, the model without reconstruction (its
-    solves see the dense model's inputs either way)."""
+    of its solved weights and its outputs recomputed from its pruned inputs (both set aside
+    in memory, or in unnamed files in the scratch folder, which leave nothing there; a folder
+    that does not exist keeps them in memory): every block worsened gives, bit for bit, the
+    model without reconstruction (its solves see the dense model's inputs either way)."""
     import nmprune.stages.reconstruction as stage
     from nmprune.reconstruct import FitResult
 
@@ -242,23 +244,51 @@ def test_a_block_that_training_made_worse_gets_its_solved_weights_back(monkeypat
     solved, fitted = copy.deepcopy(dense), copy.deepcopy(dense)
     calib = token_batch(8, 16)
     prune_model(solved, calibration=calib, device="cpu", progress=False, **SOLVE)
-    saved = []
-    spill = stage.SolvedBackup.__init__
+    spills = []
+    spill = stage.Spill.__init__
 
-    def watch(self, values, where):
-        spill(self, values, where)
-        saved.append(self.values is None)
+    def watch(self, where):
+        spill(self, where)
+        spills.append(self)
 
-    monkeypatch.setattr(stage.SolvedBackup, "__init__", watch)
+    monkeypatch.setattr(stage.Spill, "__init__", watch)
     report = prune_model(fitted, calibration=calib, device="cpu", progress=False, reconstruct="block",
                          scratch=folder, **FIT, **SOLVE)
-    assert saved == [scratch == "folder"] * 3  # on disk only in a folder that exists
+    # per block, the solved weights and the block's pruned inputs; on disk only in a folder that exists
+    assert [s.on_disk for s in spills] == [scratch == "folder"] * 6
+    assert all(len(s) == 0 for s in spills)  # closed
     if folder is not None and folder.exists():
         assert os.listdir(folder) == []
     assert [b["kept"] for b in report.blocks] == ["solved"] * 3
     assert all(b["error_after"] == b["error_before"] for b in report.blocks)
     for (n, p), q in zip(fitted.named_parameters(), solved.parameters()):
         assert torch.equal(p, q), n
+
+
+def test_the_captured_block_inputs_are_freed_once_the_first_block_moves_them_on(monkeypatch):
+    """Nothing keeps the hidden states entering block 0 after both streams have moved past it
+    (they were once held for the whole run, one activation set more than the stage needs)."""
+    import gc
+    import weakref
+
+    import nmprune.stages.reconstruction as stage
+
+    captured = []
+    init = stage.ReconstructingStatistics.__init__
+
+    def watch(self, inputs, *args, **kwargs):
+        captured.extend(weakref.ref(h) for h in inputs.hidden)
+        init(self, inputs, *args, **kwargs)
+
+    def after_block(i: int) -> None:
+        gc.collect()
+        alive.append(sum(r() is not None for r in captured))
+
+    alive: list[int] = []
+    monkeypatch.setattr(stage.ReconstructingStatistics, "__init__", watch)
+    prune_model(tiny_model("llama", layers=2), calibration=token_batch(8, 16), device="cpu", progress=False,
+                reconstruct="block", on_block_done=after_block, **FIT, **SOLVE)
+    assert len(captured) == 4 and alive == [0, 0]
 
 
 def test_reconstruction_is_reproducible_and_resumes_to_the_uninterrupted_result(tmp_path):

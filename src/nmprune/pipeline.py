@@ -174,6 +174,7 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
                 saved = checkpoint.hidden() if start > 0 and checkpoint is not None else None
             stage = _statistics_stage(inputs, settings, executor, len(sizes), progress and executor.is_main,
                                       scratch)
+            del inputs  # the stage owns the hidden states now: each batch is freed once it moves on
             if start > 0:
                 stage.hidden = [executor.scatter_batches(None if saved is None else [h.to(device) for h in saved[k]],
                                                          local) for k, local in enumerate(stage.hidden)]

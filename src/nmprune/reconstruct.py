@@ -68,9 +68,10 @@ class FitResult:
 class KeptEntries:
     """Where a weight's nonzeros are, to move them between the weight and a compact vector.
 
-    Boolean indexing and ``masked_scatter`` on a whole weight build int64 index temporaries
-    of up to twice the weight's float32 size; both work here on slices of ``CHUNK``
-    entries, so the temporaries stay a few tens of MiB whatever the layer's size.
+    The positions are held as a bit mask (one bit per weight, packed eight to a byte), in
+    slices of ``CHUNK`` entries; boolean indexing and ``masked_scatter`` work slice by slice
+    on the unpacked slice, so their temporaries (an int64 index of up to twice the slice's
+    float32 size) stay a few tens of MiB whatever the layer's size.
     """
 
     CHUNK = 1 << 22
@@ -78,33 +79,43 @@ class KeptEntries:
     def __init__(self, weight: Tensor):
         if not weight.is_contiguous():
             raise ValueError("KeptEntries needs a contiguous weight")
-        self.mask = (weight.detach() != 0).reshape(-1)
-        n = self.mask.numel()
+        flat = weight.detach().reshape(-1)
+        n = flat.numel()
         self.bounds = [*range(0, n, self.CHUNK), n]
-        self.offsets = list(accumulate((int(self.mask[a:b].sum()) for a, b in zip(self.bounds, self.bounds[1:])),
-                                       initial=0))
+        self._shifts = torch.arange(8, dtype=torch.uint8, device=weight.device)
+        self.bits = [self._pack(flat[a:b] != 0) for a, b in zip(self.bounds, self.bounds[1:])]
+        self.offsets = list(accumulate((int(self._mask(k).sum()) for k in range(len(self.bits))), initial=0))
+
+    def _pack(self, mask: Tensor) -> Tensor:
+        padded = torch.nn.functional.pad(mask.to(torch.uint8), (0, -mask.numel() % 8))
+        return (padded.view(-1, 8) << self._shifts).sum(-1, dtype=torch.uint8)
+
+    def _mask(self, k: int) -> Tensor:
+        """Slice ``k``'s mask, unpacked to booleans."""
+        size = self.bounds[k + 1] - self.bounds[k]
+        return ((self.bits[k].unsqueeze(-1) >> self._shifts) & 1).view(-1)[:size].bool()
 
     @property
     def count(self) -> int:
         return self.offsets[-1]
 
-    def _slices(self) -> Iterator[tuple[slice, slice]]:
-        for k in range(len(self.bounds) - 1):
-            yield slice(self.bounds[k], self.bounds[k + 1]), slice(self.offsets[k], self.offsets[k + 1])
+    def _slices(self) -> Iterator[tuple[slice, slice, Tensor]]:
+        for k in range(len(self.bits)):
+            yield slice(self.bounds[k], self.bounds[k + 1]), slice(self.offsets[k], self.offsets[k + 1]), self._mask(k)
 
     def gather(self, dense: Tensor, into: Tensor | None = None) -> Tensor:
         """``dense``'s entries at the kept positions, in order; added to ``into`` if given."""
         flat = dense.detach().reshape(-1)
         out = into if into is not None else torch.zeros(self.count, dtype=dense.dtype, device=dense.device)
-        for whole, kept in self._slices():
-            out[kept] += flat[whole][self.mask[whole]]
+        for whole, kept, mask in self._slices():
+            out[kept] += flat[whole][mask]
         return out
 
     def scatter(self, values: Tensor, weight: Tensor) -> None:
         """Write ``values`` into ``weight``'s kept positions (the others are left as they are)."""
         flat = weight.detach().view(-1)
-        for whole, kept in self._slices():
-            flat[whole].masked_scatter_(self.mask[whole], values[kept])
+        for whole, kept, mask in self._slices():
+            flat[whole].masked_scatter_(mask, values[kept])
 
 
 def _no_reduce(tensors: Sequence[Tensor]) -> None:

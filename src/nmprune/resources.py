@@ -12,13 +12,15 @@ parameters and its prunable layers' shapes, as a streamed run does
   named ``q/k/v_proj`` share one, ``gate/up_proj`` one, every other layer its own), the
   largest layer's solver memory (its float32 working weight and result, two ``d_in x d_in``
   factorisations), this rank's share of the calibration hidden states (one set per stream:
-  two without reconstruction, the states in and the states out; with block reconstruction
-  three, the dense stream (also the targets), the pruned stream and its states out; four with
-  submodule reconstruction, whose targets are their own), the float32 activations of one
-  calibration batch, and with reconstruction the block in float32, a mask of every pruned
-  weight, 16 bytes per kept entry (:func:`nmprune.reconstruct.fit_masked`'s compact value,
-  gradient and two AdamW moments; the solved weights' backup waits on disk in the
-  checkpoint folder), one layer's dense gradient and autograd's activations of one batch. A
+  two without reconstruction, the states in and the states out; two with block
+  reconstruction, the dense stream (also the targets) and the pruned stream, whose states
+  in wait on disk while its states out are computed; four with submodule reconstruction,
+  whose targets are their own; with reconstruction of a model narrower than float32, the
+  pruned stream in float32 besides), the float32 activations of one calibration batch, and
+  with reconstruction the block in float32, a mask bit per pruned weight, 16 bytes per kept
+  entry (:func:`nmprune.reconstruct.fit_masked`'s compact value, gradient and two AdamW
+  moments; the solved weights' backup waits on disk in the checkpoint folder), one layer's
+  dense gradient and autograd's activations of one batch. A
   run that loads the model whole adds all its weights. On a CUDA device the block phase is
   device memory and the CPU holds the process, the outside modules and one block on its way.
 * **Disk.** The output (every parameter in the run dtype) and the checkpoint (the pruned
@@ -140,16 +142,17 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None) ->
     hessians = max(sum(4 * d * d for d in hessian_inputs(b)) for b in per_block)
     solver = max(4 * (2 * r * d + 2 * d * d) for r, d in shapes.values())
     tokens = s.nsamples * s.seqlen
-    sets = (4 if s.reconstruct == "submodule" else 3) if recon else 2
-    hidden = -(-s.nsamples // ranks) * s.seqlen * hidden_size * itemsize * sets
+    sets = {"none": 2, "block": 2, "submodule": 4}[s.reconstruct]
+    # with reconstruction, training reads the pruned stream in float32
+    hidden = -(-s.nsamples // ranks) * s.seqlen * hidden_size * (itemsize * sets + (4 if recon and itemsize < 4 else 0))
     batch_tokens = s.batch_size * s.seqlen
     activations = batch_tokens * (3 * intermediate + 4 * hidden_size) * 4
-    # the block in float32, then per pruned weight: a mask (a byte) and 16 bytes per kept
+    # the block in float32, then per pruned weight: a mask (a bit) and 16 bytes per kept
     # entry (its compact value, gradient and two AdamW moments); one layer's dense gradient
     # in flight, and autograd's activations of one batch
     kept = max((p.pattern.n / p.pattern.m for p in plans.values() if p is not None), default=1.0)
     pruned = max(sum(r * d for n, (r, d) in b.items() if plans[n] is not None) for b in per_block)
-    training = ((4 - itemsize) * largest + pruned * (1 + 16 * kept) + 4 * max(r * d for r, d in shapes.values())
+    training = ((4 - itemsize) * largest + pruned * (1 / 8 + 16 * kept) + 4 * max(r * d for r, d in shapes.values())
                 + batch_tokens * (16 * hidden_size + 4 * intermediate) * 4) if recon else 0
     block_phase = block + hessians + solver + hidden + activations + training
     whole = 0 if streamed else params * itemsize

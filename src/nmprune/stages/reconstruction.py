@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
+import safetensors.torch
 import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
@@ -79,31 +80,47 @@ def _training(block: nn.Module) -> Iterator[None]:
             p.requires_grad_(flag)
 
 
-class SolvedBackup:
-    """The solved weights' kept values while their block trains, to restore them if training
-    does not help: in memory, or with ``folder`` in an unnamed temporary file there (it
-    vanishes when closed, or with the process), so that they take no memory meanwhile. A
-    folder that cannot hold the file (missing on this machine) keeps them in memory."""
+class Spill:
+    """Tensors set aside until they are needed again: with ``folder``, each is appended as a
+    safetensors record to an unnamed temporary file there (it vanishes when closed, or with
+    the process), so that they take no memory meanwhile; without a folder, or with one that
+    cannot hold the file (missing on this machine), they stay in memory."""
 
-    def __init__(self, values: list[Tensor], folder: str | os.PathLike | None):
-        self.devices = [v.device for v in values]
-        self.values: list[Tensor] | None = values
+    def __init__(self, folder: str | os.PathLike | None):
         self.file = None
+        self.entries: list[Tensor | tuple[int, int, torch.device]] = []
         if folder is not None:
             try:
                 self.file = tempfile.TemporaryFile(dir=folder)
             except OSError:
-                return
-            torch.save([v.cpu() for v in values], self.file)
-            self.values = None
+                pass
 
-    def load(self) -> list[Tensor]:
-        if self.values is not None:
-            return self.values
-        self.file.seek(0)
-        return [v.to(d) for v, d in zip(torch.load(self.file, weights_only=True), self.devices)]
+    @property
+    def on_disk(self) -> bool:
+        return self.file is not None
+
+    def append(self, value: Tensor) -> None:
+        if self.file is None:
+            self.entries.append(value)
+            return
+        record = safetensors.torch.save({"t": value.detach().cpu().contiguous()})
+        start = self.file.seek(0, os.SEEK_END)
+        self.file.write(record)
+        self.entries.append((start, len(record), value.device))
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __getitem__(self, i: int) -> Tensor:
+        entry = self.entries[i]
+        if isinstance(entry, Tensor):
+            return entry
+        start, size, device = entry
+        self.file.seek(start)
+        return safetensors.torch.load(self.file.read(size))["t"].to(device)
 
     def close(self) -> None:
+        self.entries = []
         if self.file is not None:
             self.file.close()
 
@@ -127,7 +144,8 @@ class ReconstructingStatistics:
     place; ``positions`` are this process's batches among ``total`` (their order in the
     calibration split), so every process takes the same optimiser steps. ``progress``
     shows a bar of each block's steps. ``scratch``: a folder on disk where each block's solved
-    weights wait while it trains (:class:`SolvedBackup`; None: in memory).
+    weights wait while it trains, and its pruned inputs while its outputs are computed, in
+    case the solve is restored (:class:`Spill`; None: in memory).
     """
 
     def __init__(self, inputs: BlockInputs, dtype: torch.dtype, dense_inputs: bool,
@@ -136,7 +154,9 @@ class ReconstructingStatistics:
                  progress: bool = False, scratch: str | os.PathLike | None = None):
         if granularity not in GRANULARITIES[1:]:
             raise ValueError(f"reconstruct must be one of {', '.join(GRANULARITIES[1:])} here, got {granularity!r}")
-        self.inputs, self.dtype, self.dense_inputs, self.reduce = inputs, dtype, dense_inputs, reduce
+        # the streams own the captured hidden states: ``inputs`` keeps only the blocks' other arguments
+        self.inputs = replace(inputs, hidden=[])
+        self.dtype, self.dense_inputs, self.reduce = dtype, dense_inputs, reduce
         self.granularity, self.options, self.all_reduce = granularity, options, all_reduce
         self.positions, self.total, self.progress = list(positions), total, progress
         self.scratch = scratch
@@ -164,7 +184,9 @@ class ReconstructingStatistics:
         ``dense_inputs``); meanwhile the dense block's outputs of every submodel to fit are
         recorded and the dense stream moves past the block."""
         self._active = dict(layers)
-        self._dense_in = list(self.dense)
+        # the block's dense inputs, for the residual targets of submodules (freed after the
+        # collection unless the block is additive); block targets need none
+        self._dense_in = list(self.dense) if self.granularity == "submodule" else []
         units = self._candidates(block)
         order: list[_Unit] = []
         handles = [u.module.register_forward_hook(self._recorder(u, order)) for u in units]
@@ -174,8 +196,9 @@ class ReconstructingStatistics:
                                               True, self.reduce)
                 stats = stage.collect(index, block, layers)
                 self.dense = stage.inputs.hidden
-            else:
-                self.dense = [run_block(block, h, self._call(index, h)) for h in self.dense]
+            else:  # in place: each batch's dense input is freed as its output comes
+                for j, h in enumerate(self.dense):
+                    self.dense[j] = run_block(block, h, self._call(index, h))
         finally:
             for h in handles:
                 h.remove()
@@ -226,18 +249,25 @@ class ReconstructingStatistics:
         inside = {id(m) for m in unit.module.modules()}
         return [m.weight for m in self._active.values() if id(m) in inside]
 
-    def _propagate(self, index: int, block: nn.Module, keep: bool = True) -> tuple[list[Tensor], float]:
+    def _propagate(self, index: int, block: nn.Module, keep: bool = True,
+                   spill: Spill | None = None) -> tuple[list[Tensor], float]:
         """The block's outputs on the pruned stream (only with ``keep``: otherwise each is
         dropped once its error is summed) and their squared error relative to the dense
-        outputs (summed over all processes' batches)."""
+        outputs (summed over all processes' batches). With ``spill``, each pruned input moves
+        there once its output is computed, so that inputs and outputs are not held together."""
         outs = []
         sums = torch.zeros(2, dtype=torch.float64, device=self.dense[0].device if self.dense else "cpu")
-        for h, target in zip(self.pruned, self.dense):
+        for j, target in enumerate(self.dense):
+            h = self.pruned[j]
             out = run_block(block, h, self._call(index, h))
             sums[0] += (out.float() - target.float()).square().sum().double()
             sums[1] += target.float().square().sum().double()
             if keep:
                 outs.append(out)
+            if spill is not None:
+                spill.append(h)
+                self.pruned[j] = None
+            del h
         self.all_reduce([sums])
         return outs, float(sums[0] / sums[1]) if sums[1] > 0 else 0.0
 
@@ -287,18 +317,9 @@ class ReconstructingStatistics:
             return "block output"
         return "residual stream" if self._additive else "submodule output"
 
-    def advance(self, index: int, block: nn.Module) -> dict[str, Any]:
-        """Fit the submodels of block ``index`` in order (pruned weights already in it),
-        then move the pruned stream past it. Returns the block's record: the squared error
-        of its outputs relative to the dense ones before and after (``error_before``,
-        ``error_after``), and ``kept``: ``"reconstructed"``, or ``"solved"`` when training
-        did not lower that error (the solved weights are then restored)."""
-        started = time.perf_counter()
-        _, error_before = self._propagate(index, block, keep=False)  # recomputed if the solve is kept
-        weights = [w for u in self._units for w in self._weights(u)]
-        # the solved weights, kept compact (their nonzeros and where they are) while training
-        where = {id(w): KeptEntries(w) for w in weights}
-        solved = SolvedBackup([where[id(w)].gather(w) for w in weights], self.scratch)
+    def _fit(self, index: int, block: nn.Module, where: Mapping[int, KeptEntries]) -> int:
+        """Train the kept weights of each submodel of block ``index`` in turn on its targets
+        (``where``: each weight's kept entries, by ``id``). Returns the optimiser steps taken."""
         steps = 0
         per_unit = self.options.epochs * -(-self.total // self.options.batches_per_step)
         bar = tqdm(total=per_unit * len(self._units), desc=f"reconstructing block {index}",
@@ -320,24 +341,46 @@ class ReconstructingStatistics:
                     steps += result.steps
                     del inputs
                     unit.targets.clear()
-            after, error_after = self._propagate(index, block)
-            if not error_after < float("inf"):
-                raise ReconstructionDiverged(f"the reconstructed block's error is {error_after}; "
-                                             f"lower the learning rate (now {self.options.lr:g})")
-        except ReconstructionDiverged as e:
-            solved.close()
-            raise ReconstructionDiverged(f"block {index}: {e}") from e
         finally:
             bar.close()
-        kept = "reconstructed"
-        if not error_after < error_before:
-            with torch.no_grad():
-                for w, values in zip(weights, solved.load()):
-                    where[id(w)].scatter(values, w.zero_())
-            after, error_after = self._propagate(index, block)
-            kept = "solved"
-        solved.close()
-        del solved, where
+        return steps
+
+    def advance(self, index: int, block: nn.Module) -> dict[str, Any]:
+        """Fit the submodels of block ``index`` in order (pruned weights already in it),
+        then move the pruned stream past it. Returns the block's record: the squared error
+        of its outputs relative to the dense ones before and after (``error_before``,
+        ``error_after``), and ``kept``: ``"reconstructed"``, or ``"solved"`` when training
+        did not lower that error (the solved weights are then restored, and the block's
+        outputs recomputed from its pruned inputs, which wait in a :class:`Spill` meanwhile)."""
+        started = time.perf_counter()
+        _, error_before = self._propagate(index, block, keep=False)  # recomputed if the solve is kept
+        weights = [w for u in self._units for w in self._weights(u)]
+        # the solved weights, kept compact (their nonzeros and where they are) while training
+        where = {id(w): KeptEntries(w) for w in weights}
+        solved, entering = Spill(self.scratch), Spill(self.scratch)
+        try:
+            for w in weights:
+                solved.append(where[id(w)].gather(w))
+            try:
+                steps = self._fit(index, block, where)
+            except ReconstructionDiverged as e:
+                raise ReconstructionDiverged(f"block {index}: {e}") from e
+            after, error_after = self._propagate(index, block, spill=entering)
+            if not error_after < float("inf"):
+                raise ReconstructionDiverged(f"block {index}: the reconstructed block's error is {error_after}; "
+                                             f"lower the learning rate (now {self.options.lr:g})")
+            kept = "reconstructed"
+            if not error_after < error_before:
+                del after
+                with torch.no_grad():
+                    for i, w in enumerate(weights):
+                        where[id(w)].scatter(solved[i], w.zero_())
+                self.pruned = [entering[j] for j in range(len(entering))]
+                after, error_after = self._propagate(index, block)
+                kept = "solved"
+        finally:
+            solved.close()
+            entering.close()
         self.pruned = after
         self._units, self._dense_in = [], []
         return {"block": index, "reconstruct": self.granularity, "targets": self._targets_kind(),
