@@ -118,6 +118,40 @@ class KeptEntries:
             flat[whole].masked_scatter_(mask, values[kept])
 
 
+class CompactAdamW:
+    """AdamW without weight decay on the kept entries of dense weights (torch.optim.AdamW's
+    update, step for step): ``grads`` and the two moments are compact vectors, one per
+    weight; the parameters are the weights' kept entries themselves: each step's change is
+    computed compact and added to the weight slice by slice (:class:`KeptEntries`), so no
+    compact copy of them is held."""
+
+    def __init__(self, weights: Sequence[Tensor], entries: Sequence[KeptEntries],
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
+        self.weights, self.entries = list(weights), list(entries)
+        self.betas, self.eps = betas, eps
+        self.grads = [torch.zeros(e.count, dtype=w.dtype, device=w.device) for w, e in zip(weights, entries)]
+        self.exp_avg = [torch.zeros_like(g) for g in self.grads]
+        self.exp_avg_sq = [torch.zeros_like(g) for g in self.grads]
+        self.steps = 0
+
+    @torch.no_grad()
+    def step(self, lr: float) -> None:
+        """One step of learning rate ``lr`` along ``grads``."""
+        self.steps += 1
+        beta1, beta2 = self.betas
+        step_size = lr / (1 - beta1 ** self.steps)
+        correction = (1 - beta2 ** self.steps) ** 0.5
+        for w, where, grad, avg, avg_sq in zip(self.weights, self.entries, self.grads, self.exp_avg,
+                                               self.exp_avg_sq):
+            avg.lerp_(grad, 1 - beta1)
+            avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            flat = w.detach().view(-1)
+            for whole, kept, mask in where._slices():
+                change = torch.zeros_like(avg[kept]).addcdiv_(
+                    avg[kept], (avg_sq[kept].sqrt() / correction).add_(self.eps), value=-step_size)
+                flat[whole] += torch.zeros_like(flat[whole]).masked_scatter_(mask, change)
+
+
 def _no_reduce(tensors: Sequence[Tensor]) -> None:
     """One process: its sums are already the totals."""
 
@@ -141,37 +175,33 @@ def fit_masked(run: Callable[[int], Tensor], targets: Sequence[Tensor], weights:
     :class:`ReconstructionDiverged` (the weights then hold an unfinished step and must be
     discarded) when a step's loss is not finite.
 
-    The optimiser holds only the kept entries: each weight's nonzeros are a compact vector
-    (``N/M`` of the weight) that AdamW steps, with its gradient and its two moments, and
-    that is scattered back into the weight after each step. A weight's dense gradient lives
-    only while backpropagation passes through its layer (a hook moves its kept entries into
-    the compact gradient), so training holds about twice the kept entries beyond the
-    weights, not four times the weights. AdamW on the compact vector is AdamW on the weight
-    with its pruned entries' gradients zeroed: those entries would never move.
+    The optimiser is :class:`CompactAdamW`: a weight's gradient and AdamW's two moments are
+    compact vectors of its kept entries (``N/M`` of the weight), and the weights themselves
+    are the parameters. A weight's dense gradient lives only while backpropagation passes
+    through its layer (a hook moves its kept entries into the compact gradient), so training
+    holds 1.5 times the weights beyond them (three vectors of half a weight each at 2:4),
+    not three times. AdamW on the kept entries is AdamW on the weight with its pruned
+    entries' gradients zeroed: those entries would never move.
     """
     started = time.perf_counter()
     entries = list(entries) if entries is not None else [KeptEntries(w) for w in weights]
-    kept = [e.gather(w) for e, w in zip(entries, weights)]
-    for v in kept:
-        v.grad = torch.zeros_like(v)
+    optimiser = CompactAdamW(weights, entries)
     local = {int(g): j for j, g in enumerate(positions)}
     steps_per_epoch = math.ceil(total / options.batches_per_step)
     all_steps = options.epochs * steps_per_epoch
     flags = [w.requires_grad for w in weights]
 
-    def compact(v: Tensor, where: KeptEntries) -> Callable[[Tensor], None]:
+    def compact(grad: Tensor, where: KeptEntries) -> Callable[[Tensor], None]:
         def hook(w: Tensor) -> None:
-            where.gather(w.grad, into=v.grad)
+            where.gather(w.grad, into=grad)
             w.grad = None
         return hook
 
     handles = []
-    for w, v, where in zip(weights, kept, entries):
+    for w, grad, where in zip(weights, optimiser.grads, entries):
         w.requires_grad_(True)
         w.grad = None
-        handles.append(w.register_post_accumulate_grad_hook(compact(v, where)))
-    optimiser = torch.optim.AdamW(kept, lr=options.lr, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimiser, lambda step: 1.0 - step / all_steps)
+        handles.append(w.register_post_accumulate_grad_hook(compact(grad, where)))
     generator = torch.Generator().manual_seed(options.seed)
     device = weights[0].device
     epoch_mse: list[float] = []
@@ -180,7 +210,8 @@ def fit_masked(run: Callable[[int], Tensor], targets: Sequence[Tensor], weights:
             order = torch.randperm(total, generator=generator).tolist()
             sums = torch.zeros(2, dtype=torch.float64, device=device)  # error, count over the epoch
             for step in range(steps_per_epoch):
-                optimiser.zero_grad(set_to_none=False)
+                for grad in optimiser.grads:
+                    grad.zero_()
                 error = torch.zeros(2, dtype=torch.float64, device=device)
                 for g in order[step * options.batches_per_step:(step + 1) * options.batches_per_step]:
                     j = local.get(g)
@@ -191,19 +222,14 @@ def fit_masked(run: Callable[[int], Tensor], targets: Sequence[Tensor], weights:
                     loss.backward()
                     error += torch.stack([loss.detach().double(), torch.tensor(float(diff.numel()),
                                                                                dtype=torch.float64, device=device)])
-                grads = [v.grad for v in kept]
-                all_reduce([*grads, error])
+                all_reduce([*optimiser.grads, error])
                 if not math.isfinite(float(error[0])):
                     raise ReconstructionDiverged(
                         f"the reconstruction loss became {float(error[0])} in epoch {epoch + 1}, step "
                         f"{step + 1}; lower the learning rate (now {options.lr:g})")
-                for grad in grads:
+                for grad in optimiser.grads:
                     grad.div_(max(float(error[1]), 1.0))
-                optimiser.step()
-                schedule.step()
-                with torch.no_grad():
-                    for w, v, where in zip(weights, kept, entries):
-                        where.scatter(v, w)
+                optimiser.step(options.lr * (1.0 - optimiser.steps / all_steps))
                 sums += error
                 if on_step is not None:
                     on_step()

@@ -17,9 +17,9 @@ parameters and its prunable layers' shapes, as a streamed run does
   in wait on disk while its states out are computed; four with submodule reconstruction,
   whose targets are their own; with reconstruction of a model narrower than float32, the
   pruned stream in float32 besides), the float32 activations of one calibration batch, and
-  with reconstruction the block in float32, a mask bit per pruned weight, 16 bytes per kept
-  entry (:func:`nmprune.reconstruct.fit_masked`'s compact value, gradient and two AdamW
-  moments; the solved weights' backup waits on disk in the checkpoint folder), one layer's
+  with reconstruction the block in float32, a mask bit per pruned weight, 12 bytes per kept
+  entry (:class:`nmprune.reconstruct.CompactAdamW`'s compact gradient and two moments; the
+  solved weights' backup waits on disk in the checkpoint folder), one layer's
   dense gradient and autograd's activations of one batch. A
   run that loads the model whole adds all its weights. On a CUDA device the block phase is
   device memory and the CPU holds the process, the outside modules and one block on its way.
@@ -147,12 +147,12 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None) ->
     hidden = -(-s.nsamples // ranks) * s.seqlen * hidden_size * (itemsize * sets + (4 if recon and itemsize < 4 else 0))
     batch_tokens = s.batch_size * s.seqlen
     activations = batch_tokens * (3 * intermediate + 4 * hidden_size) * 4
-    # the block in float32, then per pruned weight: a mask (a bit) and 16 bytes per kept
-    # entry (its compact value, gradient and two AdamW moments); one layer's dense gradient
+    # the block in float32, then per pruned weight: a mask (a bit) and 12 bytes per kept
+    # entry (its compact gradient and two AdamW moments); one layer's dense gradient
     # in flight, and autograd's activations of one batch
     kept = max((p.pattern.n / p.pattern.m for p in plans.values() if p is not None), default=1.0)
     pruned = max(sum(r * d for n, (r, d) in b.items() if plans[n] is not None) for b in per_block)
-    training = ((4 - itemsize) * largest + pruned * (1 / 8 + 16 * kept) + 4 * max(r * d for r, d in shapes.values())
+    training = ((4 - itemsize) * largest + pruned * (1 / 8 + 12 * kept) + 4 * max(r * d for r, d in shapes.values())
                 + batch_tokens * (16 * hidden_size + 4 * intermediate) * 4) if recon else 0
     block_phase = block + hessians + solver + hidden + activations + training
     whole = 0 if streamed else params * itemsize
