@@ -363,12 +363,12 @@ class ReconstructingStatistics:
                 solved.append(where[id(w)].gather(w))
             try:
                 steps = self._fit(index, block, where)
+                after, error_after = self._propagate(index, block, spill=entering)
+                if not error_after < float("inf"):
+                    raise ReconstructionDiverged(f"the reconstructed block's error is {error_after}; "
+                                                 f"lower the learning rate (now {self.options.lr:g})")
             except ReconstructionDiverged as e:
                 raise ReconstructionDiverged(f"block {index}: {e}") from e
-            after, error_after = self._propagate(index, block, spill=entering)
-            if not error_after < float("inf"):
-                raise ReconstructionDiverged(f"block {index}: the reconstructed block's error is {error_after}; "
-                                             f"lower the learning rate (now {self.options.lr:g})")
             kept = "reconstructed"
             if not error_after < error_before:
                 del after
