@@ -16,7 +16,7 @@ from nmprune.checkpoint import Checkpoint
 from nmprune.config import PruneSettings
 from nmprune.models import find_blocks, find_linears, weight_matrix
 from nmprune.pipeline import prune_model
-from nmprune.reconstruct import FitOptions, ReconstructionDiverged, fit_masked
+from nmprune.reconstruct import FitOptions, KeptEntries, ReconstructionDiverged, fit_masked
 
 FIT = dict(reconstruct_batch_size=2, reconstruct_epochs=3, reconstruct_lr=1e-3)
 SOLVE = dict(method="wanda", refine=None, pattern="2:4", batch_size=2)
@@ -98,8 +98,6 @@ def test_kept_entries_move_the_nonzeros_in_order_across_chunks(monkeypatch, chun
     """Chunked gather and scatter agree with whole-tensor boolean indexing, chunk borders
     falling inside rows and inside a byte of the packed mask included; the mask takes one
     bit per weight."""
-    from nmprune.reconstruct import KeptEntries
-
     monkeypatch.setattr(KeptEntries, "CHUNK", chunk)
     torch.manual_seed(3)
     w = torch.randn(7, 12)
@@ -117,10 +115,13 @@ def test_kept_entries_move_the_nonzeros_in_order_across_chunks(monkeypatch, chun
     assert torch.equal(target[w != 0], values) and bool((target[w == 0] == -1).all())
 
 
-def test_fit_masked_steps_as_adamw_on_the_whole_weight_with_masked_gradients():
+@pytest.mark.parametrize("chunk", [5, 1 << 22])
+def test_fit_masked_steps_as_adamw_on_the_whole_weight_with_masked_gradients(monkeypatch, chunk):
     """The optimiser holds only the kept entries; the reference is torch's AdamW on the dense
     weights with the pruned entries' gradients zeroed and the weights masked after each step
-    (float64 weights, two layers, gradients accumulated over 2 batches per step, 3 epochs)."""
+    (float64 weights, two layers, gradients accumulated over 2 batches per step, 3 epochs;
+    the weights' entries in slices of 5, so that slices end inside cells and bytes, or one)."""
+    monkeypatch.setattr(KeptEntries, "CHUNK", chunk)
     torch.manual_seed(2)
     xs = [torch.randn(8, 12, dtype=torch.float64) for _ in range(5)]
     targets = [torch.tanh(x @ torch.randn(12, 6, dtype=torch.float64)) for x in xs]
