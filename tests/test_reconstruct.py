@@ -120,7 +120,8 @@ def test_fit_masked_steps_as_adamw_on_the_whole_weight_with_masked_gradients(mon
     """The optimiser holds only the kept entries; the reference is torch's AdamW on the dense
     weights with the pruned entries' gradients zeroed and the weights masked after each step
     (float64 weights, two layers, gradients accumulated over 2 batches per step, 3 epochs;
-    the weights' entries in slices of 5, so that slices end inside cells and bytes, or one)."""
+    the weights' entries in slices of 5, whose borders fall inside cells and mask bytes, or
+    in one slice)."""
     monkeypatch.setattr(KeptEntries, "CHUNK", chunk)
     torch.manual_seed(2)
     xs = [torch.randn(8, 12, dtype=torch.float64) for _ in range(5)]
