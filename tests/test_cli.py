@@ -79,7 +79,8 @@ def test_prune_with_reconstruction_reports_each_block_before_and_after(tiny_dir,
     base, model_dir, text, yaml_file = tiny_dir
     out = tmp_path / "pruned"
     assert main(["prune", "--config", str(yaml_file), "--out", str(out), "--quiet", "--reconstruct", "submodule",
-                 "--reconstruct-lr", "1e-3", "--reconstruct-batch-size", "2", "--reconstruct-epochs", "2"]) == 0
+                 "--reconstruct-lr", "1e-3", "--reconstruct-batch-size", "2", "--reconstruct-epochs", "2",
+                 "--nsamples", "16"]) == 0
     printed = capsys.readouterr().out
     assert "wanda+gd 2:4 +submodule reconstruction" in printed
     report = json.loads((out / "nmprune_report.json").read_text())
@@ -87,9 +88,10 @@ def test_prune_with_reconstruction_reports_each_block_before_and_after(tiny_dir,
     assert recon["granularity"] == "submodule" and recon["epochs"] == 2 and recon["lr"] == 1e-3
     assert [b["block"] for b in recon["blocks"]] == [0, 1, 2]
     for b in recon["blocks"]:
-        assert b["error_after"] <= b["error_before"]
-        assert f"| {b['block']} | {b['error_before']:.4g} | {b['error_after']:.4g} | {b['kept']} |" in printed
-    assert recon["mean_error_after"] < recon["mean_error_before"]
+        assert b["heldout_after"] <= b["heldout_before"] and b["heldout_batches"] == 1  # of 8
+        assert (f"| {b['block']} | {b['heldout_before']:.4g} | {b['heldout_after']:.4g} | "
+                f"{b['error_before']:.4g} | {b['error_after']:.4g} | {b['kept']} |") in printed
+    assert recon["mean_heldout_after"] < recon["mean_heldout_before"]
     saved = _weights(out)
     for name, w in saved.items():
         if name.endswith("proj.weight"):

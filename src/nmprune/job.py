@@ -316,24 +316,38 @@ def _prune_and_save(config: RunConfig, model, tokenizer, source, ckpt, calibrati
 
 def _reconstruction_summary(config: RunConfig, blocks: list[dict[str, Any]]) -> dict[str, Any]:
     """The reconstruction part of a run's report: its settings, one record per block (the
-    squared error of the block's outputs relative to the dense model's, before and after)
-    and the means of those errors over the blocks."""
+    channel-weighted squared error of the block's outputs relative to the dense model's,
+    before and after, on the held-out and the training calibration batches) and the means
+    of those errors over the blocks."""
     s = config.prune
-    mean = (lambda key: sum(b[key] for b in blocks) / len(blocks)) if blocks else (lambda key: None)
+
+    def mean(key: str) -> float | None:
+        values = [b[key] for b in blocks if b.get(key) is not None]
+        return sum(values) / len(values) if values else None
+
     return {"granularity": s.reconstruct, "epochs": s.reconstruct_epochs, "lr": s.reconstruct_lr,
-            "batch_size": s.reconstruct_batch_size or s.batch_size, "mean_error_before": mean("error_before"),
-            "mean_error_after": mean("error_after"), "blocks": blocks}
+            "batch_size": s.reconstruct_batch_size or s.batch_size,
+            "mean_heldout_before": mean("heldout_before"), "mean_heldout_after": mean("heldout_after"),
+            "mean_error_before": mean("error_before"), "mean_error_after": mean("error_after"),
+            "blocks": blocks}
+
+
+def _error(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4g}"
 
 
 def reconstruction_table(report: dict[str, Any]) -> str:
     """Each reconstructed block's output error relative to the dense model, before and after
-    reconstruction, as a Markdown table (empty without reconstruction)."""
+    reconstruction, on the held-out calibration batches (what decides ``kept``) and on the
+    training ones, as a Markdown table (empty without reconstruction)."""
     blocks = report.get("reconstruction", {}).get("blocks", [])
     if not blocks:
         return ""
-    lines = [f"| block | error before ({report['reconstruction']['granularity']}) | error after | kept |",
-             "|---|---|---|---|"]
-    lines += [f"| {b['block']} | {b['error_before']:.4g} | {b['error_after']:.4g} | {b['kept']} |" for b in blocks]
+    lines = [f"| block | held-out error before ({report['reconstruction']['granularity']}) | held-out after | "
+             "training error before | training after | kept |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {b['block']} | {_error(b.get('heldout_before'))} | {_error(b.get('heldout_after'))} | "
+              f"{_error(b['error_before'])} | {_error(b['error_after'])} | {b['kept']} |" for b in blocks]
     return "\n".join(lines)
 
 

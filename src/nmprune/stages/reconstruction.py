@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from ..reconstruct import FitOptions, KeptEntries, ReconstructionDiverged, fit_masked
+from ..reconstruct import FitOptions, KeptEntries, ReconstructionDiverged, channel_weights, fit_masked
 from .block_runner import BlockCall, BlockInputs, block_hidden, run_block
 from .statistics import CalibrationStatistics, InputStats
 
@@ -42,6 +42,21 @@ RECONSTRUCTION_TEXT = {  # what `nmprune methods` says of each granularity
     "block": "train the kept weights of each whole block to match the dense block's outputs "
              "(Wanda++ arXiv 2503.04992, EBFT arXiv 2402.12419)",
 }
+
+
+#: One calibration batch in this many is held out of training, to judge each reconstruction.
+HOLD_OUT_EVERY = 8
+
+
+def held_out_batches(total: int) -> frozenset[int]:
+    """The calibration batches (indices among ``total``) that reconstruction never trains on:
+    ``max(1, total // HOLD_OUT_EVERY)`` of them, evenly spaced, the last batch included
+    (none with a single batch, which must be trained on)."""
+    if total < 2:
+        return frozenset()
+    count = max(1, total // HOLD_OUT_EVERY)
+    step = total // count
+    return frozenset(step * i + step - 1 for i in range(count))
 
 
 class _Stop(Exception):
@@ -146,6 +161,11 @@ class ReconstructingStatistics:
     shows a bar of each block's steps. ``scratch``: a folder on disk where each block's solved
     weights wait while it trains, and its pruned inputs while its outputs are computed, in
     case the solve is restored (:class:`Spill`; None: in memory).
+
+    The batches of :func:`held_out_batches` are never trained on: a block's reconstruction is
+    kept only if it lowers the block's error on them. Every error, in training and in the
+    report, weighs each output channel by the inverse of its dense mean square
+    (:func:`~nmprune.reconstruct.channel_weights`).
     """
 
     def __init__(self, inputs: BlockInputs, dtype: torch.dtype, dense_inputs: bool,
@@ -160,12 +180,14 @@ class ReconstructingStatistics:
         self.granularity, self.options, self.all_reduce = granularity, options, all_reduce
         self.positions, self.total, self.progress = list(positions), total, progress
         self.scratch = scratch
+        self.held = held_out_batches(total)
         self.dense: list[Tensor] = list(inputs.hidden)
         self.pruned: list[Tensor] = list(inputs.hidden)
         self._units: list[_Unit] = []
         self._active: dict[str, nn.Module] = {}
         self._dense_in: list[Tensor] = []
         self._additive = False
+        self._weight = torch.ones(())
 
     @property
     def hidden(self) -> list[list[Tensor]]:
@@ -205,6 +227,7 @@ class ReconstructingStatistics:
         if not self.dense_inputs:
             stats = CalibrationStatistics(BlockInputs(self.pruned, self.inputs.calls), self.dtype,
                                           False, self.reduce).collect(index, block, layers)
+        self._weight = channel_weights(self.dense, self.all_reduce)
         missing = [u.name for u in units if u not in order]
         if missing:
             raise RuntimeError(f"block {index}: {', '.join(missing)} never ran in the block's forward pass")
@@ -250,18 +273,22 @@ class ReconstructingStatistics:
         return [m.weight for m in self._active.values() if id(m) in inside]
 
     def _propagate(self, index: int, block: nn.Module, keep: bool = True,
-                   spill: Spill | None = None) -> tuple[list[Tensor], float]:
+                   spill: Spill | None = None) -> tuple[list[Tensor], float, float | None]:
         """The block's outputs on the pruned stream (only with ``keep``: otherwise each is
         dropped once its error is summed) and their squared error relative to the dense
-        outputs (summed over all processes' batches). With ``spill``, each pruned input moves
-        there once its output is computed, so that inputs and outputs are not held together."""
+        outputs, channel-weighted (summed over all processes' batches): on the training
+        batches and on the held-out ones (None without). With ``spill``, each pruned input
+        moves there once its output is computed, so that inputs and outputs are not held
+        together."""
         outs = []
-        sums = torch.zeros(2, dtype=torch.float64, device=self.dense[0].device if self.dense else "cpu")
+        sums = torch.zeros(2, 2, dtype=torch.float64, device=self.dense[0].device if self.dense else "cpu")
+        weight = self._weight.to(sums.device)
         for j, target in enumerate(self.dense):
             h = self.pruned[j]
             out = run_block(block, h, self._call(index, h))
-            sums[0] += (out.float() - target.float()).square().sum().double()
-            sums[1] += target.float().square().sum().double()
+            part = int(self.positions[j] in self.held)
+            sums[part, 0] += ((out.float() - target.float()).square() * weight).sum().double()
+            sums[part, 1] += (target.float().square() * weight).sum().double()
             if keep:
                 outs.append(out)
             if spill is not None:
@@ -269,7 +296,8 @@ class ReconstructingStatistics:
                 self.pruned[j] = None
             del h
         self.all_reduce([sums])
-        return outs, float(sums[0] / sums[1]) if sums[1] > 0 else 0.0
+        train, held = (float(s[0] / s[1]) if s[1] > 0 else 0.0 for s in sums)
+        return outs, train, held if self.held else None
 
     def _unit_inputs(self, index: int, block: nn.Module, unit: _Unit, dtype: torch.dtype,
                      before: Sequence[_Unit] = ()) -> tuple[list[tuple[tuple, dict]], list[Tensor]]:
@@ -321,10 +349,13 @@ class ReconstructingStatistics:
         """Train the kept weights of each submodel of block ``index`` in turn on its targets
         (``where``: each weight's kept entries, by ``id``). Returns the optimiser steps taken."""
         steps = 0
-        per_unit = self.options.epochs * -(-self.total // self.options.batches_per_step)
+        per_unit = self.options.epochs * -(-(self.total - len(self.held)) // self.options.batches_per_step)
         bar = tqdm(total=per_unit * len(self._units), desc=f"reconstructing block {index}",
                    leave=False, disable=not self.progress)
         dense_sum = [x.float() for x in self._dense_in] if self._additive else []
+        # this process's training batches, and their ranks among all processes' training batches
+        rank = {g: r for r, g in enumerate(g for g in range(self.total) if g not in self.held)}
+        train = [j for j, g in enumerate(self.positions) if g not in self.held]
         try:
             with _training(block):
                 for k, unit in enumerate(self._units):
@@ -334,10 +365,13 @@ class ReconstructingStatistics:
                         self._residual_targets(k, earlier, dense_sum)
                     del earlier
                     trained = self._weights(unit)
-                    result = fit_masked(lambda j: block_hidden(unit.module(*inputs[j][0], **inputs[j][1])),
-                                        unit.targets, trained, self.positions, self.total,
+                    result = fit_masked(lambda i: block_hidden(unit.module(*inputs[train[i]][0],
+                                                                           **inputs[train[i]][1])),
+                                        [unit.targets[j] for j in train], trained,
+                                        [rank[self.positions[j]] for j in train], len(rank),
                                         replace(self.options, seed=self.options.seed + index),
-                                        self.all_reduce, bar.update, [where[id(w)] for w in trained])
+                                        self.all_reduce, bar.update, [where[id(w)] for w in trained],
+                                        channel_weights(unit.targets, self.all_reduce))
                     steps += result.steps
                     del inputs
                     unit.targets.clear()
@@ -347,13 +381,17 @@ class ReconstructingStatistics:
 
     def advance(self, index: int, block: nn.Module) -> dict[str, Any]:
         """Fit the submodels of block ``index`` in order (pruned weights already in it),
-        then move the pruned stream past it. Returns the block's record: the squared error
-        of its outputs relative to the dense ones before and after (``error_before``,
-        ``error_after``), and ``kept``: ``"reconstructed"``, or ``"solved"`` when training
-        did not lower that error (the solved weights are then restored, and the block's
-        outputs recomputed from its pruned inputs, which wait in a :class:`Spill` meanwhile)."""
+        then move the pruned stream past it. Returns the block's record: the channel-weighted
+        squared error of its outputs relative to the dense ones before and after, on the
+        training batches (``error_before``, ``error_after``) and on the held-out ones
+        (``heldout_before``, ``heldout_after``; None with a single batch), the errors the
+        trained weights reached (``error_trained``, ``heldout_trained``), and ``kept``:
+        ``"reconstructed"``, or ``"solved"`` when training did not lower the held-out error
+        (the training error with a single batch; the solved weights are then restored, and
+        the block's outputs recomputed from its pruned inputs, which wait in a
+        :class:`Spill` meanwhile)."""
         started = time.perf_counter()
-        _, error_before = self._propagate(index, block, keep=False)  # recomputed if the solve is kept
+        _, error_before, held_before = self._propagate(index, block, keep=False)  # recomputed if the solve is kept
         weights = [w for u in self._units for w in self._weights(u)]
         # the solved weights, kept compact (their nonzeros and where they are) while training
         where = {id(w): KeptEntries(w) for w in weights}
@@ -363,20 +401,20 @@ class ReconstructingStatistics:
                 solved.append(where[id(w)].gather(w))
             try:
                 steps = self._fit(index, block, where)
-                after, error_after = self._propagate(index, block, spill=entering)
-                if not error_after < float("inf"):
+                after, error_after, held_after = self._propagate(index, block, spill=entering)
+                if not error_after < float("inf") or (held_after is not None and not held_after < float("inf")):
                     raise ReconstructionDiverged(f"the reconstructed block's error is {error_after}; "
                                                  f"lower the learning rate (now {self.options.lr:g})")
             except ReconstructionDiverged as e:
                 raise ReconstructionDiverged(f"block {index}: {e}") from e
-            kept = "reconstructed"
-            if not error_after < error_before:
+            kept, trained = "reconstructed", (error_after, held_after)
+            if not (held_after < held_before if held_before is not None else error_after < error_before):
                 del after
                 with torch.no_grad():
                     for i, w in enumerate(weights):
                         where[id(w)].scatter(solved[i], w.zero_())
                 self.pruned = [entering[j] for j in range(len(entering))]
-                after, error_after = self._propagate(index, block)
+                after, error_after, held_after = self._propagate(index, block)
                 kept = "solved"
         finally:
             solved.close()
@@ -384,6 +422,8 @@ class ReconstructingStatistics:
         self.pruned = after
         self._units, self._dense_in = [], []
         return {"block": index, "reconstruct": self.granularity, "targets": self._targets_kind(),
-                "error_before": error_before,
-                "error_after": error_after, "kept": kept, "steps": steps,
+                "error_before": error_before, "error_after": error_after,
+                "heldout_before": held_before, "heldout_after": held_after,
+                "error_trained": trained[0], "heldout_trained": trained[1],
+                "heldout_batches": len(self.held), "kept": kept, "steps": steps,
                 "seconds": time.perf_counter() - started}

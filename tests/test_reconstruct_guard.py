@@ -1,0 +1,117 @@
+"""What reconstruction trains against and what decides whether a block keeps it
+(nmprune/reconstruct.py ``channel_weights``, nmprune/stages/reconstruction.py): errors that
+weigh every channel by its own scale, and calibration batches held out of training."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from test_models_tiny import tiny_model, token_batch
+
+import nmprune.stages.reconstruction as stage
+from nmprune.pipeline import prune_model
+from nmprune.reconstruct import channel_weights
+
+SOLVE = dict(method="wanda", refine=None, pattern="2:4", batch_size=2)
+FIT = dict(reconstruct_batch_size=2, reconstruct_epochs=3, reconstruct_lr=1e-3)
+
+
+def test_channel_weights_make_a_massive_channel_count_as_much_as_any_other():
+    """A residual stream with one channel 1000 times the others: the same relative error in
+    the small channels is invisible to the plain squared error and not to the weighted one."""
+    torch.manual_seed(0)
+    scale = torch.ones(8)
+    scale[3] = 1000.0
+    targets = [torch.randn(2, 16, 8) * scale for _ in range(4)]
+    w = channel_weights(targets)
+    mean_square = torch.cat([t.reshape(-1, 8) for t in targets]).square().mean(0)
+    torch.testing.assert_close(w, 1 / mean_square)
+    off = [t.clone() for t in targets]
+    for t in off:
+        t[..., :3] *= 1.5  # half of the small channels' value wrong: relative error 0.25 each
+        t[..., 4:] *= 1.5
+
+    def plain(a, b):
+        return sum(float((x - y).square().sum()) for x, y in zip(a, b)) / sum(float(y.square().sum()) for y in b)
+
+    def weighted(a, b):
+        return sum(float(((x - y).square() * w).sum()) for x, y in zip(a, b)) / \
+            sum(float((y.square() * w).sum()) for y in b)
+
+    assert plain(off, targets) < 1e-4
+    assert weighted(off, targets) == pytest.approx(0.25 * 7 / 8, rel=1e-5)
+
+
+def test_channel_weights_sum_over_processes_and_survive_a_dead_channel():
+    torch.manual_seed(1)
+    targets = [torch.randn(3, 5, 4) for _ in range(4)]
+    for t in targets:
+        t[..., 2] = 0.0
+    whole = channel_weights(targets)
+    assert torch.isfinite(whole).all() and whole[2] > whole.max() / 2
+    # two processes holding two batches each: the all_reduce sums make the same weights
+    halves = [channel_weights(targets[:2], lambda ts: None), channel_weights(targets[2:], lambda ts: None)]
+    calls = []
+
+    def add_other_half(tensors):
+        calls.append(1)
+        other = torch.zeros_like(tensors[0])
+        for t in targets[2:]:
+            other[:4] += t.square().reshape(-1, 4).sum(0).double()
+            other[4] += t.numel() // 4
+        tensors[0] += other
+
+    torch.testing.assert_close(channel_weights(targets[:2], add_other_half), whole)
+    assert calls == [1] and not torch.equal(halves[0], whole)
+
+
+@pytest.mark.parametrize("total, held", [(1, set()), (2, {1}), (7, {6}), (9, {8}), (16, {7, 15}),
+                                         (64, {7, 15, 23, 31, 39, 47, 55, 63})])
+def test_one_batch_in_eight_is_held_out_of_training(total, held):
+    assert stage.held_out_batches(total) == held
+
+
+def test_training_never_sees_the_held_out_batches(monkeypatch):
+    seen = []
+    fit = stage.fit_masked
+
+    def watch(run, targets, weights, positions, total, *args, **kwargs):
+        seen.append((list(positions), total, len(targets)))
+        return fit(run, targets, weights, positions, total, *args, **kwargs)
+
+    monkeypatch.setattr(stage, "fit_masked", watch)
+    model = tiny_model("llama", layers=2)
+    report = prune_model(model, calibration=token_batch(16, 16), device="cpu", progress=False,
+                         reconstruct="block", **FIT, **SOLVE)
+    # 8 batches of 2 samples: batch 7 is held out, the other 7 are trained on, one a step
+    assert seen == [(list(range(7)), 7, 7)] * 2
+    assert all(b["heldout_batches"] == 1 and b["steps"] == 3 * 7 for b in report.blocks)
+
+
+def test_targets_of_the_wrong_sign_trip_the_held_out_guard(monkeypatch):
+    """A planted fault: training fits every block to the negated dense outputs. Training lowers
+    its own loss, the held-out batches show the harm, and every block keeps its solved weights:
+    bit for bit the model without reconstruction."""
+    fit = stage.fit_masked
+    losses = []
+
+    def wrong_sign(run, targets, *args, **kwargs):
+        result = fit(run, [-t for t in targets], *args, **kwargs)
+        losses.append((result.first_epoch_mse, result.last_epoch_mse))
+        return result
+
+    monkeypatch.setattr(stage, "fit_masked", wrong_sign)
+    dense = tiny_model("llama", layers=3)
+    solved, fitted = copy.deepcopy(dense), copy.deepcopy(dense)
+    calib = token_batch(16, 16)
+    prune_model(solved, calibration=calib, device="cpu", progress=False, reconstruct="none", **SOLVE)
+    report = prune_model(fitted, calibration=calib, device="cpu", progress=False, reconstruct="block",
+                         **FIT, **SOLVE)
+    assert len(losses) == 3 and all(last < first for first, last in losses)  # training "worked"
+    assert [b["kept"] for b in report.blocks] == ["solved"] * 3
+    assert all(b["heldout_trained"] > b["heldout_before"] for b in report.blocks)
+    assert all(b["heldout_after"] == b["heldout_before"] for b in report.blocks)
+    for (n, p), q in zip(fitted.named_parameters(), solved.parameters()):
+        assert torch.equal(p, q), n
