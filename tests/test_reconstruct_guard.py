@@ -115,3 +115,78 @@ def test_targets_of_the_wrong_sign_trip_the_held_out_guard(monkeypatch):
     assert all(b["heldout_after"] == b["heldout_before"] for b in report.blocks)
     for (n, p), q in zip(fitted.named_parameters(), solved.parameters()):
         assert torch.equal(p, q), n
+
+
+def test_the_end_to_end_check_reads_the_held_out_batches_through_the_models_own_head():
+    """The record's dense perplexity is the dense model's own on the held-out calibration
+    batches; the solved one is that of the model pruned without reconstruction."""
+    from nmprune.evaluate import window_kl, window_nll
+
+    dense = tiny_model("llama", layers=3)
+    solved, fitted = copy.deepcopy(dense), copy.deepcopy(dense)
+    calib = token_batch(16, 16)
+    prune_model(solved, calibration=calib, device="cpu", progress=False, reconstruct="none", **SOLVE)
+    report = prune_model(fitted, calibration=calib, device="cpu", progress=False, reconstruct="block",
+                         **FIT, **SOLVE)
+    held = calib.split(2)[7]  # batch 7 of 8
+
+    def ppl(model):
+        with torch.no_grad():
+            nll, count = window_nll(model(held).logits, held)
+        return float(torch.exp(nll / count))
+
+    check = report.end_to_end
+    assert check["checked"] and check["batches"] == 1 and check["tokens"] == 2 * 15
+    assert check["dense"] == pytest.approx(ppl(dense), rel=1e-5)
+    assert check["solved"] == pytest.approx(ppl(solved), rel=1e-5)
+    assert check["reconstructed"] == pytest.approx(ppl(fitted), rel=1e-5)
+    with torch.no_grad():
+        reference = dense(held).logits
+        kls = [float(window_kl(reference, m(held).logits)[0]) / held.numel() for m in (solved, fitted)]
+    assert [check["kl_solved"], check["kl_reconstructed"]] == pytest.approx(kls, rel=1e-4)
+    assert check["kl_reconstructed"] <= check["kl_solved"]
+
+
+def test_a_fault_that_every_block_guard_misses_stops_the_run_at_the_end_to_end_check(monkeypatch, tmp_path):
+    """A fit that leaves the kept weights three times too large, with a per-block guard that
+    lets every block through (as a plain squared error let Gemma-3's collapse through): the
+    held-out calibration perplexity through the model's head stops the run with one message
+    naming both numbers."""
+    from nmprune.reconstruct import FitResult
+
+    def worsen(run, targets, weights, *args, **kwargs) -> FitResult:
+        with torch.no_grad():
+            for w in weights:
+                w.mul_(3.0)
+        return FitResult(1, 1.0, 1.0, 0.0)
+
+    monkeypatch.setattr(stage, "fit_masked", worsen)
+    monkeypatch.setattr(stage.ReconstructingStatistics, "_improved", staticmethod(lambda before, after: True))
+    with pytest.raises(stage.ReconstructionWorse, match=r"KL divergence [\d.e-]+ against [\d.e-]+ with the "
+                                                        r"solved weights alone .*--reconstruct none --restart"):
+        prune_model(tiny_model("llama", layers=3), calibration=token_batch(16, 16), device="cpu",
+                    progress=False, reconstruct="block", **FIT, **SOLVE)
+
+
+def test_a_resumed_run_says_its_end_to_end_check_was_not_made(tmp_path):
+    from nmprune.checkpoint import Checkpoint
+
+    calib = token_batch(16, 16)
+    folder = tmp_path / "ckpt"
+
+    class Stop(Exception):
+        pass
+
+    def stop_after_block_1(i):
+        if i == 1:
+            raise Stop
+
+    with pytest.raises(Stop):
+        prune_model(tiny_model("llama", layers=3), calibration=calib, device="cpu", progress=False,
+                    reconstruct="block", checkpoint=Checkpoint.open(folder, "x"),
+                    on_block_done=stop_after_block_1, **FIT, **SOLVE)
+    report = prune_model(tiny_model("llama", layers=3), calibration=calib, device="cpu", progress=False,
+                         reconstruct="block", checkpoint=Checkpoint.open(folder, "x"), **FIT, **SOLVE)
+    assert report.resumed_from_block == 2
+    assert report.end_to_end["checked"] is False
+    assert "resumed" in report.end_to_end["why"]

@@ -6,6 +6,10 @@ code does); inside each window every token but the first is predicted from the o
 the perplexity is ``exp`` of the mean negative log-likelihood over all predicted tokens,
 i.e. over ``windows * (seqlen - 1)`` tokens. Since all windows have the same length this is
 the same number as the reference ``exp(sum_w seqlen * mean_nll_w / (windows * seqlen))``.
+With a ``prefix`` (the ids the tokenizer puts before a text, e.g. Gemma's BOS:
+:func:`nmprune.data.window_prefix`), each window is the prefix followed by ``seqlen`` minus that
+many tokens of the stream (whose own leading prefix is dropped), so every token of a window's
+text is predicted, the first one from the prefix, as lm-eval scores such models.
 
 Downstream accuracy (lm-evaluation-harness tasks) is :mod:`nmprune.downstream`.
 """
@@ -13,7 +17,7 @@ Downstream accuracy (lm-evaluation-harness tasks) is :mod:`nmprune.downstream`.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +30,7 @@ __all__ = [
     "eval_windows",
     "perplexity",
     "perplexity_table",
+    "window_kl",
     "window_nll",
 ]
 
@@ -51,9 +56,30 @@ def window_nll(logits: Tensor, input_ids: Tensor, chunk_bytes: int = 16 << 20) -
     return nll, target.numel()
 
 
-def eval_windows(input_ids: Tensor, seqlen: int, batch_size: int = 1) -> Tensor:
-    """The ``(windows, seqlen)`` non-overlapping windows of a ``(1, N)`` token stream
-    (module docstring), after checking the arguments of :func:`perplexity`."""
+def window_kl(reference: Tensor, logits: Tensor, chunk_bytes: int = 16 << 20) -> tuple[Tensor, int]:
+    """Summed ``KL(softmax(reference) || softmax(logits))`` (float64) over every position of a
+    batch of windows, and the count: how far a model's next-token distributions are from a
+    reference model's on the same windows, in fp32 at least and in runs of positions of about
+    ``chunk_bytes`` (as :func:`window_nll`)."""
+    if reference.shape != logits.shape or logits.ndim != 3:
+        raise ValueError(f"logits {tuple(logits.shape)} do not match the reference {tuple(reference.shape)}")
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    rows = max(1, chunk_bytes // (logits.shape[-1] * dtype.itemsize))
+    flat_ref, flat = reference.reshape(-1, logits.shape[-1]), logits.reshape(-1, logits.shape[-1])
+    kl = torch.zeros((), dtype=torch.float64, device=logits.device)
+    for start in range(0, flat.shape[0], rows):
+        ref = F.log_softmax(flat_ref[start:start + rows].to(dtype), -1)
+        kl += F.kl_div(F.log_softmax(flat[start:start + rows].to(dtype), -1), ref, log_target=True,
+                       reduction="sum").double()
+    return kl, flat.shape[0]
+
+
+def eval_windows(input_ids: Tensor, seqlen: int, batch_size: int = 1, prefix: Sequence[int] = ()) -> Tensor:
+    """The ``(windows, seqlen)`` non-overlapping windows of a ``(1, N)`` token stream, each
+    starting with ``prefix`` (module docstring), after checking the arguments of
+    :func:`perplexity`."""
+    from .data.tokens import prefixed_windows, strip_prefix, window_body
+
     if not isinstance(input_ids, Tensor) or input_ids.ndim != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"input_ids must be a tensor of shape (1, N), got {getattr(input_ids, 'shape', type(input_ids))}")
     if input_ids.dtype != torch.long:
@@ -62,12 +88,14 @@ def eval_windows(input_ids: Tensor, seqlen: int, batch_size: int = 1) -> Tensor:
         raise ValueError(f"seqlen must be an integer >= 2, got {seqlen!r}")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-    nwindows = input_ids.shape[1] // seqlen
+    body = window_body(seqlen, prefix)
+    stream = strip_prefix(input_ids[0], prefix)
+    nwindows = stream.shape[0] // body
     if nwindows == 0:
         raise ValueError(
             f"{input_ids.shape[1]} tokens make no window of seqlen={seqlen}; lower seqlen or evaluate more text"
         )
-    return input_ids[0, : nwindows * seqlen].reshape(nwindows, seqlen)
+    return prefixed_windows(stream[: nwindows * body].reshape(nwindows, body), prefix)
 
 
 def perplexity(
@@ -77,6 +105,7 @@ def perplexity(
     batch_size: int = 1,
     device=None,
     progress: bool = True,
+    prefix: Sequence[int] = (),
 ) -> float:
     """Perplexity of a causal LM on a token stream, by non-overlapping windows (module docstring).
 
@@ -85,9 +114,10 @@ def perplexity(
     by default the device of the model's input embeddings. A model living elsewhere (and not
     dispatched over several devices by accelerate) is moved to ``device`` for the evaluation
     and moved back afterwards. The model is put in eval mode during the call and its
-    training flag restored. Raises ValueError when ``N < seqlen`` (no window).
+    training flag restored. ``prefix``: ids every window starts with (module docstring).
+    Raises ValueError when ``N < seqlen`` (no window).
     """
-    windows = eval_windows(input_ids, seqlen, batch_size)
+    windows = eval_windows(input_ids, seqlen, batch_size, prefix)
     from tqdm.auto import tqdm
 
     with evaluating(model, device) as run_on, \

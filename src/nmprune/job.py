@@ -40,6 +40,7 @@ def evaluate(model, tokenizer, datasets: list[str], seqlen: int, max_tokens: int
              device: str | None, progress: bool, cache: dict[str, Any] | None = None) -> dict[str, float]:
     """Perplexity of ``model`` (loaded, or a :class:`~nmprune.streaming.StreamingModel`
     evaluated block by block) on each data set's held-out split (token streams cached)."""
+    from .data import window_prefix
     from .evaluate import perplexity
     from .streaming import StreamingModel
     from .streaming.evaluate import streaming_perplexity
@@ -47,7 +48,8 @@ def evaluate(model, tokenizer, datasets: list[str], seqlen: int, max_tokens: int
     measure = streaming_perplexity if isinstance(model, StreamingModel) else perplexity
     cache = {} if cache is None else cache
     token_streams(tokenizer, datasets, seqlen, max_tokens, cache)
-    return {name: measure(model, cache[name], seqlen=seqlen, device=device, progress=progress)
+    prefix = window_prefix(tokenizer)  # every window starts as the tokenizer starts a text (a BOS)
+    return {name: measure(model, cache[name], seqlen=seqlen, device=device, progress=progress, prefix=prefix)
             for name in datasets}
 
 
@@ -295,7 +297,7 @@ def _prune_and_save(config: RunConfig, model, tokenizer, source, ckpt, calibrati
         "summary": {"layers_pruned": len(layers),
                     "layers_skipped": len(prune_report.layers) - len(layers),
                     "mean_loss_vs_wanda": sum(ratios) / len(ratios) if ratios else None},
-        "reconstruction": _reconstruction_summary(config, prune_report.blocks),
+        "reconstruction": _reconstruction_summary(config, prune_report.blocks, prune_report.end_to_end),
         "resumed_from_block": prune_report.resumed_from_block,
         "ranks": prune_report.ranks, "per_rank": prune_report.per_rank,
         "seconds": {**timings, "pipeline": prune_report.seconds},
@@ -314,11 +316,13 @@ def _prune_and_save(config: RunConfig, model, tokenizer, source, ckpt, calibrati
     return report
 
 
-def _reconstruction_summary(config: RunConfig, blocks: list[dict[str, Any]]) -> dict[str, Any]:
+def _reconstruction_summary(config: RunConfig, blocks: list[dict[str, Any]],
+                            end_to_end: dict[str, Any] | None) -> dict[str, Any]:
     """The reconstruction part of a run's report: its settings, one record per block (the
     channel-weighted squared error of the block's outputs relative to the dense model's,
-    before and after, on the held-out and the training calibration batches) and the means
-    of those errors over the blocks."""
+    before and after, on the held-out and the training calibration batches), the means
+    of those errors over the blocks, and the end-to-end check (held-out calibration
+    perplexity of the dense, the solved and the reconstructed model)."""
     s = config.prune
 
     def mean(key: str) -> float | None:
@@ -329,7 +333,7 @@ def _reconstruction_summary(config: RunConfig, blocks: list[dict[str, Any]]) -> 
             "batch_size": s.reconstruct_batch_size or s.batch_size,
             "mean_heldout_before": mean("heldout_before"), "mean_heldout_after": mean("heldout_after"),
             "mean_error_before": mean("error_before"), "mean_error_after": mean("error_after"),
-            "blocks": blocks}
+            "end_to_end": end_to_end, "blocks": blocks}
 
 
 def _error(value: float | None) -> str:
@@ -348,6 +352,14 @@ def reconstruction_table(report: dict[str, Any]) -> str:
              "|---|---|---|---|---|---|"]
     lines += [f"| {b['block']} | {_error(b.get('heldout_before'))} | {_error(b.get('heldout_after'))} | "
               f"{_error(b['error_before'])} | {_error(b['error_after'])} | {b['kept']} |" for b in blocks]
+    check = report["reconstruction"].get("end_to_end")
+    if check and check.get("checked"):
+        lines.append(f"\nheld-out calibration text ({check['tokens']} tokens): perplexity dense "
+                     f"{check['dense']:.4g}, solved {check['solved']:.4g}, reconstructed "
+                     f"{check['reconstructed']:.4g}; KL from dense: solved {check['kl_solved']:.4g}, "
+                     f"reconstructed {check['kl_reconstructed']:.4g}")
+    elif check:
+        lines.append(f"\nend-to-end check not made: {check['why']}")
     return "\n".join(lines)
 
 

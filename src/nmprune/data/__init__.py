@@ -30,9 +30,13 @@ from .sources import (
 from .tokens import (
     disjoint_windows,
     packed_windows,
+    prefixed_windows,
     reference_document_windows,
     reference_windows,
+    strip_prefix,
     tokenize_text,
+    window_body,
+    window_prefix,
 )
 
 #: The reference C4 evaluation keeps the first C4_EVAL_WINDOWS * seqlen tokens.
@@ -53,6 +57,7 @@ __all__ = [
     "parse_source",
     "tokenize_text",
     "wiki_split_of",
+    "window_prefix",
 ]
 
 
@@ -73,20 +78,25 @@ def calibration_batch(tokenizer, source: str = "wiki", nsamples: int = 128, seql
     - "wikitext2": the reference sampler on the tokenized train text (:func:`reference_windows`).
     - every other source: random non-overlapping windows of the tokenized calibration text
       (:func:`disjoint_windows`); a text with fewer than nsamples*seqlen tokens raises ValueError.
+
+    Every window starts with the ids the tokenizer puts before a text (:func:`window_prefix`,
+    e.g. Gemma's BOS), followed by ``seqlen`` minus that many text tokens drawn as above.
     """
     if not isinstance(nsamples, int) or not isinstance(seqlen, int) or nsamples < 1 or seqlen < 1:
         raise ValueError(f"nsamples and seqlen must be positive integers, got {nsamples!r} and {seqlen!r}")
+    prefix = window_prefix(tokenizer)
+    body = window_body(seqlen, prefix)
     corpus = load_corpus(source, "calib")
     name = parse_source(source)[0]
     if name == "c4":
-        def encode(doc: str) -> list[int]:
-            return list(tokenizer(doc, verbose=False)["input_ids"])
+        def encode(doc: str) -> list[int]:  # the reference's ids, less the prefix every window gets
+            return list(tokenizer(doc, add_special_tokens=not prefix, verbose=False)["input_ids"])
 
-        return reference_document_windows(corpus.documents, encode, nsamples, seqlen, seed)
-    tokens = tokenize_text(tokenizer, corpus.text())
+        return prefixed_windows(reference_document_windows(corpus.documents, encode, nsamples, body, seed), prefix)
+    tokens = strip_prefix(tokenize_text(tokenizer, corpus.text()), prefix)
     if name == "wikitext2":
-        return reference_windows(tokens, nsamples, seqlen, seed)
-    return disjoint_windows(tokens, nsamples, seqlen, seed)
+        return prefixed_windows(reference_windows(tokens, nsamples, body, seed), prefix)
+    return prefixed_windows(disjoint_windows(tokens, nsamples, body, seed), prefix)
 
 
 #: Documents tokenized per batched tokenizer call when packing.

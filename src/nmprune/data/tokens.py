@@ -49,6 +49,38 @@ def _special_affixes(tokenizer) -> tuple[list[int], list[int]]:
     return [], []
 
 
+def window_prefix(tokenizer) -> list[int]:
+    """The ids every window starts with: those the tokenizer puts before a text by default
+    (Gemma's BOS; none for SmolLM2, whose tokenizer adds nothing). A model trained with a BOS
+    reads a window without one badly (dense Gemma-3-270M: wiki perplexity 24.3 without)."""
+    return _special_affixes(tokenizer)[0]
+
+
+def prefixed_windows(windows: Tensor, prefix: Sequence[int]) -> Tensor:
+    """``windows`` (n, L) with ``prefix`` put in front of each: (n, len(prefix) + L)."""
+    if not prefix:
+        return windows
+    head = torch.tensor(list(prefix), dtype=windows.dtype).expand(windows.shape[0], len(prefix))
+    return torch.cat([head, windows], 1)
+
+
+def strip_prefix(tokens: Tensor, prefix: Sequence[int]) -> Tensor:
+    """A 1-D token stream without ``prefix`` at its start (where :func:`tokenize_text` put it)."""
+    k = len(prefix)
+    if k and tokens.numel() >= k and tokens[:k].tolist() == list(prefix):
+        return tokens[k:]
+    return tokens
+
+
+def window_body(seqlen: int, prefix: Sequence[int], what: str = "seqlen") -> int:
+    """The text tokens in a window of ``seqlen`` that starts with ``prefix``."""
+    body = seqlen - len(prefix)
+    if body < 1:
+        raise ValueError(f"{what} {seqlen} leaves no room for text after the tokenizer's "
+                         f"{len(prefix)} start token(s); use a longer {what}")
+    return body
+
+
 def tokenize_text(tokenizer, text: str, chunk_chars: int = CHUNK_CHARS) -> Tensor:
     """Token ids of ``text`` as one 1-D LongTensor, like ``tokenizer(text).input_ids[0]``.
 

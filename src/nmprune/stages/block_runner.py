@@ -10,6 +10,7 @@ needs to be on the compute device (paper Section ``sec:llm_experiments``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
 from typing import Any, Callable
 
 import torch
@@ -133,3 +134,35 @@ def capture_block_inputs(model: nn.Module, blocks_name: str, blocks: nn.ModuleLi
         if place:
             model.to("cpu")
     return result
+
+
+def head_logits(model: nn.Module, blocks_name: str, blocks: nn.ModuleList, template: Any,
+                batches: Sequence[Tensor], finals: Sequence[Tensor], device: torch.device, *,
+                place: bool = True) -> Iterator[tuple[Tensor, Tensor]]:
+    """Yield each token batch's ids (on ``device``) and logits from its last-block output
+    ``finals[k]``: the model's own forward pass runs with the blocks replaced by stand-ins
+    that hand back that output, so its final norm, LM head and any logit post-processing
+    make the logits. One tuple per batch and no local holds the logits, so a consumer that
+    drops them frees them before the next batch's are made. ``place``: the modules outside
+    the blocks visit ``device`` for the call (as in :func:`capture_block_inputs`); without,
+    the caller has put them there."""
+    parent_name, _, attr = blocks_name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    current: dict[str, Tensor] = {}
+
+    def replay(index: int, args: tuple, kwargs: dict) -> Any:
+        hidden = args[0] if args else kwargs["hidden_states"]
+        return output_like(template, current["final"] if index == 0 else hidden)
+
+    setattr(parent, attr, nn.ModuleList([Recorder(i, b, replay) for i, b in enumerate(blocks)]))
+    try:
+        if place:
+            model.to(device)
+        for ids, final in zip(batches, finals):
+            current["final"] = final
+            ids = ids.to(device)
+            yield ids, model(input_ids=ids, use_cache=False).logits
+    finally:
+        setattr(parent, attr, blocks)
+        if place:
+            model.to("cpu")

@@ -17,6 +17,7 @@ fits them one by one).
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 import time
@@ -30,6 +31,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from ..evaluate import window_kl, window_nll
 from ..reconstruct import FitOptions, KeptEntries, ReconstructionDiverged, channel_weights, fit_masked
 from .block_runner import BlockCall, BlockInputs, block_hidden, run_block
 from .statistics import CalibrationStatistics, InputStats
@@ -43,6 +45,16 @@ RECONSTRUCTION_TEXT = {  # what `nmprune methods` says of each granularity
              "(Wanda++ arXiv 2503.04992, EBFT arXiv 2402.12419)",
 }
 
+
+class ReconstructionWorse(ValueError):
+    """Reconstruction left the model worse on held-out calibration text than the solved
+    weights alone, although every block it kept lowered that block's held-out error."""
+
+
+#: The end-to-end check stops a run whose reconstructed model is this many times further (KL
+#: divergence from the dense model on the held-out calibration batches) than its solved weights
+#: alone: a collapse is orders of magnitude, a few held-out batches vary by a few percent.
+END_TO_END_MARGIN = 1.1
 
 #: One calibration batch in this many is held out of training, to judge each reconstruction.
 HOLD_OUT_EVERY = 8
@@ -181,6 +193,10 @@ class ReconstructingStatistics:
         self.positions, self.total, self.progress = list(positions), total, progress
         self.scratch = scratch
         self.held = held_out_batches(total)
+        self.held_local = [j for j, g in enumerate(self.positions) if g in self.held]
+        # the held-out batches through the solved weights alone (what reconstruct="none" gives
+        # with dense-input statistics): the reference of the end-to-end check; unknown after a resume
+        self.solved: list[Tensor] | None = [inputs.hidden[j] for j in self.held_local] if inputs.hidden else None
         self.dense: list[Tensor] = list(inputs.hidden)
         self.pruned: list[Tensor] = list(inputs.hidden)
         self._units: list[_Unit] = []
@@ -197,6 +213,7 @@ class ReconstructingStatistics:
     @hidden.setter
     def hidden(self, saved: list[list[Tensor]]) -> None:
         self.dense, self.pruned = (list(s) for s in saved)
+        self.solved = None
 
     def _call(self, index: int, hidden: Tensor) -> BlockCall:
         return self.inputs.call(index, hidden)
@@ -379,6 +396,12 @@ class ReconstructingStatistics:
             bar.close()
         return steps
 
+    @staticmethod
+    def _improved(before: tuple[float, float | None], after: tuple[float, float | None]) -> bool:
+        """Whether trained weights with errors ``after`` (training, held-out) beat the solved
+        ones with ``before``: on the held-out batches, or on the training ones without."""
+        return after[1] < before[1] if before[1] is not None else after[0] < before[0]
+
     def advance(self, index: int, block: nn.Module) -> dict[str, Any]:
         """Fit the submodels of block ``index`` in order (pruned weights already in it),
         then move the pruned stream past it. Returns the block's record: the channel-weighted
@@ -391,6 +414,8 @@ class ReconstructingStatistics:
         the block's outputs recomputed from its pruned inputs, which wait in a
         :class:`Spill` meanwhile)."""
         started = time.perf_counter()
+        if self.solved is not None:  # the block holds its solved weights until the fit
+            self.solved = [run_block(block, h, self._call(index, h)) for h in self.solved]
         _, error_before, held_before = self._propagate(index, block, keep=False)  # recomputed if the solve is kept
         weights = [w for u in self._units for w in self._weights(u)]
         # the solved weights, kept compact (their nonzeros and where they are) while training
@@ -408,7 +433,7 @@ class ReconstructingStatistics:
             except ReconstructionDiverged as e:
                 raise ReconstructionDiverged(f"block {index}: {e}") from e
             kept, trained = "reconstructed", (error_after, held_after)
-            if not (held_after < held_before if held_before is not None else error_after < error_before):
+            if not self._improved((error_before, held_before), (error_after, held_after)):
                 del after
                 with torch.no_grad():
                     for i, w in enumerate(weights):
@@ -427,3 +452,52 @@ class ReconstructingStatistics:
                 "error_trained": trained[0], "heldout_trained": trained[1],
                 "heldout_batches": len(self.held), "kept": kept, "steps": steps,
                 "seconds": time.perf_counter() - started}
+
+    def end_to_end(self, head: Callable[[list[int], list[Tensor]], Iterator[tuple[Tensor, Tensor]]]
+                   ) -> dict[str, Any] | None:
+        """After the last block: how far the model is from the dense one on the held-out
+        calibration batches, through the model's own head (``head(batches, last-block
+        outputs)`` yields the ids and logits of each of this process's batches named):
+        perplexities of the dense model, the solved weights alone and the model as
+        reconstructed, and the mean KL divergence of the latter two's next-token distributions
+        from the dense model's, over all processes. Raises :class:`ReconstructionWorse` when
+        the reconstructed model is further from the dense one than the solved weights alone,
+        by more than :data:`END_TO_END_MARGIN` (a few held-out batches are noisy):
+        the per-block guard cannot see what only the whole model shows (the way a plain
+        squared error once hid Gemma-3's collapse). None without held-out batches; after a
+        resume (the solved-only stream is not checkpointed) the record says it was not made."""
+        if not self.held:
+            return None
+        if self.solved is None:
+            return {"checked": False, "why": "resumed: the held-out batches' stream through the "
+                                             "solved weights alone is not in the checkpoint"}
+        device = self.dense[0].device if self.dense else "cpu"
+        sums = torch.zeros(3, 4, dtype=torch.float64, device=device)  # per model: nll, tokens, kl, positions
+        finals = [x for j, solved in zip(self.held_local, self.solved)
+                  for x in (self.dense[j], solved, self.pruned[j])]
+        reference = None
+        for k, (ids, logits) in enumerate(head([j for j in self.held_local for _ in range(3)], finals)):
+            model = k % 3
+            if model == 0:
+                reference = logits
+            nll, count = window_nll(logits, ids)
+            kl, positions = window_kl(reference, logits)
+            sums[model] += torch.tensor([float(nll), float(count), float(kl), float(positions)],
+                                        dtype=torch.float64, device=device)
+            del ids, logits, nll, kl
+        del reference
+        self.all_reduce([sums])
+        ppl = [math.exp(float(s[0] / s[1])) if s[1] > 0 else float("nan") for s in sums]
+        kl = [float(s[2] / s[3]) if s[3] > 0 else float("nan") for s in sums]
+        record = {"checked": True, "batches": len(self.held), "tokens": int(sums[0, 1]),
+                  "dense": ppl[0], "solved": ppl[1], "reconstructed": ppl[2],
+                  "kl_solved": kl[1], "kl_reconstructed": kl[2]}
+        if not kl[2] <= END_TO_END_MARGIN * kl[1]:
+            raise ReconstructionWorse(
+                f"reconstruction moved the model away from the dense one on the held-out calibration "
+                f"batches: KL divergence {kl[2]:.4g} against {kl[1]:.4g} with the solved weights alone "
+                f"(more than {END_TO_END_MARGIN:g}x) "
+                f"(perplexity {ppl[2]:.4g} against {ppl[1]:.4g}, dense {ppl[0]:.4g}), although every "
+                f"block it kept lowered its own held-out error; rerun with --reconstruct none --restart "
+                f"for the solved model")
+        return record

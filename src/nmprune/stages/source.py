@@ -3,20 +3,21 @@
 A block source (the :class:`BlockSource` interface) lists the prunable layers of every block
 (``layer_shapes``, for planning before any weights move), captures the hidden states
 entering the first block (``capture``) and hands the pipeline one block at a time on the
-compute device (``load``, ``offload``, ``release``). :class:`ModelBlocks` serves a model held
+compute device (``load``, ``offload``, ``release``), and turns the last block's outputs into
+logits through the model's own head (``head_logits``). :class:`ModelBlocks` serves a model held
 in CPU memory; :class:`nmprune.streaming.StreamingModel` reads each block from the
 checkpoint instead. Both find blocks and layers by :class:`DecoderBlocks`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
 
-from .block_runner import BlockInputs, capture_block_inputs
+from .block_runner import BlockInputs, capture_block_inputs, head_logits
 from ..models import find_blocks, find_linears, outside_parameters, weight_matrix
 
 
@@ -38,6 +39,9 @@ class BlockSource(Protocol):
                 ) -> BlockInputs: ...
 
     def load(self, index: int, device: torch.device) -> nn.Module: ...
+
+    def head_logits(self, template: Any, batches: Sequence[Tensor], finals: Sequence[Tensor],
+                    device: torch.device) -> Iterator[tuple[Tensor, Tensor]]: ...
 
     def offload(self, index: int) -> None: ...
 
@@ -85,6 +89,12 @@ class ModelBlocks(DecoderBlocks):
         """Run the model on ``batches`` up to block 0 (:func:`capture_block_inputs`)."""
         return capture_block_inputs(self.model, self.blocks_name, self.blocks, list(batches), device,
                                     keep_hidden=keep_hidden)
+
+    def head_logits(self, template: Any, batches: Sequence[Tensor], finals: Sequence[Tensor],
+                    device: torch.device) -> Iterator[tuple[Tensor, Tensor]]:
+        """Each batch's ids and logits from its last-block output (:func:`head_logits`); the
+        modules outside the blocks visit ``device`` meanwhile."""
+        yield from head_logits(self.model, self.blocks_name, self.blocks, template, batches, finals, device)
 
     def load(self, index: int, device: torch.device) -> nn.Module:
         """Block ``index`` on ``device``."""

@@ -19,12 +19,13 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Sequence
+from typing import Any, Iterator
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-from ..stages.block_runner import BlockInputs, capture_block_inputs
+from ..stages.block_runner import BlockInputs, capture_block_inputs, head_logits
 from ..models import ModelSource, check_causal, parse_dtype
 from ..stages.source import DecoderBlocks
 from .files import CheckpointFileError, SafetensorsFiles, check_no_extra_blocks, missing_tensors
@@ -157,6 +158,14 @@ class StreamingModel(DecoderBlocks):
         with self.outside(device), self.block(0, device):
             return capture_block_inputs(self.model, self.blocks_name, self.blocks, list(batches),
                                         device, keep_hidden=keep_hidden, place=False)
+
+    def head_logits(self, template: Any, batches: Sequence[Tensor], finals: Sequence[Tensor],
+                    device: torch.device) -> Iterator[tuple[Tensor, Tensor]]:
+        """Each batch's ids and logits from its last-block output (:func:`head_logits`), the
+        modules outside the blocks loaded meanwhile."""
+        with self.outside(device):
+            yield from head_logits(self.model, self.blocks_name, self.blocks, template, batches, finals,
+                                   device, place=False)
 
     # -- sizes and names ------------------------------------------------------------------
 
