@@ -21,6 +21,7 @@ BOOLEAN_SETTINGS = ("strict", "restart", "allow_pickle", "offload")
 BAD_YAML = {
     **{f'{key}: "{word}"': key for key in BOOLEAN_SETTINGS for word in ("no", "false", "yes")},
     'nsamples: "64"': "nsamples",   # a string for an int
+    "reconstruct_lr: '3e-3'": "reconstruct_lr",  # quoted: a string stays a string
     "seed: true": "seed",           # a bool for an int
     "eval_limit: false": "eval_limit",  # a bool for an int or nothing
     "damp: true": "damp",           # a bool for a float
@@ -108,6 +109,10 @@ def test_every_setting_is_type_checked(name: str) -> None:
     ("device: cpu", lambda c: c.device, "cpu"),
     ("dtype: float32", lambda c: c.dtype, "float32"),
     ("options: {beta: 1.01}", lambda c: c.prune.options, {"beta": 1.01}),
+    # exponent numbers without a dot, as the help prints the defaults: floats (YAML 1.2)
+    ("reconstruct_lr: 3e-3", lambda c: c.prune.reconstruct_lr, 0.003),
+    ("damp: 1e-2", lambda c: c.prune.damp, 0.01),
+    ("options: {lambda0: 1e-3}", lambda c: c.prune.options, {"lambda0": 0.001}),
     ("overrides: {'*.q_proj': skip}", lambda c: c.prune.overrides, {"*.q_proj": "skip"}),
 ])
 def test_valid_yaml_values_are_kept_as_given(tmp_path: Path, text: str,
@@ -128,3 +133,9 @@ def test_flags_keep_their_types() -> None:
     plain = _config()
     assert (plain.prune.strict, plain.restart, plain.allow_pickle, plain.offload) == \
         (False, False, False, None)
+
+
+def test_option_values_read_exponent_numbers_as_floats() -> None:
+    """``--option lambda0=1e-3`` (the example of docs/architecture.md) is the float 0.001."""
+    c = _config("--out", "o", "--option", "lambda0=1e-3", "--option", "name='2e5'")
+    assert c.prune.options == {"lambda0": 0.001, "name": "2e5"} and type(c.prune.options["lambda0"]) is float

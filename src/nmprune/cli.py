@@ -24,13 +24,13 @@ IO_FAILURES = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS})
 # ----------------------------------------------------------------------------- parsing
 
 def parse_option(text: str) -> tuple[str, Any]:
-    """``key=value`` with the value read as YAML (numbers, booleans, lists...)."""
-    import yaml
+    """``key=value`` with the value read as YAML (numbers, ``1e-3`` included, booleans, lists...)."""
+    from .config import read_yaml
 
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
         raise ValueError(f"--option expects key=value, got {text!r}")
-    return key.strip(), yaml.safe_load(value)
+    return key.strip(), read_yaml(value)
 
 
 def parse_override(text: str) -> tuple[str, Any]:

@@ -245,15 +245,34 @@ def build_config(*layers: dict[str, Any]) -> RunConfig:
     return RunConfig(prune=prune, **{k: v for k, v in merged.items() if k in _RUN_KEYS})
 
 
+#: An exponent number without a dot (``3e-3``, ``1E5``): YAML 1.2 reads it as a float, PyYAML
+#: (YAML 1.1) as a string. Users write the defaults as the help prints them.
+_EXPONENT_FLOAT = r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"
+
+
+def read_yaml(text: str) -> Any:
+    """``yaml.safe_load`` that also reads ``3e-3`` as a float, as YAML 1.2 does; a quoted
+    ``'3e-3'`` stays a string."""
+    import re
+
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(_EXPONENT_FLOAT), list("-+0123456789."))
+    return yaml.load(text, Loader=Loader)
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
-    """Read a flat YAML mapping of settings (see :func:`build_config`)."""
+    """Read a flat YAML mapping of settings (see :func:`build_config`; :func:`read_yaml`)."""
     import yaml
 
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"config file {p} does not exist")
     try:
-        data = yaml.safe_load(p.read_text())
+        data = read_yaml(p.read_text())
     except yaml.YAMLError as e:
         raise ValueError(f"config file {p} is not valid YAML: {e}") from e
     if data is None:
