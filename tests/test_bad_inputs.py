@@ -105,6 +105,9 @@ def inputs(tmp_path_factory):
         "pickle": variant("pickle", pickled),
         "truncated": variant("truncated", truncated),
         "nan": variant("nan", with_weights(lambda m: m.model.layers[1].mlp.up_proj.weight[3, 5].fill_(float("nan")))),
+        "nan norm": variant("nan_norm", with_weights(lambda m: m.model.norm.weight[0].fill_(float("nan")))),
+        "nan down_proj": variant("nan_down_proj", with_weights(
+            lambda m: m.model.layers[1].mlp.down_proj.weight[0, 0].fill_(float("inf")))),
         "overflow": variant("overflow", with_weights(lambda m: m.model.norm.weight.fill_(3e38))),
         "missing tensor": variant("missing_tensor", stored(
             lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))),
@@ -205,6 +208,16 @@ CASES = {
     "no layer would be pruned": (lambda p, o: _fast(p) + ["--out", o, "--pattern", "2:3"], "pattern 2:3"),
     "prune non-finite weights": (lambda p, o: _fast(p) + ["--out", o, "--model", str(p["nan"])],
                                  "model.layers.1.mlp.up_proj.weight"),
+    # streamed: the same one check of every tensor before any work, in the blocks or not
+    "prune non-finite weights --offload": (lambda p, o: _fast(p) + ["--out", o, "--offload", "--model", str(p["nan"])],
+                                           "model.layers.1.mlp.up_proj.weight"),
+    "prune non-finite final norm --offload": (lambda p, o: _fast(p) + ["--out", o, "--offload", "--model",
+                                                                       str(p["nan norm"])], "model.norm.weight"),
+    "prune non-finite final norm": (lambda p, o: _fast(p) + ["--out", o, "--model", str(p["nan norm"])],
+                                    "model.norm.weight"),
+    "prune non-finite skipped layer --offload": (
+        lambda p, o: _fast(p) + ["--out", o, "--offload", "--override", "*.down_proj=skip", "--model",
+                                 str(p["nan down_proj"])], "model.layers.1.mlp.down_proj.weight"),
     "missing model": (lambda p, o: _fast(p) + ["--out", o, "--model", str(Path(o).parent / "nomodel")], "nomodel"),
     # every tensor of the saved model is one that was loaded: missing, integer or misshapen
     # tensors are refused, in memory and streamed alike
@@ -338,3 +351,4 @@ def test_internal_error_keeps_traceback(inputs, tmp_path, monkeypatch):
     monkeypatch.setattr(nmprune.pipeline, "prune_model", broken)
     with pytest.raises(ZeroDivisionError):
         main(_fast(inputs) + ["--out", str(tmp_path / "out")])
+

@@ -180,7 +180,10 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
         check_positions(model.config, {"--seqlen": config.prune.seqlen,
                                        **({"--eval-seqlen": config.eval_seqlen} if config.eval else {})})
         timings["load"] = time.perf_counter() - t0
-        if not streaming:  # a streamed model's weights are read block by block later
+        # every tensor the run will save, before any work (a streamed model reads each once)
+        if streaming:
+            model.check_finite()
+        else:
             check_finite(model, source)
         # prune_model warns about skipped layers itself
         config.prune.planner().plan_layers((model if streaming else ModelBlocks(model)).layer_shapes(), warn=False)

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 #: Compute backends nmprune runs on, with the test of whether this machine has one.
 _BACKENDS = {
@@ -148,19 +148,26 @@ def check_eval_inputs(data: list[str], device: str | None, dtype: str | None, se
     check_text_sources(data, "--data", "eval")
 
 
-def non_finite_parameters(model: nn.Module) -> list[str]:
-    """Names of the parameters and buffers of ``model`` holding NaN or Inf."""
+def non_finite(named: Iterable[tuple[str, Tensor]]) -> list[str]:
+    """The names of the floating tensors among ``named`` that hold NaN or Inf."""
     from .checks import all_finite
 
-    tensors = list(model.named_parameters()) + list(model.named_buffers())
-    return [name for name, t in tensors if t.is_floating_point() and t.numel() and not all_finite(t)]
+    return [name for name, t in named if t.is_floating_point() and t.numel() and not all_finite(t)]
+
+
+def check_finite_tensors(named: Iterable[tuple[str, Tensor]], source: object) -> None:
+    """Refuse NaN or Inf in any of the named tensors of the model ``source``, naming every
+    offending one: the one check of the weights a run will save, whether a model loaded
+    whole (:func:`check_finite`) or a streamed one as it reads each tensor
+    (:meth:`nmprune.streaming.StreamingModel.load`), pruned, skipped or outside the blocks."""
+    bad = non_finite(named)
+    if bad:
+        raise ValueError(f"{source} has NaN or Inf in {len(bad)} tensor(s): {', '.join(bad)}")
 
 
 def check_finite(model: nn.Module, source: object) -> None:
     """Refuse a model with NaN or Inf weights, naming every offending tensor."""
-    bad = non_finite_parameters(model)
-    if bad:
-        raise ValueError(f"{source} has NaN or Inf in {len(bad)} tensor(s): {', '.join(bad)}")
+    check_finite_tensors(list(model.named_parameters()) + list(model.named_buffers()), source)
 
 
 def check_finite_value(value: float, what: str) -> float:

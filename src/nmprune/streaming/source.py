@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from ..stages.block_runner import BlockInputs, capture_block_inputs, head_logits
 from ..models import ModelSource, check_causal, parse_dtype
+from ..validate import check_finite_tensors
 from ..stages.source import DecoderBlocks
 from .files import CheckpointFileError, SafetensorsFiles, check_no_extra_blocks, missing_tensors
 
@@ -107,6 +108,7 @@ class StreamingModel(DecoderBlocks):
         buffers = self._stored_buffers()
         self.files.check_fits({**{key: self._parameter(c) for c, key in self._key.items()},
                                **{key: module._buffers[attr] for key, (module, attr) in buffers.items()}})
+        self._checked: set[str] = set()  # tensors found finite: each is checked once
         self._buffer_keys = self._load_buffers(buffers)
         prefix = f"{self.blocks_name}."
         self._block_params: list[list[str]] = [[] for _ in self.blocks]
@@ -140,10 +142,26 @@ class StreamingModel(DecoderBlocks):
                     stored[full] = (module, attr)
         return stored
 
+    def _check_finite(self, values: dict[str, Tensor]) -> None:
+        """Refuse NaN or Inf in tensors read for the first time (:func:`check_finite_tensors`:
+        the same check as a model loaded whole, as each tensor is first read)."""
+        fresh = {key: v for key, v in values.items() if key not in self._checked}
+        check_finite_tensors(fresh.items(), self.directory)
+        self._checked.update(fresh)
+
+    def check_finite(self) -> None:
+        """Read every tensor the model uses once, before any work, refusing NaN or Inf
+        (:func:`check_finite_tensors`, the check of a model loaded whole): the tensors a run
+        will save, pruned, skipped or outside the blocks. One tensor is in memory at a time."""
+        for key in [*self._key.values(), *self._buffer_keys]:
+            if key not in self._checked:
+                self._check_finite({key: self.files.get(key)})
+
     def _load_buffers(self, buffers: dict[str, tuple[nn.Module, str]]) -> list[str]:
         """Read the stored ``buffers`` once and keep them; returns their names."""
         for key, (module, attr) in buffers.items():
             value = self.files.get(key)
+            self._check_finite({key: value})
             if value.is_floating_point():
                 value = value.to(module._buffers[attr].dtype)
             module._buffers[attr] = value
@@ -196,6 +214,7 @@ class StreamingModel(DecoderBlocks):
 
     def _load(self, canonicals: list[str], device: torch.device | str) -> None:
         values = self.files.read([self._key[c] for c in canonicals])
+        self._check_finite({self._key[c]: values[self._key[c]] for c in canonicals})
         for canonical in canonicals:
             value = values.pop(self._key[canonical]).to(device=device, dtype=self._parameter(canonical).dtype)
             new = nn.Parameter(value, requires_grad=False)
