@@ -190,3 +190,20 @@ def test_a_resumed_run_says_its_end_to_end_check_was_not_made(tmp_path):
     assert report.resumed_from_block == 2
     assert report.end_to_end["checked"] is False
     assert "resumed" in report.end_to_end["why"]
+
+
+@pytest.mark.parametrize("kl, warned", [(0.60, False), (0.70, True)])
+def test_the_summary_warns_when_reconstruction_ends_further_from_the_dense_model(kl, warned):
+    """Within the margin that stops a run, a reconstructed model further from the dense one
+    than its solved weights (Gemma-3 with prox + exact: KL 0.699 against 0.668) is named in the
+    printed summary, with both numbers."""
+    from nmprune.job import reconstruction_table
+
+    block = {"block": 0, "heldout_before": 0.2, "heldout_after": 0.1, "error_before": 0.2, "error_after": 0.1,
+             "kept": "reconstructed"}
+    check = {"checked": True, "tokens": 4088, "dense": 14.4, "solved": 26.6, "reconstructed": 27.1,
+             "kl_solved": 0.668, "kl_reconstructed": kl}
+    text = reconstruction_table({"reconstruction": {"granularity": "block", "blocks": [block], "end_to_end": check}})
+    assert f"KL from dense: solved 0.668, reconstructed {kl:.4g}" in text
+    assert ("warning: reconstruction left the model 1.05x as far" in text) == warned
+    assert ("--reconstruct none may serve this model better" in text) == warned

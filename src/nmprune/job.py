@@ -361,6 +361,10 @@ def reconstruction_table(report: dict[str, Any]) -> str:
                      f"{check['dense']:.4g}, solved {check['solved']:.4g}, reconstructed "
                      f"{check['reconstructed']:.4g}; KL from dense: solved {check['kl_solved']:.4g}, "
                      f"reconstructed {check['kl_reconstructed']:.4g}")
+        if check["kl_reconstructed"] > check["kl_solved"]:  # within the margin that stops a run
+            lines.append(f"warning: reconstruction left the model {check['kl_reconstructed'] / check['kl_solved']:.3g}x "
+                         "as far from the dense one as the solved weights alone on the held-out calibration "
+                         "text; --reconstruct none may serve this model better")
     elif check:
         lines.append(f"\nend-to-end check not made: {check['why']}")
     return "\n".join(lines)
