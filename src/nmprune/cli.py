@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reconstruct-epochs", dest="reconstruct_epochs", type=int,
                    help="passes over the calibration set per reconstruction (default 1)")
     p.add_argument("--reconstruct-lr", dest="reconstruct_lr", type=float,
-                   help="AdamW learning rate of the reconstruction, decayed linearly to 0 (default 3e-3)")
+                   help="AdamW learning rate of the reconstruction, decayed linearly to 0 (default 1e-3)")
     p.add_argument("--reconstruct-batch-size", dest="reconstruct_batch_size", type=int,
                    help="calibration samples per reconstruction step, a multiple of --batch-size "
                         "(default: --batch-size, one calibration batch per step)")

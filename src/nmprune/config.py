@@ -123,7 +123,7 @@ class PruneSettings:
     strict: bool = False
     reconstruct: str = "block"
     reconstruct_epochs: int = 1
-    reconstruct_lr: float = 3e-3
+    reconstruct_lr: float = 1e-3
     reconstruct_batch_size: int | None = None
 
     def __post_init__(self) -> None:
