@@ -204,9 +204,14 @@ sys.exit(main(sys.argv[2:]))
 """
 
 
-def test_second_run_on_the_same_out_is_refused_and_the_first_finishes(job, tmp_path, capsys):
+@pytest.mark.parametrize("second", ["same --out", "its default checkpoint as --checkpoint-dir"])
+def test_second_run_on_the_same_folders_is_refused_and_the_first_finishes(job, tmp_path, capsys, second):
+    """Every folder a run writes is locked by that run, whoever named it: its default
+    checkpoint ``OUT.checkpoint`` too, when a second run names it with ``--checkpoint-dir``."""
     *_, args = job
     argv = args + ["--out", str(tmp_path / "o")]
+    other = argv if second == "same --out" else \
+        args + ["--out", str(tmp_path / "p"), "--checkpoint-dir", str(tmp_path / "o.checkpoint")]
     flag = tmp_path / "first"
     first = subprocess.Popen([sys.executable, "-c", PAUSED_CHILD, str(flag), *argv], cwd=tmp_path,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -217,7 +222,7 @@ def test_second_run_on_the_same_out_is_refused_and_the_first_finishes(job, tmp_p
             time.sleep(0.1)
         assert Path(str(flag) + ".waiting").exists(), first.communicate()[1]
         before = _listing(tmp_path / "o.checkpoint")
-        assert main(argv) == 2
+        assert main(other) == 2
         _one_error(capsys.readouterr().err, "another nmprune run")
         assert _listing(tmp_path / "o.checkpoint") == before
         Path(str(flag) + ".go").touch()

@@ -115,7 +115,7 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
     the plans; the digest of the model's files (:mod:`nmprune.identity`; under ``torchrun``
     every rank must bring the same settings and digest); load (a decoder-only causal LM with
     a tokenizer, every tensor the checkpoint's); tokenise the evaluation and calibration text;
-    only then lock ``--out`` (:class:`~nmprune.output.RunLock`) and open the checkpoint,
+    only then lock ``--out`` and the checkpoint folder (:class:`~nmprune.output.RunLock`) and open the checkpoint,
     bound to the settings and the model digest; dense perplexity (kept in the
     checkpoint); :func:`prune_model` with a checkpoint after every block; pruned
     perplexity; save model + tokenizer + report into ``OUT.partial/`` renamed to ``out``
@@ -148,8 +148,9 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
     phase = ranks.phase if ranks is not None else lambda name: contextlib.nullcontext()
     out = Path(config.out) if config.out else None
     ckpt_dir = Path(config.checkpoint_dir or f"{out}.checkpoint")
-    # one lock per folder written: the default checkpoint is named after --out
-    lock = RunLock(([out] + ([ckpt_dir] if config.checkpoint_dir else [])) if main_rank and out else [])
+    # one lock per folder written, however it was named: a second run that names this run's
+    # default checkpoint with --checkpoint-dir is refused too
+    lock = RunLock([out, ckpt_dir] if main_rank and out else [])
     with phase("checking the settings"):
         if main_rank:  # rank 0 alone writes --out and the checkpoint
             if out is not None and Checkpoint.discard_completed(ckpt_dir, out):
