@@ -84,6 +84,14 @@ def inputs(tmp_path_factory):
                 (d / "code.py").write_text(f"open({str(d / 'CODE_RAN')!r}, 'w').close()\n")
         return build
 
+    def unconfigured(*keys):
+        """A tiny model whose config.json lacks ``keys``."""
+        def build(d):
+            tiny_model("llama", layers=2).save_pretrained(d)
+            config = json.loads((d / "config.json").read_text())
+            (d / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k not in keys}))
+        return build
+
     def tokenizer_code(d):
         """The tiny model with an ``auto_map`` naming a tokenizer class of its own."""
         tok = d / "tokenizer_config.json"
@@ -123,6 +131,12 @@ def inputs(tmp_path_factory):
             model_type="nmprune_remote", auto_map={"AutoConfig": "code.Config",
                                                    "AutoModelForCausalLM": "code.Model"})),
         "tokenizer code": tokenizer_code(variant("tokenizer_code", with_weights(lambda m: None))),
+        # configurations transformers' own validation refuses, or that leave it to guess
+        "heads do not divide width": variant("heads", configured(num_attention_heads=3)),
+        "width as a string": variant("width_string", configured(hidden_size="32")),
+        "no block count": variant("no_blocks", unconfigured("num_hidden_layers")),
+        "no width": variant("no_width", unconfigured("hidden_size")),
+        "10^12 blocks": variant("huge", configured(num_hidden_layers=10 ** 12)),
         "binary": base / "binary.txt",
         "empty": base / "empty.txt",
         "short": base / "short.txt",
@@ -146,6 +160,12 @@ def _fast(p) -> list[str]:
 def _eval(p, model="model") -> list[str]:
     return ["eval", "--model", str(p[model]), "--data", str(p["text"]), "--seqlen", "16",
             "--max-tokens", "128", "--quiet"]
+
+
+def _dry(p) -> list[str]:
+    """The plan of :func:`_fast` (``--dry-run``): it refuses what the run refuses before
+    reading a weight, with the same checks."""
+    return _fast(p) + ["--dry-run"]
 
 
 # case -> (argv builder given the inputs and the output path, text the message must contain)
@@ -260,6 +280,29 @@ CASES = {
                                           "auto_map in tokenizer_config.json"),
     "eval auto_map in tokenizer_config.json": (lambda p, o: _eval(p, "tokenizer code"),
                                                "auto_map in tokenizer_config.json"),
+    # the dry run refuses what the run refuses before it reads a weight: the same checks
+    "dry run --out exists": (lambda p, o: _dry(p) + ["--out", str(p["file"])], "already exists"),
+    "dry run missing --calib": (lambda p, o: _dry(p) + ["--out", o, "--calib", str(Path(o).parent / "nope.txt")],
+                                "nope.txt"),
+    "dry run --seqlen beyond positions": (lambda p, o: _dry(p) + ["--out", o, "--seqlen", "65"],
+                                          "--seqlen 65 is longer than the 64 positions"),
+    "dry run --device bogus": (lambda p, o: _dry(p) + ["--out", o, "--device", "bogus"], "--device 'bogus'"),
+    "dry run --device-memory inf": (lambda p, o: _dry(p) + ["--out", o, "--device-memory", "inf"], "--device-memory"),
+    "dry run --device-memory nan": (lambda p, o: _dry(p) + ["--out", o, "--device-memory", "nan"], "--device-memory"),
+    "dry run --device-memory -5": (lambda p, o: _dry(p) + ["--out", o, "--device-memory", "-5"], "--device-memory"),
+    "dry run --device-memory 0": (lambda p, o: _dry(p) + ["--out", o, "--device-memory", "0"], "--device-memory"),
+    "--ranks without --dry-run": (lambda p, o: _fast(p) + ["--out", o, "--ranks", "2"], ("--ranks", "--dry-run")),
+    "--device-memory without --dry-run": (lambda p, o: _fast(p) + ["--out", o, "--device-memory", "80"],
+                                          ("--device-memory", "--dry-run")),
+    **{f"{kind}{name}": (lambda p, o, name=name, build=build: build(p) + ["--out", o, "--model", str(p[name])], text)
+       for kind, build in (("", _fast), ("dry run ", _dry))
+       for name, text in (("heads do not divide width", ("not a multiple of the number of attention heads",
+                                                           "correct its config.json")),
+                          ("width as a string", ("hidden_size", "correct its config.json")),
+                          ("no block count", "does not give num_hidden_layers"),
+                          ("no width", "does not give hidden_size"),
+                          ("10^12 blocks", ("num_hidden_layers = 1000000000000", "at most 10,000")))},
+    "eval heads do not divide width": (lambda p, o: _eval(p, "heads do not divide width"), "correct its config.json"),
 }
 if HAS_CUDA:  # "not available" cases need a machine without the backend
     del CASES["prune --device cuda:99"], CASES["eval --device cuda:99"]

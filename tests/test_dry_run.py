@@ -82,4 +82,4 @@ def test_a_device_too_small_for_one_block_is_refused_up_front(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "nmprune: error: one block's phase needs about" in err and "the device has 4.0 GiB" in err
     assert main(args + ["--ranks", "0"]) == 2
-    assert "--ranks must be at least 1" in capsys.readouterr().err
+    assert "--ranks must be a number of ranks from 1" in capsys.readouterr().err

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import math
 import sys
 from typing import Any
 
@@ -198,19 +199,37 @@ def _methods_text() -> str:
     return "\n".join(lines)
 
 
+def check_plan_flags(args: argparse.Namespace) -> None:
+    """``--ranks`` and ``--device-memory`` describe the run a dry run plans: without
+    ``--dry-run`` they would be ignored, so they are refused; with it, they are sane."""
+    given = [flag for flag, value in (("--ranks", args.ranks), ("--device-memory", args.device_memory))
+             if value is not None]
+    if given and not args.dry_run:
+        raise ValueError(f"{' and '.join(given)} describe the run that --dry-run plans; a run takes "
+                         "its ranks from torchrun (--nproc-per-node) and its device's memory from the "
+                         "device: add --dry-run, or drop them")
+    if args.ranks is not None and not 1 <= args.ranks <= 65536:
+        raise ValueError(f"--ranks must be a number of ranks from 1 to 65536, got {args.ranks}")
+    if args.device_memory is not None and not (math.isfinite(args.device_memory) and
+                                               0 < args.device_memory <= 1 << 20):
+        raise ValueError(f"--device-memory must be the device's memory in GiB, a positive number "
+                         f"(at most 1048576), got {args.device_memory:g}")
+
+
 def _dry_run(config: RunConfig, ranks: int | None, device_memory: float | None) -> str:
-    """``prune --dry-run``: the estimates of :mod:`nmprune.resources` as a table; a device too
-    small for one block is refused (ValueError)."""
+    """``prune --dry-run``: the run's own checks (:func:`nmprune.job.check_run`), then the
+    estimates of :mod:`nmprune.resources` as a table; a device too small for one block is
+    refused (ValueError)."""
     import os
 
     import torch
 
+    from .job import check_run
     from .resources import GIB, check_device_fits, needs_table, plan_run
 
+    resolved, model_config, _ = check_run(config, device_here=False)
     ranks = ranks if ranks is not None else int(os.environ.get("WORLD_SIZE", "1"))
-    if ranks < 1:
-        raise ValueError(f"--ranks must be at least 1, got {ranks}")
-    needs = plan_run(config, ranks)
+    needs = plan_run(config, ranks, model=(resolved, model_config))
     if device_memory is not None:
         device_bytes = int(device_memory * GIB)
     elif needs.device == "cuda" and torch.cuda.is_available():
@@ -235,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
             from .memory import prefer_mmap
 
             prefer_mmap()  # keeps the resident set flat over a long run (nmprune/memory.py)
+            check_plan_flags(args)
             config = config_from_args(args)
             if args.dry_run:
                 print(_dry_run(config, args.ranks, args.device_memory))

@@ -70,18 +70,21 @@ STREAMED_TASKS = (
 
 
 def open_model(spec: str | None, gguf_file: str | None, dtype: str | None, offload: bool | None,
-               allow_pickle: bool = False, processes: int = 1):
+               allow_pickle: bool = False, processes: int = 1, config=None):
     """``(model, tokenizer, source)``: the model loaded whole, or a
     :class:`~nmprune.streaming.StreamingModel` whose blocks stream from its safetensors
     checkpoint when ``offload`` says so or ``processes`` copies of the model (one per rank
-    on this machine) do not fit in memory (:func:`nmprune.streaming.fit.choose_streaming`)."""
+    on this machine) do not fit in memory (:func:`nmprune.streaming.fit.choose_streaming`).
+    ``config``: the model's configuration when the caller has read it already
+    (:func:`check_run`)."""
     from .memory import prefer_mmap
     from .models import check_causal, load_model, load_tokenizer, resolve_model
     from .streaming import StreamingModel
     from .streaming.fit import choose_streaming
 
     source = resolve_model(spec, gguf_file)
-    config = check_causal(source)  # read once: a GGUF file's takes seconds to parse
+    if config is None:
+        config = check_causal(source)  # read once: a GGUF file's takes seconds to parse
     if not choose_streaming(source, dtype, offload, config, processes):
         return load_model(spec, gguf_file=gguf_file, dtype=dtype, allow_pickle=allow_pickle, config=config)
     print(f"streaming the weights of {source} block by block", file=sys.stderr)
@@ -105,6 +108,32 @@ def _run_label(config: RunConfig) -> str:
 
 
 # ----------------------------------------------------------------------------- prune run
+
+def check_run(config: RunConfig, writes: bool = True, device_here: bool = True):
+    """Everything a prune run judges before it reads a weight, in the run's order: the
+    settings and the folders it will write (:func:`nmprune.validate.check_prune_inputs`, on
+    the process that writes them: ``writes``), the lm-eval tasks, every method, refiner,
+    pattern and option, the model's configuration (a decoder-only causal LM whose sizes are
+    stated and sane, :func:`nmprune.models.check_causal`) and the windows against its
+    positions. ``--dry-run`` calls this same function before it plans, with ``device_here``
+    False: it may plan a run on a device this machine lacks. Returns the model's
+    :class:`~nmprune.models.ModelSource`, its configuration and the lm-eval settings."""
+    from .downstream import check_tasks
+    from .models import check_causal, resolve_model
+    from .validate import check_positions, check_prune_inputs
+
+    if writes:
+        check_prune_inputs(config, device_here)
+    downstream = downstream_settings(config)
+    if downstream.tasks:
+        check_tasks(downstream)
+    config.prune.planner()  # every method, refiner, pattern and option
+    resolved = resolve_model(config.model, config.gguf_file)
+    model_config = check_causal(resolved)
+    check_positions(model_config, {"--seqlen": config.prune.seqlen,
+                                   **({"--eval-seqlen": config.eval_seqlen} if config.eval else {})})
+    return resolved, model_config, downstream
+
 
 def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict[str, Any]:
     """The whole ``nmprune prune`` job; returns the report written next to the model
@@ -133,15 +162,13 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
     from . import distributed
     from .checkpoint import Checkpoint
     from .data import calibration_batch
-    from .downstream import check_tasks
     from .identity import model_digest
     from .memory import release_memory
-    from .models import resolve_model
     from .output import RunLock, remove_partial_save
     from .stages.source import ModelBlocks
     from .streaming import StreamingModel
     from .streaming.fit import ranks_offload
-    from .validate import check_finite, check_positions, check_prune_inputs
+    from .validate import check_finite
 
     ranks = distributed.setup(config.device)
     main_rank = ranks is None or ranks.is_main
@@ -152,16 +179,11 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
     # default checkpoint with --checkpoint-dir is refused too
     lock = RunLock([out, ckpt_dir] if main_rank and out else [])
     with phase("checking the settings"):
-        if main_rank:  # rank 0 alone writes --out and the checkpoint
-            if out is not None and Checkpoint.discard_completed(ckpt_dir, out):
-                lock.acquire().release()  # and the lock files of the run killed after its rename
-                print(f"removed {ckpt_dir}, left by the completed run that saved {out}", file=sys.stderr)
-            check_prune_inputs(config)
-        downstream = downstream_settings(config)
-        if downstream.tasks:
-            check_tasks(downstream)
-        config.prune.planner()  # every method, refiner, pattern and option, before the model loads
-        resolved = resolve_model(config.model, config.gguf_file)
+        # rank 0 alone writes --out and the checkpoint
+        if main_rank and out is not None and Checkpoint.discard_completed(ckpt_dir, out):
+            lock.acquire().release()  # and the lock files of the run killed after its rename
+            print(f"removed {ckpt_dir}, left by the completed run that saved {out}", file=sys.stderr)
+        resolved, model_config, downstream = check_run(config, writes=main_rank)
         digest = model_digest(resolved)
         offload = ranks_offload(config.offload, ranks.world if ranks is not None else 1, resolved)
     if ranks is not None:  # every rank the same job, before any of them loads
@@ -171,15 +193,14 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
 
     with phase("loading the model"):
         model, tokenizer, source = open_model(config.model, config.gguf_file, config.dtype, offload,
-                                              config.allow_pickle, ranks.local_world if ranks else 1)
+                                              config.allow_pickle, ranks.local_world if ranks else 1,
+                                              model_config)
         streaming = isinstance(model, StreamingModel)
         if streaming and downstream.tasks:
             raise ValueError(STREAMED_TASKS)
         if tokenizer is None:
             raise ValueError(f"{source} has no tokenizer; nmprune needs one for calibration and "
                              "evaluation text (save one next to the model)")
-        check_positions(model.config, {"--seqlen": config.prune.seqlen,
-                                       **({"--eval-seqlen": config.eval_seqlen} if config.eval else {})})
         timings["load"] = time.perf_counter() - t0
         # every tensor the run will save, before any work (a streamed model reads each once)
         if streaming:

@@ -207,11 +207,57 @@ def read_config(source: ModelSource):
 
     _refuse_model_code(source)
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    from huggingface_hub.errors import StrictDataclassError
+
     try:
         return AutoConfig.from_pretrained(source.path, trust_remote_code=False, **kwargs)
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, TypeError, StrictDataclassError) as e:
+        # StrictDataclassError: transformers' own validation (a width not divisible by the
+        # heads, a number written as a string)
         where = "" if os.path.isdir(source.path) else " (not a local path, so it was looked up on the Hugging Face hub)"
-        raise ValueError(f"could not read a model configuration from {source}{where}: {e}") from e
+        raise ValueError(f"could not read a model configuration from {source}{where}: "
+                         f"{' '.join(str(e).split())}; correct its config.json") from e
+
+
+#: The sizes a configuration must state, with the largest nmprune plans for: beyond them a
+#: configuration is taken for a mistake (today's largest open models have 126 blocks,
+#: width 16,384 and vocabularies of 256k), before any plan or load tries to build it.
+SIZE_LIMITS = {"num_hidden_layers": 10_000, "hidden_size": 1 << 20}
+#: Sizes a configuration may leave to its class's default, with their limits.
+OPTIONAL_SIZE_LIMITS = {"intermediate_size": 1 << 22, "vocab_size": 1 << 24}
+
+
+def check_sizes(config, source: ModelSource) -> None:
+    """The model's sizes are stated and sane: its config.json (of a model directory) gives
+    ``num_hidden_layers`` and ``hidden_size`` (or their names in that family, such as GPT-2's
+    ``n_layer``) rather than leaving transformers to assume a default model's (32 blocks of
+    width 4096), and every size is a positive integer within :data:`SIZE_LIMITS`."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    path = Path(source.path) / "config.json"
+    if not source.gguf_file and path.is_file():
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, ValueError):
+            raw = None
+        if isinstance(raw, dict):
+            raw = raw["text_config"] if isinstance(raw.get("text_config"), dict) else raw
+            aliases = getattr(type(text), "attribute_map", {}) or {}
+            for name in SIZE_LIMITS:
+                if isinstance(getattr(type(text), name, None), property):
+                    continue  # derived from other entries (encoder_layers, ...)
+                names = [name] + ([aliases[name]] if name in aliases else [])  # e.g. GPT-2's n_layer
+                if not any(n in raw for n in names):
+                    also = f" (or {', '.join(names[1:])})" if names[1:] else ""
+                    raise ValueError(f"{path} does not give {name}{also}; nmprune does not guess a "
+                                     f"model's sizes (transformers would assume {getattr(text, name, '?')}): "
+                                     "add it to the configuration")
+    for name, limit in {**SIZE_LIMITS, **OPTIONAL_SIZE_LIMITS}.items():
+        value = getattr(text, name, None)
+        if value is None and name in OPTIONAL_SIZE_LIMITS:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= limit:
+            raise ValueError(f"{source}'s configuration gives {name} = {value!r}; nmprune expects a "
+                             f"positive integer of at most {limit:,}: correct its config.json")
 
 
 def check_causal(source: ModelSource):
@@ -219,6 +265,7 @@ def check_causal(source: ModelSource):
     (:func:`check_decoder_only`)."""
     config = read_config(source)
     check_decoder_only(config, source)
+    check_sizes(config, source)
     return config
 
 

@@ -1,7 +1,7 @@
 """What a prune run will need, from the model's configuration and the settings alone
 (``nmprune prune --dry-run``): no weight is read.
 
-The model is built on the meta device (accelerate's ``init_empty_weights``) to count its
+The model is built on the meta device, without initialising weights, to count its
 parameters and its prunable layers' shapes, as a streamed run does
 (:class:`nmprune.stages.source.DecoderBlocks`). From those and the settings:
 
@@ -78,24 +78,29 @@ class RunNeeds:
         return asdict(self)
 
 
-def _skeleton(config: RunConfig):
-    """The model on the meta device, its dtype's size and where it is (no weights read)."""
+def _skeleton(config: RunConfig, model=None):
+    """The model on the meta device, its dtype's size and where it is (no weights read);
+    ``model``: its ``(source, configuration)`` when the caller has read them
+    (:func:`nmprune.job.check_run`). No initialiser runs on the empty weights, so that the
+    plan of a 1,000-block model takes about a second."""
     import torch
-    from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
 
     from .models import check_causal, parse_dtype, resolve_model
 
-    resolved = resolve_model(config.model, config.gguf_file)
-    model_config = check_causal(resolved)
+    if model is None:
+        resolved = resolve_model(config.model, config.gguf_file)
+        model = resolved, check_causal(resolved)
+    resolved, model_config = model
     dtype = parse_dtype(config.dtype)
     if dtype == "auto":
         dtype = parse_dtype(getattr(model_config, "dtype", None) or "float32")
-    with init_empty_weights():
-        model = AutoModelForCausalLM.from_config(copy.deepcopy(model_config), dtype=dtype,
-                                                 trust_remote_code=False)
-    model.tie_weights()
-    return model, torch.empty((), dtype=dtype).element_size(), resolved
+    with torch.device("meta"), no_init_weights():
+        skeleton = AutoModelForCausalLM.from_config(copy.deepcopy(model_config), dtype=dtype,
+                                                    trust_remote_code=False)
+    skeleton.tie_weights()
+    return skeleton, torch.empty((), dtype=dtype).element_size(), resolved
 
 
 def hessian_inputs(shapes: dict[str, tuple[int, int]]) -> list[int]:
@@ -112,16 +117,17 @@ def hessian_inputs(shapes: dict[str, tuple[int, int]]) -> list[int]:
     return widths
 
 
-def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None) -> RunNeeds:
+def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None, model=None) -> RunNeeds:
     """The estimates of the module docstring for ``config`` on ``ranks`` ranks; ``streamed``
     says whether the weights stream (default: as the run decides from ``config.offload``, the
-    number of ranks and the model's files, :func:`~nmprune.streaming.fit.ranks_offload`)."""
+    number of ranks and the model's files, :func:`~nmprune.streaming.fit.ranks_offload`);
+    ``model``: the model's ``(source, configuration)`` when already read."""
     from .devices import default_device
     from .distributed import job_cost, makespan
     from .stages.source import DecoderBlocks
     from .streaming.fit import ranks_offload
 
-    model, itemsize, resolved = _skeleton(config)
+    model, itemsize, resolved = _skeleton(config, model)
     source = DecoderBlocks(model)
     s = config.prune
     plan = s.planner()

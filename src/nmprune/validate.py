@@ -29,9 +29,10 @@ _DEVICE_COUNT = {"cuda": lambda: torch.cuda.device_count(),
                  "xpu": lambda: torch.xpu.device_count()}
 
 
-def check_device(spec: str | None, flag: str = "--device") -> None:
+def check_device(spec: str | None, flag: str = "--device", here: bool = True) -> None:
     """``spec`` names a backend nmprune computes on (cpu, cuda[:N], mps, xpu[:N]) that this
-    machine has; ``None`` (the default device) always passes."""
+    machine has (``here``; else, for a plan of a run elsewhere, only that it is one);
+    ``None`` (the default device) always passes."""
     if spec is None:
         return
     try:
@@ -40,6 +41,8 @@ def check_device(spec: str | None, flag: str = "--device") -> None:
         raise ValueError(f"{flag} {spec!r} is not a device; use cpu, cuda, cuda:N, mps or xpu ({e})") from None
     if device.type not in _BACKENDS:
         raise ValueError(f"{flag} {spec!r}: nmprune computes on {', '.join(_BACKENDS)}, not {device.type}")
+    if not here:
+        return
     if not _BACKENDS[device.type]():
         raise ValueError(f"{flag} {spec!r}: this machine has no {device.type.upper()} device "
                          f"(torch {torch.__version__} reports it unavailable); use --device cpu")
@@ -113,10 +116,11 @@ def _check_window(seqlen: object, max_tokens: object, flags: tuple[str, str]) ->
         raise ValueError(f"{flags[1]} must be a non-negative integer (0 = all), got {max_tokens!r}")
 
 
-def check_prune_inputs(config) -> None:
+def check_prune_inputs(config, device_here: bool = True) -> None:
     """Everything about a ``nmprune prune`` run (a :class:`nmprune.config.RunConfig`) that
     can be judged before the model loads: ``--out``, ``--checkpoint-dir`` (apart from
-    ``--out``; it and ``OUT.partial`` are nmprune's or empty when they exist), ``--device``,
+    ``--out``; it and ``OUT.partial`` are nmprune's or empty when they exist), ``--device``
+    (present on this machine unless ``device_here`` is False: a plan of a run elsewhere),
     ``--dtype``, the evaluation window, the calibration source and the evaluation sources."""
     from .models import parse_dtype
 
@@ -130,7 +134,7 @@ def check_prune_inputs(config) -> None:
         check_apart(config.out, config.checkpoint_dir)
     check_owned(partial_save_dir(config.out), "partial", "--out")  # replaced by the save
     check_owned(Path(config.checkpoint_dir or f"{config.out}.checkpoint"), "checkpoint", "--checkpoint-dir")
-    check_device(config.device)
+    check_device(config.device, here=device_here)
     parse_dtype(config.dtype)
     _check_window(config.eval_seqlen, config.eval_max_tokens, ("--eval-seqlen", "--eval-max-tokens"))
     check_text_sources([config.prune.calib], "--calib", "calib")
