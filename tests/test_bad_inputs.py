@@ -117,6 +117,8 @@ def inputs(tmp_path_factory):
         "nan down_proj": variant("nan_down_proj", with_weights(
             lambda m: m.model.layers[1].mlp.down_proj.weight[0, 0].fill_(float("inf")))),
         "overflow": variant("overflow", with_weights(lambda m: m.model.norm.weight.fill_(3e38))),
+        "huge weight": variant("huge_weight", with_weights(lambda m: m.model.layers[0].mlp.up_proj.weight[0, 0].fill_(3e38))),
+        "huge norm": variant("huge_norm", with_weights(lambda m: m.model.layers[1].input_layernorm.weight.fill_(3e38))),
         "missing tensor": variant("missing_tensor", stored(
             lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))),
         "missing block": variant("missing_block", configured(num_hidden_layers=3)),
@@ -202,6 +204,19 @@ CASES = {
                                                             "1e30", "--reconstruct-epochs", "20",
                                                             "--reconstruct-batch-size", "1", "--batch-size", "1"],
                                    ("block 0: ", "lower the learning rate")),
+    "huge --reconstruct-lr": (lambda p, o: _fast(p) + ["--out", o, "--reconstruct", "block", "--reconstruct-lr",
+                                                       "1e300"], ("block 0: ", "lower the learning rate (now 1e+300)")),
+    # finite weights the arithmetic cannot hold are the model's fault, not the learning rate's,
+    # and leave no checkpoint (the corrected weights are another model)
+    "prune overflowing weight": (lambda p, o: _fast(p) + ["--out", o, "--model", str(p["huge weight"])],
+                                 ("model.layers.0.mlp.up_proj", "too large for float32")),
+    "prune overflowing activations": (lambda p, o: _fast(p) + ["--out", o, "--model", str(p["huge norm"])],
+                                      ("model.layers.1.self_attn.q_proj", "overflow before this layer")),
+    "prune overflowing final norm": (lambda p, o: _fast(p) + ["--out", o, "--model", str(p["overflow"])],
+                                     "the dense model's next-token distribution"),
+    "prune overflowing final norm, evaluated": (
+        lambda p, o: _fast(p)[:-2] + ["--quiet", "--out", o, "--model", str(p["overflow"]), "--eval", str(p["text"]),
+                                      "--eval-seqlen", "16"], "the dense model's perplexity"),
     "eval --seqlen 1": (lambda p, o: _eval(p) + ["--seqlen", "1"], "--seqlen"),
     "--out /proc/x": (lambda p, o: _fast(p) + ["--out", "/proc/nmprune-x"], "--out /proc/nmprune-x"),
     "--out under a file": (lambda p, o: _fast(p) + ["--out", str(p["file"] / "sub")], "a_file"),

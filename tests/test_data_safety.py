@@ -235,6 +235,33 @@ def test_second_run_on_the_same_folders_is_refused_and_the_first_finishes(job, t
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("first")) == ["o"]
 
 
+def test_ctrl_c_ends_in_one_line_and_the_same_command_resumes(job, tmp_path, capsys):
+    """Ctrl-C (SIGINT) during block 1: exit code 130, one line saying how to resume, no
+    traceback, the lock released; the same command then finishes from the checkpoint."""
+    *_, args = job
+    argv = args + ["--out", str(tmp_path / "o")]
+    flag = tmp_path / "first"
+    first = subprocess.Popen([sys.executable, "-c", PAUSED_CHILD, str(flag), *argv], cwd=tmp_path,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(1200):
+            if Path(str(flag) + ".waiting").exists() or first.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert Path(str(flag) + ".waiting").exists(), first.communicate()[1]
+        first.send_signal(signal.SIGINT)
+        _, err = first.communicate(timeout=120)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 130, err
+    assert "Traceback" not in err and err.count("nmprune: interrupted; rerun the same command") == 1, err
+    assert not (tmp_path / "o.lock").exists() and not (tmp_path / "o").exists()
+    assert main(argv) == 0
+    assert "resuming from" in capsys.readouterr().err
+    assert load_file(str(tmp_path / "o" / "model.safetensors"))
+
+
 # ----------------------------------------------------------------------------- machine errors
 
 @pytest.mark.parametrize("flag", ["--seqlen", "--eval-seqlen"])
@@ -257,13 +284,21 @@ def _disk_full(*args, **kwargs):
     raise OSError(errno.ENOSPC, "No space left on device")
 
 
-def test_full_disk_while_saving_exits_1_and_the_rerun_finishes(job, tmp_path, capsys, monkeypatch):
+def _safetensors_disk_full(*args, **kwargs):
+    """What safetensors raises on a full disk (seen on a full tmpfs): its own error type."""
+    from safetensors import SafetensorError
+
+    raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+
+@pytest.mark.parametrize("failure", [_disk_full, _safetensors_disk_full])
+def test_full_disk_while_saving_exits_1_and_the_rerun_finishes(job, tmp_path, capsys, monkeypatch, failure):
     import transformers.modeling_utils
 
     *_, args = job
     argv = args + ["--out", str(tmp_path / "o")]
     with monkeypatch.context() as m:
-        m.setattr(transformers.modeling_utils, "safe_save_file", _disk_full)
+        m.setattr(transformers.modeling_utils, "safe_save_file", failure)
         assert main(argv) == 1
     _one_error(capsys.readouterr().err, "No space left on device")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["o.checkpoint"]  # no output, no staging

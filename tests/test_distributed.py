@@ -277,20 +277,22 @@ def test_ranks_started_on_different_jobs_all_stop_with_one_message(tiny_dir, tmp
     assert not [p for p in tmp_path.iterdir() if p.name == "o" or p.name.startswith("o.")]
 
 
-# Runs the CLI's job on every rank; rank 1 kills itself (SIGKILL) once block 1 is done.
+# The command line on every rank; rank 1 kills itself (SIGKILL) once block 1 is done.
 KILL_RANK1 = """
 import os, signal, sys
-from nmprune.cli import build_parser, config_from_args
-from nmprune.job import run
-config = config_from_args(build_parser().parse_args(sys.argv[1:]))
+import nmprune.job as job
+from nmprune.cli import main
+run = job.run
 kill = lambda i: i == 1 and os.environ["RANK"] == "1" and os.kill(os.getpid(), signal.SIGKILL)
-run(config, progress=False, on_block_done=kill)
+job.run = lambda config, **kw: run(config, **kw, on_block_done=kill)
+sys.exit(main(sys.argv[1:]))
 """
 
 
 def test_streamed_ranks_killed_mid_run_resume_to_the_uninterrupted_model(tiny_dir, tmp_path):
     """Two ranks stream the model (each reads only its current block); rank 1 is killed with
-    SIGKILL after block 1: torchrun fails, the checkpoint stays consistent, and the same
+    SIGKILL after block 1: torchrun fails, rank 0 says in one line that it lost its peer and
+    what to do, the checkpoint stays consistent, and the same
     command resumes -- on 2 ranks to the uninterrupted model bit for bit, on 1 rank to the
     same masks."""
     base, model_dir, text, yaml_file = tiny_dir
@@ -303,6 +305,10 @@ def test_streamed_ranks_killed_mid_run_resume_to_the_uninterrupted_model(tiny_di
     for out, ranks in [(tmp_path / "two", 2), (tmp_path / "one", 1)]:
         killed = torchrun([str(script), *args, "--out", str(out)], tmp_path)
         assert killed.returncode != 0 and not out.exists()
+        # the survivor says so in one line of ours, with no traceback of nmprune's
+        assert killed.stderr.count("nmprune: error: lost contact with another rank during") == 1, killed.stderr
+        assert "rerun the same torchrun command" in killed.stderr
+        assert "nmprune/" not in killed.stderr.replace(str(tmp_path), ""), killed.stderr[-3000:]
         assert Path(f"{out}.checkpoint").is_dir()  # what rank 0 finished before it was stopped
         if ranks == 2:
             resumed = torchrun(["-m", "nmprune", *args, "--out", str(out)], tmp_path)

@@ -8,6 +8,12 @@ import torch
 from torch import Tensor
 
 
+class NonFiniteModel(ValueError):
+    """The model's own weights or activations are not finite, or overflow float32: nothing
+    computed from them is worth keeping (a run that meets one removes its checkpoint, so
+    that the rerun on corrected weights starts clean)."""
+
+
 def check_float(name: str, t: Tensor, *, finite: bool = True) -> None:
     """Reject non-tensors, integer/bool dtypes, and (unless ``finite`` is False, for a caller
     that checks them itself with :func:`non_finite_error`) NaN or Inf entries."""

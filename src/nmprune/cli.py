@@ -11,8 +11,11 @@ from __future__ import annotations
 import argparse
 import errno
 import math
+import re
 import sys
 from typing import Any
+
+from safetensors import SafetensorError
 
 from . import __version__
 from .config import RunConfig, build_config, load_yaml
@@ -20,6 +23,15 @@ from .stages.reconstruction import GRANULARITIES, RECONSTRUCTION_TEXT
 
 #: Errors of the machine rather than of the input (a full disk, a failing device): exit code 1.
 IO_FAILURES = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS})
+#: The exit code after Ctrl-C (SIGINT), as shells report a process it ended: 128 + 2.
+INTERRUPTED = 130
+
+
+def os_error(error: SafetensorError) -> OSError | None:
+    """safetensors' error for a failed read or write of the machine's (a full disk: "...
+    (os error 28)") as the OSError it stands for; None for any other."""
+    found = re.search(r"\(os error (\d+)\)", str(error))
+    return OSError(int(found.group(1)), str(error)) if found else None
 
 
 # ----------------------------------------------------------------------------- parsing
@@ -279,12 +291,19 @@ def main(argv: list[str] | None = None) -> int:
                 device=args.device, offload=args.offload, allow_pickle=bool(args.allow_pickle),
                 progress=not args.quiet)
             print(perplexity_table({name: result}))
-    except (ValueError, OSError) as e:  # the user's input or environment; anything else is a bug
+    except (ValueError, OSError, SafetensorError) as e:  # the user's input or environment; anything else is a bug
+        if isinstance(e, SafetensorError) and (e := os_error(e)) is None:
+            raise
         print(f"nmprune: error: {' '.join(str(e).split())}", file=sys.stderr)
         failure, code = e, 1 if isinstance(e, OSError) and e.errno in IO_FAILURES else 2
     except RankError as e:  # another rank's error: its code when it was the user's input
         print(f"nmprune: error: {e}", file=sys.stderr)
         failure, code = e, 2 if e.user_error else 1
+    except KeyboardInterrupt as e:  # Ctrl-C: the checkpoint holds every finished block
+        resume = "; rerun the same command to resume from the checkpoint (finished blocks are kept)" \
+            if args.command == "prune" and not args.dry_run else ""
+        print(f"nmprune: interrupted{resume}", file=sys.stderr)
+        failure, code = e, INTERRUPTED
     finally:
         teardown(failure)  # a bug's traceback goes on after it
     return code

@@ -52,6 +52,26 @@ class RankError(RuntimeError):
         self.user_error = user_error
 
 
+class PeerLost(RankError):
+    """A collective failed on this rank: another rank stopped without a word (killed, out of
+    memory, its machine gone) or passed the collective timeout. Not followed by the farewell
+    barrier of :func:`teardown`, which would wait for the lost rank."""
+
+
+@contextmanager
+def _peer_lost(what: str) -> Iterator[None]:
+    """Turn the backend's error in a collective (gloo and NCCL raise RuntimeError, NCCL's as
+    ``DistBackendError``) into one :class:`PeerLost` line that says what to do."""
+    try:
+        yield
+    except RuntimeError as e:
+        cause = (str(e).strip().splitlines() or [type(e).__name__])[0].split(". This is typically")[0]
+        raise PeerLost(f"lost contact with another rank during {what} ({cause[:160]}): a rank stopped "
+                       "without a word (killed, out of memory, or its machine went away) or passed the "
+                       f"collective timeout ({TIMEOUT_ENV}); see the other ranks' logs, then rerun the "
+                       "same torchrun command: it resumes from the checkpoint") from e
+
+
 class JobMismatch(ValueError):
     """The ranks were started with other settings or model files (raised on every rank)."""
 
@@ -81,7 +101,8 @@ class Ranks:
         status = None if error is None else f"{type(error).__name__}: {error}"
         user = isinstance(error, ValueError)
         gathered: list[Any] = [None] * self.world
-        dist.all_gather_object(gathered, (status, user, payload))
+        with _peer_lost(f"the status check after {phase}"):
+            dist.all_gather_object(gathered, (status, user, payload))
         if error is not None:
             raise error
         failed = [(r, s, u) for r, (s, u, _) in enumerate(gathered) if s is not None]
@@ -131,14 +152,16 @@ class Ranks:
     def broadcast_object(self, value: Any, src: int = 0) -> Any:
         """``value`` of rank ``src`` on every rank (small picklable values)."""
         box = [value]
-        dist.broadcast_object_list(box, src=src)
+        with _peer_lost("a broadcast"):
+            dist.broadcast_object_list(box, src=src)
         return box[0]
 
     def all_reduce_sum(self, tensors: Sequence[Tensor]) -> None:
         """Sum each tensor over all ranks, in place (on this rank's device)."""
         for t in tensors:
             buf = t if t.device == self.device else t.to(self.device)
-            dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+            with _peer_lost("a sum over the ranks"):
+                dist.all_reduce(buf, op=dist.ReduceOp.SUM)
             if buf is not t:
                 t.copy_(buf)
 
@@ -147,7 +170,8 @@ class Ranks:
         buf = target.detach()
         if buf.device != self.device or not buf.is_contiguous():
             buf = buf.to(self.device).contiguous()
-        dist.broadcast(buf, src=src)
+        with _peer_lost("a broadcast"):
+            dist.broadcast(buf, src=src)
         if buf is not target:
             with torch.no_grad():
                 target.copy_(buf)
@@ -158,8 +182,9 @@ class Ranks:
         split, known to all ranks); the other dimensions and the dtype are ``local[0]``'s."""
         mine = self.share(len(sizes))
         if not self.is_main:
-            for t in local:
-                dist.send(t.detach().to(self.device).contiguous(), dst=0)
+            with _peer_lost("gathering the calibration states"):
+                for t in local:
+                    dist.send(t.detach().to(self.device).contiguous(), dst=0)
             return None
         like = local[0]
         result: list[Tensor] = []
@@ -168,7 +193,8 @@ class Ranks:
                 result.append(local[j - mine.start])
                 continue
             buf = torch.empty((size, *like.shape[1:]), dtype=like.dtype, device=self.device)
-            dist.recv(buf, src=self.owner_of(j, len(sizes)))
+            with _peer_lost("gathering the calibration states"):
+                dist.recv(buf, src=self.owner_of(j, len(sizes)))
             result.append(buf)
         return result
 
@@ -177,14 +203,16 @@ class Ranks:
         gets its own, received into tensors shaped like its ``local_like``."""
         if not self.is_main:
             result = [torch.empty_like(t, device=self.device) for t in local_like]
-            for buf in result:
-                dist.recv(buf, src=0)
+            with _peer_lost("sharing out the calibration states"):
+                for buf in result:
+                    dist.recv(buf, src=0)
             return result
         assert batches is not None
         mine = self.share(len(batches))
-        for j, t in enumerate(batches):
-            if j not in mine:
-                dist.send(t.to(self.device).contiguous(), dst=self.owner_of(j, len(batches)))
+        with _peer_lost("sharing out the calibration states"):
+            for j, t in enumerate(batches):
+                if j not in mine:
+                    dist.send(t.to(self.device).contiguous(), dst=self.owner_of(j, len(batches)))
         return [batches[j].to(self.device) for j in mine]
 
 
@@ -269,7 +297,7 @@ def teardown(error: BaseException | None = None) -> None:
     raised alike (:class:`RankError`, :class:`JobMismatch`), wait for all ranks first, so
     that each has said why it stops before the launcher ends the slower ones."""
     if dist.is_available() and dist.is_initialized():
-        if isinstance(error, (RankError, JobMismatch)):
+        if isinstance(error, (RankError, JobMismatch)) and not isinstance(error, PeerLost):
             dist.barrier()
         dist.destroy_process_group()
 
@@ -398,7 +426,7 @@ class DistributedExecutor:
             weight = weights.pop(k, None)
             if weight is None:
                 weight = torch.empty(tuple(job.weight.shape), dtype=job.stats.xtx.dtype, device=self.device)
-            dist.broadcast(weight, src=owner[k])
+            self.ranks.broadcast_into(weight, owner[k])
             done(job, weight, records[k])
             del weight
 

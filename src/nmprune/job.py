@@ -161,6 +161,7 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
     """
     from . import distributed
     from .checkpoint import Checkpoint
+    from .checks import NonFiniteModel
     from .data import calibration_batch
     from .identity import model_digest
     from .memory import release_memory
@@ -232,9 +233,11 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
                 ckpt.bind("model files", digest)
         return _prune_and_save(config, model, tokenizer, source, ckpt, calibration, cache, timings,
                                t0, progress, on_block_done, ranks, ckpt_dir)
-    except ValueError:
-        if ckpt is not None and ckpt.created and ckpt.done_blocks == 0:
-            ckpt.remove()  # refused before any progress: leave no checkpoint of this run
+    except ValueError as e:
+        # refused before any progress, or the model itself overflows (its corrected weights
+        # are another model): leave no checkpoint of this run
+        if ckpt is not None and (ckpt.created and ckpt.done_blocks == 0 or isinstance(e, NonFiniteModel)):
+            ckpt.remove()
         raise
     finally:
         lock.release()
@@ -253,6 +256,7 @@ def _prune_and_save(config: RunConfig, model, tokenizer, source, ckpt, calibrati
     from .pipeline import prune_model
     from .stages.sink import DiscardingSink
     from .streaming import ShardedWriter, StreamingModel
+    from .validate import check_finite_value
 
     out = Path(config.out)
     main_rank = ranks is None or ranks.is_main
@@ -269,6 +273,8 @@ def _prune_and_save(config: RunConfig, model, tokenizer, source, ckpt, calibrati
         t = time.perf_counter()
         dense.update(evaluate(model, tokenizer, missing, config.eval_seqlen,
                               config.eval_max_tokens or None, device, progress, cache))
+        for name in missing:  # a model that overflows is refused before any pruning
+            check_finite_value(dense[name], f"the dense model's perplexity on {name}")
         release_memory()
         ckpt.put(key, dense)
         timings["eval_dense"] = time.perf_counter() - t

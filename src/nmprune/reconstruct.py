@@ -29,6 +29,8 @@ from itertools import accumulate
 import torch
 from torch import Tensor
 
+from .checks import NonFiniteModel, all_finite
+
 
 class ReconstructionDiverged(ValueError):
     """The reconstruction loss became NaN or infinite (a learning rate too high)."""
@@ -147,8 +149,8 @@ class CompactAdamW:
             avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
             flat = w.detach().view(-1)
             for whole, kept, mask in where._slices():
-                change = torch.zeros_like(avg[kept]).addcdiv_(
-                    avg[kept], (avg_sq[kept].sqrt() / correction).add_(self.eps), value=-step_size)
+                # a step beyond the weights' range becomes Inf (and the next loss says so)
+                change = (avg[kept] / (avg_sq[kept].sqrt() / correction).add_(self.eps)).mul_(-step_size)
                 flat[whole] += torch.zeros_like(flat[whole]).masked_scatter_(mask, change)
 
 
@@ -179,6 +181,24 @@ def channel_weights(targets: Sequence[Tensor],
     all_reduce([sums])
     mean = sums[:width] / sums[width].clamp(min=1)
     return (1.0 / mean.clamp(min=1e-6 * float(mean.mean()) + 1e-30)).float()
+
+
+def _not_finite(loss: float, epoch: int, step: int, steps_taken: int, targets: Sequence[Tensor],
+                lr: float) -> tuple[str, bool]:
+    """Why a reconstruction loss is not finite, and whether the model itself is to blame (a
+    :class:`~nmprune.checks.NonFiniteModel`): the learning rate is blamed only when training
+    made it so, not when the dense outputs it trains towards, or the block's outputs before
+    any step, were not finite already (weights or activations beyond their dtype's range)."""
+    where = f"in epoch {epoch + 1}, step {step + 1}"
+    if not all(all_finite(t) for t in targets):
+        return (f"the dense model's outputs hold NaN or Inf ({where}, before training could cause "
+                "it): its weights or activations overflow their dtype; check the model's weights, "
+                "or use --dtype float32"), True
+    if steps_taken == 0:
+        return (f"the reconstruction loss is {loss} before any training step: the block's outputs "
+                "with its solved weights overflow (its inputs or weights are too large for float32); "
+                "check the model's weights"), True
+    return f"the reconstruction loss became {loss} {where}; lower the learning rate (now {lr:g})", False
 
 
 def fit_masked(run: Callable[[int], Tensor], targets: Sequence[Tensor], weights: Sequence[Tensor],
@@ -254,9 +274,8 @@ def fit_masked(run: Callable[[int], Tensor], targets: Sequence[Tensor], weights:
                                                                                dtype=torch.float64, device=device)])
                 all_reduce([*optimiser.grads, error])
                 if not math.isfinite(float(error[0])):
-                    raise ReconstructionDiverged(
-                        f"the reconstruction loss became {float(error[0])} in epoch {epoch + 1}, step "
-                        f"{step + 1}; lower the learning rate (now {options.lr:g})")
+                    why, broken = _not_finite(float(error[0]), epoch, step, optimiser.steps, targets, options.lr)
+                    raise (NonFiniteModel if broken else ReconstructionDiverged)(why)
                 for grad in optimiser.grads:
                     grad.div_(max(float(error[1]), 1.0))
                 optimiser.step(options.lr * (1.0 - optimiser.steps / all_steps))

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .checks import check_float, check_symmetric
+from .checks import NonFiniteModel, check_float, check_symmetric
 from .linalg import wanda_score
 from .loss import local_loss
 from .pattern import NMPattern, is_nm_sparse, topn_mask
@@ -59,6 +59,20 @@ def _validate(w: Tensor, h: Tensor, pattern: NMPattern) -> None:
     if w.shape[1] % pattern.m:
         raise ValueError(f"input dimension d_in={w.shape[1]} is not divisible by M={pattern.m}")
     check_symmetric("H", h)
+    _check_representable(w, h)
+
+
+def _check_representable(w: Tensor, h: Tensor) -> None:
+    """The squared loss ``Tr(W H W^T)`` (eq. ``squared_loss``) of the dense weights stays
+    below float32's range: its bound ``d_out d_in max|w|^2 tr(H)`` (float64) does. Weights
+    or inputs beyond that would turn every solver's arithmetic into Inf and NaN."""
+    if not w.numel():
+        return
+    bound = w.numel() * float(w.abs().max()) ** 2 * float(h.diagonal().double().abs().sum())
+    if not bound < torch.finfo(torch.float32).max:
+        raise NonFiniteModel(f"W (largest |w| {float(w.abs().max()):.3g}) and H (trace "
+                         f"{float(h.diagonal().double().sum()):.3g}) are too large for float32 arithmetic: "
+                         "the squared loss overflows (are the weights right?)")
 
 
 def _compute_dtype(w: Tensor, h: Tensor) -> torch.dtype:

@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from .checks import NonFiniteModel
+
 #: Compute backends nmprune runs on, with the test of whether this machine has one.
 _BACKENDS = {
     "cpu": lambda: True,
@@ -177,6 +179,6 @@ def check_finite(model: nn.Module, source: object) -> None:
 def check_finite_value(value: float, what: str) -> float:
     """Refuse a NaN or infinite result (e.g. a perplexity), saying what it is."""
     if not math.isfinite(value):
-        raise ValueError(f"{what} is {value} (the model's outputs overflow or hold NaN; "
+        raise NonFiniteModel(f"{what} is {value} (the model's outputs overflow or hold NaN; "
                          "try --dtype float32)")
     return value

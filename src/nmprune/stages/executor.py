@@ -22,6 +22,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 from torch import Tensor
 
+from ..checks import NonFiniteModel, all_finite
 from ..loss import local_loss
 from .plan import LayerPlan, wanda_reference
 from ..solve import dampened, solve
@@ -70,11 +71,15 @@ def run_job(job: LayerJob, device: torch.device) -> tuple[Tensor, dict[str, Any]
     ``cpu_seconds``: this process's, all its threads)."""
     started, cpu_started = time.perf_counter(), time.process_time()
     h = job.stats.hessian().to(device)
+    if h.numel() and not all_finite(h):
+        raise NonFiniteModel(f"layer {job.name}: its input statistics on the calibration text hold NaN or "
+                         "Inf: the model's activations overflow before this layer (a weight too large "
+                         "for its dtype?); check the model's weights, or use --dtype float32")
     w = job.weight.detach().to(device=device, dtype=h.dtype)  # the solvers leave it as it is
     try:
         result = solve(w, h, job.plan, statistic_values(job.plan.statistics, job.stats, device))
     except ValueError as e:  # bad tensors (NaN/Inf weights or statistics): say which layer
-        raise ValueError(f"layer {job.name}: {e}") from e
+        raise (NonFiniteModel if isinstance(e, NonFiniteModel) else ValueError)(f"layer {job.name}: {e}") from e
     record = {**job.plan.describe(), "loss_method": result.loss_method,
               "loss_refined": result.loss_refined, "seconds_method": result.seconds_method,
               "seconds_refine": result.seconds_refine}

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from ..evaluate import window_kl, window_nll
+from ..checks import NonFiniteModel
 from ..reconstruct import FitOptions, KeptEntries, ReconstructionDiverged, channel_weights, fit_masked
 from .block_runner import BlockCall, BlockInputs, block_hidden, run_block
 from .statistics import CalibrationStatistics, InputStats
@@ -430,8 +431,8 @@ class ReconstructingStatistics:
                 if not error_after < float("inf") or (held_after is not None and not held_after < float("inf")):
                     raise ReconstructionDiverged(f"the reconstructed block's error is {error_after}; "
                                                  f"lower the learning rate (now {self.options.lr:g})")
-            except ReconstructionDiverged as e:
-                raise ReconstructionDiverged(f"block {index}: {e}") from e
+            except (ReconstructionDiverged, NonFiniteModel) as e:
+                raise type(e)(f"block {index}: {e}") from e
             kept, trained = "reconstructed", (error_after, held_after)
             if not self._improved((error_before, held_before), (error_after, held_after)):
                 del after
@@ -489,6 +490,11 @@ class ReconstructingStatistics:
         self.all_reduce([sums])
         ppl = [math.exp(float(s[0] / s[1])) if s[1] > 0 else float("nan") for s in sums]
         kl = [float(s[2] / s[3]) if s[3] > 0 else float("nan") for s in sums]
+        if not math.isfinite(ppl[0]):
+            raise NonFiniteModel("the dense model's next-token distribution on the held-out calibration "
+                             f"text is not finite (perplexity {ppl[0]}): its last layers or head overflow "
+                             "(a weight too large for its dtype?); check the model's weights, or use "
+                             "--dtype float32")
         record = {"checked": True, "batches": len(self.held), "tokens": int(sums[0, 1]),
                   "dense": ppl[0], "solved": ppl[1], "reconstructed": ppl[2],
                   "kl_solved": kl[1], "kl_reconstructed": kl[2]}
