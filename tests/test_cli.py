@@ -4,6 +4,8 @@ directory (save, report, reload), resume after a crash, eval, methods, clear err
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -208,3 +210,19 @@ def test_python_api_runs_the_whole_job(tiny_dir, tmp_path):
     assert main(["prune", "--config", str(yaml_file), "--out", str(cli_out), "--quiet"]) == 0
     a, b = _weights(out), _weights(cli_out)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_run_says_each_stage_and_writes_a_clean_log(tiny_dir, tmp_path):
+    """Without --quiet and with stderr in a file: one line per stage in the run's order, bars
+    that say whose perplexity on which text, and no escape characters (nested bars, which
+    tqdm redraws by moving the cursor, show only on a terminal)."""
+    base, model_dir, text, yaml_file = tiny_dir
+    run = subprocess.run([sys.executable, "-m", "nmprune", "prune", "--config", str(yaml_file),
+                          "--out", str(tmp_path / "o")], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    stages = [line.split(":")[1].split()[0] + " " + line.split(":")[1].split()[1]
+              for line in run.stderr.splitlines() if line.startswith("nmprune: ")]
+    assert stages == ["loading " + str(model_dir).split()[0], "tokenising the", "evaluating the",
+                      "pruning block", "capturing the", "evaluating the", "saving the"], stages
+    assert "dense perplexity on " + str(text) in run.stderr and "pruned perplexity on " + str(text) in run.stderr
+    assert "\x1b[" not in run.stderr

@@ -106,6 +106,7 @@ def perplexity(
     device=None,
     progress: bool = True,
     prefix: Sequence[int] = (),
+    desc: str = "perplexity",
 ) -> float:
     """Perplexity of a causal LM on a token stream, by non-overlapping windows (module docstring).
 
@@ -115,13 +116,14 @@ def perplexity(
     dispatched over several devices by accelerate) is moved to ``device`` for the evaluation
     and moved back afterwards. The model is put in eval mode during the call and its
     training flag restored. ``prefix``: ids every window starts with (module docstring).
+    ``desc``: the progress bar's label.
     Raises ValueError when ``N < seqlen`` (no window).
     """
-    windows = eval_windows(input_ids, seqlen, batch_size, prefix)
-    from tqdm.auto import tqdm
+    from .progress import bar as progress_bar
 
+    windows = eval_windows(input_ids, seqlen, batch_size, prefix)
     with evaluating(model, device) as run_on, \
-            tqdm(total=windows.shape[0], desc="perplexity", unit="window", disable=not progress) as bar:
+            progress_bar(total=windows.shape[0], desc=desc, unit="window", enabled=progress) as bar:
         def batches() -> Iterator[tuple[Tensor, Tensor]]:
             for ids in windows.split(batch_size):
                 ids = ids.to(run_on)

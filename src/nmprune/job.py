@@ -12,6 +12,7 @@ import json
 import platform
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +38,11 @@ def token_streams(tokenizer, datasets: list[str], seqlen: int, max_tokens: int |
 
 
 def evaluate(model, tokenizer, datasets: list[str], seqlen: int, max_tokens: int | None,
-             device: str | None, progress: bool, cache: dict[str, Any] | None = None) -> dict[str, float]:
+             device: str | None, progress: bool, cache: dict[str, Any] | None = None,
+             label: str = "") -> dict[str, float]:
     """Perplexity of ``model`` (loaded, or a :class:`~nmprune.streaming.StreamingModel`
-    evaluated block by block) on each data set's held-out split (token streams cached)."""
+    evaluated block by block) on each data set's held-out split (token streams cached);
+    ``label`` names the model on the progress bars ("dense", "pruned")."""
     from .data import window_prefix
     from .evaluate import perplexity
     from .streaming import StreamingModel
@@ -49,7 +52,8 @@ def evaluate(model, tokenizer, datasets: list[str], seqlen: int, max_tokens: int
     cache = {} if cache is None else cache
     token_streams(tokenizer, datasets, seqlen, max_tokens, cache)
     prefix = window_prefix(tokenizer)  # every window starts as the tokenizer starts a text (a BOS)
-    return {name: measure(model, cache[name], seqlen=seqlen, device=device, progress=progress, prefix=prefix)
+    return {name: measure(model, cache[name], seqlen=seqlen, device=device, progress=progress, prefix=prefix,
+                          desc=f"{label + ' ' if label else ''}perplexity on {name}")
             for name in datasets}
 
 
@@ -166,6 +170,7 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
     from .identity import model_digest
     from .memory import release_memory
     from .output import RunLock, remove_partial_save
+    from .progress import stage
     from .stages.source import ModelBlocks
     from .streaming import StreamingModel
     from .streaming.fit import ranks_offload
@@ -192,6 +197,9 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
 
+    say = partial(stage, enabled=progress and main_rank)
+    say(f"loading {resolved}" + (" (transformers de-quantises the GGUF file's tensors: its 'Converting and "
+                                 "de-quantizing GGUF tensors' bar)" if resolved.gguf_file else ""))
     with phase("loading the model"):
         model, tokenizer, source = open_model(config.model, config.gguf_file, config.dtype, offload,
                                               config.allow_pickle, ranks.local_world if ranks else 1,
@@ -213,6 +221,7 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
         # the text is tokenised before the checkpoint exists: a text too short is refused with
         # nothing written
         cache: dict[str, Any] = {}
+        say("tokenising the evaluation and calibration text")
         if main_rank:
             token_streams(tokenizer, config.eval, config.eval_seqlen, config.eval_max_tokens or None,
                           cache)
@@ -254,6 +263,7 @@ def _prune_and_save(config: RunConfig, model, tokenizer, source, ckpt, calibrati
     from .memory import release_memory
     from .output import save_pretrained_atomic
     from .pipeline import prune_model
+    from .progress import stage
     from .stages.sink import DiscardingSink
     from .streaming import ShardedWriter, StreamingModel
     from .validate import check_finite_value
@@ -265,14 +275,16 @@ def _prune_and_save(config: RunConfig, model, tokenizer, source, ckpt, calibrati
     if ckpt is not None and ckpt.done_blocks:
         print(f"resuming from {ckpt.directory}: {ckpt.done_blocks} blocks already pruned", file=sys.stderr)
     device = ranks.device if ranks is not None else default_device(config.device)
+    say = partial(stage, enabled=progress and main_rank)
 
     key = f"dense_perplexity/{config.eval_seqlen}/{config.eval_max_tokens}"
     dense = ckpt.get(key, {}) if ckpt is not None else {}
     missing = [d for d in config.eval if d not in dense]
     if main_rank and missing:
         t = time.perf_counter()
+        say(f"evaluating the dense model (perplexity on {', '.join(missing)})")
         dense.update(evaluate(model, tokenizer, missing, config.eval_seqlen,
-                              config.eval_max_tokens or None, device, progress, cache))
+                              config.eval_max_tokens or None, device, progress, cache, "dense"))
         for name in missing:  # a model that overflows is refused before any pruning
             check_finite_value(dense[name], f"the dense model's perplexity on {name}")
         release_memory()
@@ -282,6 +294,7 @@ def _prune_and_save(config: RunConfig, model, tokenizer, source, ckpt, calibrati
     dense_acc = ckpt.get(acc_key, {}) if ckpt is not None else {}
     if main_rank and downstream.tasks and not dense_acc:
         t = time.perf_counter()
+        say(f"evaluating the dense model (lm-eval: {', '.join(downstream.tasks)})")
         dense_acc = evaluate_tasks(model, tokenizer, downstream, device=device)
         release_memory()
         ckpt.put(acc_key, dense_acc)
@@ -291,6 +304,7 @@ def _prune_and_save(config: RunConfig, model, tokenizer, source, ckpt, calibrati
     # streaming: each pruned block goes straight into a shard of OUT.partial/unfinished/,
     # written by rank 0 alone
     sink = (ShardedWriter(model, out) if main_rank else DiscardingSink()) if streaming else None
+    say(f"pruning block by block: {_run_label(config)}")
     try:
         prune_report = prune_model(None if streaming else model, tokenizer, config.prune,
                                    calibration=calibration, device=device, checkpoint=ckpt,
@@ -308,12 +322,15 @@ def _prune_and_save(config: RunConfig, model, tokenizer, source, ckpt, calibrati
         return prune_report.to_dict()
 
     t = time.perf_counter()
+    if config.eval:
+        say(f"evaluating the pruned model (perplexity on {', '.join(config.eval)})")
     pruned = evaluate(pruned_model, tokenizer, config.eval, config.eval_seqlen,
-                      config.eval_max_tokens or None, device, progress, cache) if config.eval else {}
+                      config.eval_max_tokens or None, device, progress, cache, "pruned") if config.eval else {}
     timings["eval_pruned"] = time.perf_counter() - t
     pruned_acc = {}
     if downstream.tasks:
         t = time.perf_counter()
+        say(f"evaluating the pruned model (lm-eval: {', '.join(downstream.tasks)})")
         pruned_acc = evaluate_tasks(model, tokenizer, downstream, device=device)
         timings["downstream_pruned"] = time.perf_counter() - t
     layers = [r for r in prune_report.layers if not r.get("skipped")]
@@ -337,6 +354,7 @@ def _prune_and_save(config: RunConfig, model, tokenizer, source, ckpt, calibrati
     report["seconds"]["total_before_save"] = time.perf_counter() - t0
     # model, tokenizer and report go to OUT.partial/ and appear together under OUT by one rename
     extra = {REPORT_FILE: json.dumps(report, indent=1, default=str)}
+    say(f"saving the pruned model to {out}")
     ckpt.put("published_to", str(out.resolve()))  # a kill after the rename: the next run cleans up
     if streaming:
         sink.publish(extra)

@@ -32,6 +32,8 @@ from .devices import default_device
 from .distributed import DistributedExecutor, balance_window, job_cost
 from .stages.executor import Executor, LayerJob, LocalExecutor
 from .models import evaluating, set_weight_matrix, weight_matrix
+from .progress import bar as progress_bar
+from .progress import stage as say
 from .stages.plan import LayerPlan
 from .stages.reconstruction import ReconstructingStatistics
 from .stages.sink import BlockSink, ModelSink
@@ -81,10 +83,8 @@ def _digest(t: Tensor) -> str:
     return hashlib.sha256(t.contiguous().cpu().numpy().tobytes()).hexdigest()[:16]
 
 
-def _progress(iterable, progress: bool, **kwargs):
-    from tqdm.auto import tqdm
-
-    return tqdm(iterable, disable=not progress, **kwargs)
+#: The blocks' bar before its ETA means anything (tqdm's default format without it).
+_NO_ETA = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}]"
 
 
 def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneSettings | None = None, *,
@@ -170,6 +170,8 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
     busy = {"calibration_seconds": 0.0}
     with evaluating(source.model), frozen_heap():
         if hessians is None:
+            say(f"capturing the calibration inputs of block {start} ({len(sizes)} batches through the "
+                "embeddings)", progress and executor.is_main)
             with executor.phase("capturing the block inputs"):
                 inputs = source.capture(batches, device, keep_hidden=start == 0 or executor.world > 1)
                 saved = checkpoint.hidden() if start > 0 and checkpoint is not None else None
@@ -188,8 +190,10 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
                            p.refiner.name if p.refiner is not None else None)
                   for name in source.layers(i) if (p := plans[name]) is not None]
                  for i in range(len(source))]
-        bar = _progress(None, progress and executor.is_main, desc="pruning blocks",
-                        initial=start, total=len(source))
+        # the ETA shows from the second block on: the first pays one-time costs (the
+        # solvers' compilation, the first reads)
+        bar = progress_bar(None, enabled=progress and executor.is_main, desc="pruning blocks",
+                           initial=start, total=len(source), bar_format=_NO_ETA)
         i = start
         while i < len(source):
             # dense inputs: solve as many blocks together as it takes to balance the ranks
@@ -219,6 +223,8 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
                         on_block_done(j)
             bar.update(k)
             i += k
+            if i - start >= 2:
+                bar.bar_format = None  # tqdm's own, with the ETA
         bar.close()
         if isinstance(stage, ReconstructingStatistics):
             with executor.phase("end-to-end check of the reconstruction"):
@@ -288,7 +294,7 @@ def _prune_blocks(group: range, source: BlockSource, plans: dict[str, LayerPlan 
 
     label = f"block {group[0]}" if len(group) == 1 else f"blocks {group[0]}-{group[-1]}"
     bars = progress and len(jobs) > 1
-    executor.solve(jobs, done, lambda it: _progress(it, bars, desc=label, leave=False))
+    executor.solve(jobs, done, lambda it: progress_bar(it, enabled=bars, nested=True, desc=label))
     del jobs
     fitted = []
     if len(group) == 1:
@@ -321,7 +327,7 @@ def collect_hessians(model: nn.Module, calibration: Tensor, *, device: str | tor
     with evaluating(model):
         inputs = source.capture(calibration.split(batch_size), device)
         stage = CalibrationStatistics(inputs, dtype, dense_inputs=True, reduce=LocalExecutor(device).reduce)
-        for i in _progress(range(len(source)), progress, desc="collecting Hessians"):
+        for i in progress_bar(range(len(source)), enabled=progress, desc="collecting Hessians"):
             stats = stage.collect(i, source.load(i, device), source.layers(i))
             on_cpu = {id(s): InputStats(s.xtx.cpu(), s.xsum.cpu(), s.count, s.averaged)
                       for s in stats.values()}  # layers sharing an input keep sharing it

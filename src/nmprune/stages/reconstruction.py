@@ -29,10 +29,10 @@ from typing import Any
 import safetensors.torch
 import torch
 from torch import Tensor, nn
-from tqdm.auto import tqdm
 
 from ..evaluate import window_kl, window_nll
 from ..checks import NonFiniteModel
+from ..progress import bar as progress_bar
 from ..reconstruct import FitOptions, KeptEntries, ReconstructionDiverged, channel_weights, fit_masked
 from .block_runner import BlockCall, BlockInputs, block_hidden, run_block
 from .statistics import CalibrationStatistics, InputStats
@@ -368,8 +368,8 @@ class ReconstructingStatistics:
         (``where``: each weight's kept entries, by ``id``). Returns the optimiser steps taken."""
         steps = 0
         per_unit = self.options.epochs * -(-(self.total - len(self.held)) // self.options.batches_per_step)
-        bar = tqdm(total=per_unit * len(self._units), desc=f"reconstructing block {index}",
-                   leave=False, disable=not self.progress)
+        bar = progress_bar(total=per_unit * len(self._units), desc=f"reconstructing block {index}",
+                           enabled=self.progress, nested=True)
         dense_sum = [x.float() for x in self._dense_in] if self._additive else []
         # this process's training batches, and their ranks among all processes' training batches
         rank = {g: r for r, g in enumerate(g for g in range(self.total) if g not in self.held)}

@@ -22,21 +22,16 @@ from torch import Tensor
 from ..evaluate import batch_perplexity, eval_windows
 from ..stages.block_runner import BlockInputs, run_block
 from ..memory import release_memory
+from ..progress import bar as progress_bar
 from .source import StreamingModel
 
 
-def _progress(iterable, progress: bool, **kwargs):
-    from tqdm.auto import tqdm
-
-    return tqdm(iterable, disable=not progress, **kwargs)
-
-
 def block_outputs(source: StreamingModel, batches: list[Tensor], device: torch.device,
-                  progress: bool = False) -> BlockInputs:
+                  progress: bool = False, desc: str = "perplexity") -> BlockInputs:
     """The last block's outputs for each token batch (``hidden``), with the per-block call
     arguments and the output template of the capture."""
     inputs = source.capture(batches, device)
-    for i in _progress(range(len(source)), progress, desc="perplexity blocks"):
+    for i in progress_bar(range(len(source)), enabled=progress, desc=f"{desc} (blocks)"):
         with source.block(i, device) as block:
             inputs.hidden = [run_block(block, h, inputs.call(i, h)) for h in inputs.hidden]
         release_memory(collect=False)  # else the heap fragments: about +5 MiB a block on SmolLM2
@@ -46,11 +41,11 @@ def block_outputs(source: StreamingModel, batches: list[Tensor], device: torch.d
 @torch.no_grad()
 def streaming_perplexity(source: StreamingModel, input_ids: Tensor, seqlen: int = 2048,
                          batch_size: int = 1, device: str | torch.device | None = None,
-                         progress: bool = True, prefix: Sequence[int] = ()) -> float:
+                         progress: bool = True, prefix: Sequence[int] = (), desc: str = "perplexity") -> float:
     """Perplexity of ``source``'s model on a ``(1, N)`` token stream, block by block
     (module docstring); arguments as :func:`nmprune.evaluate.perplexity` (``device``
     defaults to the CPU)."""
     device = torch.device(device or "cpu")
     batches = list(eval_windows(input_ids, seqlen, batch_size, prefix).split(batch_size))
-    inputs = block_outputs(source, batches, device, progress)
+    inputs = block_outputs(source, batches, device, progress, desc)
     return batch_perplexity(source.head_logits(inputs.output_template, batches, inputs.hidden, device))
