@@ -25,7 +25,7 @@ from nmprune.checkpoint import Checkpoint  # noqa: E402
 from nmprune.pipeline import prune_model  # noqa: E402
 
 SETTINGS = dict(method="sparsegpt", refine="exact", pattern="2:4", batch_size=2, reconstruct="none")
-RECONSTRUCT = dict(reconstruct_batch_size=2, reconstruct_epochs=5, reconstruct_lr=5e-4)
+RECONSTRUCT = dict(reconstruct_batch_size=2, reconstruct_epochs=5, reconstruct_lr=1.8e-2)
 
 
 def build(family: str):

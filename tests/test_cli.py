@@ -81,13 +81,13 @@ def test_prune_with_reconstruction_reports_each_block_before_and_after(tiny_dir,
     base, model_dir, text, yaml_file = tiny_dir
     out = tmp_path / "pruned"
     assert main(["prune", "--config", str(yaml_file), "--out", str(out), "--quiet", "--reconstruct", "submodule",
-                 "--reconstruct-lr", "1e-3", "--reconstruct-batch-size", "2", "--reconstruct-epochs", "2",
+                 "--reconstruct-lr", "5e-2", "--reconstruct-batch-size", "2", "--reconstruct-epochs", "2",
                  "--nsamples", "16"]) == 0
     printed = capsys.readouterr().out
     assert "wanda+gd 2:4 +submodule reconstruction" in printed
     report = json.loads((out / "nmprune_report.json").read_text())
     recon = report["reconstruction"]
-    assert recon["granularity"] == "submodule" and recon["epochs"] == 2 and recon["lr"] == 1e-3
+    assert recon["granularity"] == "submodule" and recon["epochs"] == 2 and recon["lr"] == 5e-2
     assert [b["block"] for b in recon["blocks"]] == [0, 1, 2]
     for b in recon["blocks"]:
         assert b["heldout_after"] <= b["heldout_before"] and b["heldout_batches"] == 1  # of 8

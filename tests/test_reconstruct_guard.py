@@ -15,7 +15,7 @@ from nmprune.pipeline import prune_model
 from nmprune.reconstruct import channel_weights
 
 SOLVE = dict(method="wanda", refine=None, pattern="2:4", batch_size=2)
-FIT = dict(reconstruct_batch_size=2, reconstruct_epochs=3, reconstruct_lr=1e-3)
+FIT = dict(reconstruct_batch_size=2, reconstruct_epochs=3, reconstruct_lr=5e-2)
 
 
 def test_channel_weights_make_a_massive_channel_count_as_much_as_any_other():

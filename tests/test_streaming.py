@@ -200,7 +200,7 @@ def test_streamed_reconstruction_is_bit_identical_to_in_memory(family, granulari
     memory, still exactly 2:4."""
     path = _save(tmp_path / "in", family, layers=2)
     settings = dict(calibration=token_batch(4, 12), method="wanda", refine=None, batch_size=2,
-                    reconstruct=granularity, reconstruct_batch_size=2, reconstruct_epochs=2, reconstruct_lr=1e-3)
+                    reconstruct=granularity, reconstruct_batch_size=2, reconstruct_epochs=2, reconstruct_lr=5e-2)
     model, _, _ = load_model(path, tokenizer=False)
     dense = {k: v.clone() for k, v in model.state_dict().items()}
     report = prune_model(model, progress=False, **settings)
@@ -293,7 +293,7 @@ def test_killed_streamed_reconstruction_resumes_to_identical_model(cli_model, tm
     import sys
 
     base, model_dir, text, args = cli_model
-    args = [*args, "--offload", "--no-eval", "--reconstruct", "block", "--reconstruct-lr", "1e-3",
+    args = [*args, "--offload", "--no-eval", "--reconstruct", "block", "--reconstruct-lr", "5e-2",
             "--reconstruct-batch-size", "2"]
     from nmprune.cli import main
 

@@ -123,7 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reconstruct-epochs", dest="reconstruct_epochs", type=int,
                    help="passes over the calibration set per reconstruction (default 1)")
     p.add_argument("--reconstruct-lr", dest="reconstruct_lr", type=float,
-                   help="AdamW learning rate of the reconstruction, decayed linearly to 0 (default 1e-3)")
+                   help="AdamW learning rate of the reconstruction, relative to each weight's RMS (a step "
+                        "moves a weight by about this fraction of its typical entry), decayed linearly to 0 "
+                        "(default 0.02)")
     p.add_argument("--reconstruct-batch-size", dest="reconstruct_batch_size", type=int,
                    help="calibration samples per reconstruction step, a multiple of --batch-size "
                         "(default: --batch-size, one calibration batch per step)")

@@ -103,7 +103,7 @@ class PruneSettings:
     blocks; Appendix ``app:use_unpruned_inputs``).
     ``reconstruct`` (``"none"``, ``"submodule"`` or ``"block"``) trains each block's kept
     weights after its solve, ``reconstruct_epochs`` passes over the calibration set with
-    AdamW at ``reconstruct_lr`` in steps of ``reconstruct_batch_size`` samples (a multiple
+    AdamW at ``reconstruct_lr`` (relative to each weight's RMS) in steps of ``reconstruct_batch_size`` samples (a multiple
     of ``batch_size``; None: one calibration batch per step; :mod:`nmprune.stages.reconstruction`).
     """
 
@@ -123,7 +123,7 @@ class PruneSettings:
     strict: bool = False
     reconstruct: str = "block"
     reconstruct_epochs: int = 1
-    reconstruct_lr: float = 1e-3
+    reconstruct_lr: float = 2e-2
     reconstruct_batch_size: int | None = None
 
     def __post_init__(self) -> None:
