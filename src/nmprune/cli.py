@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reconstruct-lr", dest="reconstruct_lr", type=float,
                    help="AdamW learning rate of the reconstruction, relative to each weight's RMS (a step "
                         "moves a weight by about this fraction of its typical entry), decayed linearly to 0 "
-                        "(default 0.02)")
+                        "(default 0.015)")
     p.add_argument("--reconstruct-batch-size", dest="reconstruct_batch_size", type=int,
                    help="calibration samples per reconstruction step, a multiple of --batch-size "
                         "(default: --batch-size, one calibration batch per step)")

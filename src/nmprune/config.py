@@ -123,7 +123,7 @@ class PruneSettings:
     strict: bool = False
     reconstruct: str = "block"
     reconstruct_epochs: int = 1
-    reconstruct_lr: float = 2e-2
+    reconstruct_lr: float = 1.5e-2
     reconstruct_batch_size: int | None = None
 
     def __post_init__(self) -> None:
