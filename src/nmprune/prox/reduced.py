@@ -1,5 +1,6 @@
-"""Exact 2:4 prox by dimension reduction (``solver="reduced"`` in torch: the GPU path, and the
-CPU path for the cells the compiled kernel leaves undecided).
+"""Exact 2:4 prox by dimension reduction (``solver="reduced"`` in torch: the GPU path for float64
+tensors or without triton, and the cells the compiled kernels, numba on CPU and Triton on CUDA,
+leave undecided).
 
 Algorithm ``alg:prox_enumerate`` on sorted non-negative cells (Lemma ``lemma:sorted_prox``):
 the best of the 2-sparse point ``[z_1, z_2, 0, 0]`` and the stationary points of ``g`` (eq.

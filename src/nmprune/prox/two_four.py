@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -28,13 +31,17 @@ def prox_2of4(
     The cells are reduced to sorted non-negative form (Lemma ``lemma:sorted_prox``), solved, and
     mapped back. ``solver="reduced"`` (default, :mod:`nmprune.prox.reduced`: the cases reduced to
     one and two scalar equations) and ``solver="newton"`` (damped Newton on the case problems,
-    :mod:`nmprune.prox.newton`) are exact and compute in float64 internally; ``solver="gd"`` is the paper's projected-GD enumeration
-    (Conjecture ``conj:gd_works``) run in the dtype of ``z`` for at most ``gd_max_iter`` steps per
-    case, stopping a case when its gradient norm grows or drops below ``gd_tol * max|z|``.
+    :mod:`nmprune.prox.newton`) are exact and compute in float64 internally, except that
+    ``"reduced"`` on CUDA sends float32 and 16-bit ``z`` to the float32 Triton kernel of
+    :mod:`nmprune.prox.two_four_triton` where triton is installed (exact up to float32 rounding;
+    the cells it cannot settle go to the float64 solver); ``solver="gd"`` is the paper's
+    projected-GD enumeration (Conjecture ``conj:gd_works``) run in the dtype of ``z`` for at most
+    ``gd_max_iter`` steps per case, stopping a case when its gradient norm grows or drops below
+    ``gd_tol * max|z|``.
     Returns a tensor of the shape, dtype and device of ``z``.
     """
-    compiled = solver == "reduced" and z.device.type == "cpu"
-    check_cells(z, 4, finite=not compiled)  # the compiled kernel finds NaN and Inf as it loads
+    kernel = _kernel(z, solver)
+    check_cells(z, 4, finite=kernel is None)  # the compiled kernels find NaN and Inf as they load
     if solver not in SOLVERS:
         raise ValueError(f"solver must be one of {SOLVERS}, got {solver!r}")
     if isinstance(gd_max_iter, bool) or not isinstance(gd_max_iter, int) or gd_max_iter < 1:
@@ -44,8 +51,8 @@ def prox_2of4(
     work = z.dtype if solver == "gd" else torch.float64
     lam_c = lam_tensor(lam, z, work).reshape(-1)
     zc = z.reshape(-1, 4)
-    if compiled:
-        return _reduced_compiled(zc.detach(), lam_c).reshape(z.shape)
+    if kernel is not None:
+        return kernel(zc.detach(), lam_c).reshape(z.shape)
     a, order = sort_abs(zc)
     a = a.to(work)
     if solver == "reduced":
@@ -55,6 +62,29 @@ def prox_2of4(
     else:
         w = solve_sorted_gd(a, lam_c, gd_max_iter, gd_tol)
     return unsort(w.to(z.dtype), order, zc).reshape(z.shape)
+
+
+def _kernel(z: Tensor, solver: str) -> Callable[[Tensor, Tensor], Tensor] | None:
+    """The compiled path of ``solver="reduced"``: numba on CPU; on CUDA the Triton kernel for
+    float32 and 16-bit ``z`` (float64 keeps the float64 torch solver); None for the torch solvers."""
+    if solver != "reduced" or not isinstance(z, Tensor):
+        return None
+    if z.device.type == "cpu":
+        return _reduced_compiled
+    if z.device.type == "cuda" and z.dtype != torch.float64:
+        return _triton_prox()
+    return None
+
+
+@functools.cache
+def _triton_prox() -> Callable[[Tensor, Tensor], Tensor] | None:
+    """:func:`nmprune.prox.two_four_triton.prox_2of4_triton`, imported on the first CUDA call
+    (CPU runs never load triton); None where triton is not installed."""
+    try:
+        from .two_four_triton import prox_2of4_triton
+    except ImportError:
+        return None
+    return prox_2of4_triton
 
 
 def _reduced_compiled(zc: Tensor, lam_c: Tensor) -> Tensor:
