@@ -204,6 +204,21 @@ sys.exit(main(sys.argv[2:]))
 """
 
 
+def _paused_run(argv: list[str], cwd: Path, flag: Path) -> subprocess.Popen:
+    """A run of ``argv`` in a child process, returned once it waits in block 1's calibration
+    (:data:`PAUSED_CHILD`; touch ``FLAG.go`` to let it go on)."""
+    child = subprocess.Popen([sys.executable, "-c", PAUSED_CHILD, str(flag), *argv], cwd=cwd,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for _ in range(1200):
+        if Path(str(flag) + ".waiting").exists() or child.poll() is not None:
+            break
+        time.sleep(0.1)
+    if not Path(str(flag) + ".waiting").exists():
+        child.kill()
+        raise AssertionError(child.communicate()[1])
+    return child
+
+
 @pytest.mark.parametrize("second", ["same --out", "its default checkpoint as --checkpoint-dir"])
 def test_second_run_on_the_same_folders_is_refused_and_the_first_finishes(job, tmp_path, capsys, second):
     """Every folder a run writes is locked by that run, whoever named it: its default
@@ -213,14 +228,8 @@ def test_second_run_on_the_same_folders_is_refused_and_the_first_finishes(job, t
     other = argv if second == "same --out" else \
         args + ["--out", str(tmp_path / "p"), "--checkpoint-dir", str(tmp_path / "o.checkpoint")]
     flag = tmp_path / "first"
-    first = subprocess.Popen([sys.executable, "-c", PAUSED_CHILD, str(flag), *argv], cwd=tmp_path,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = _paused_run(argv, tmp_path, flag)
     try:
-        for _ in range(1200):
-            if Path(str(flag) + ".waiting").exists() or first.poll() is not None:
-                break
-            time.sleep(0.1)
-        assert Path(str(flag) + ".waiting").exists(), first.communicate()[1]
         before = _listing(tmp_path / "o.checkpoint")
         assert main(other) == 2
         _one_error(capsys.readouterr().err, "another nmprune run")
@@ -241,14 +250,8 @@ def test_ctrl_c_ends_in_one_line_and_the_same_command_resumes(job, tmp_path, cap
     *_, args = job
     argv = args + ["--out", str(tmp_path / "o")]
     flag = tmp_path / "first"
-    first = subprocess.Popen([sys.executable, "-c", PAUSED_CHILD, str(flag), *argv], cwd=tmp_path,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = _paused_run(argv, tmp_path, flag)
     try:
-        for _ in range(1200):
-            if Path(str(flag) + ".waiting").exists() or first.poll() is not None:
-                break
-            time.sleep(0.1)
-        assert Path(str(flag) + ".waiting").exists(), first.communicate()[1]
         first.send_signal(signal.SIGINT)
         _, err = first.communicate(timeout=120)
     finally:
