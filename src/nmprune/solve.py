@@ -68,11 +68,12 @@ def _check_representable(w: Tensor, h: Tensor) -> None:
     or inputs beyond that would turn every solver's arithmetic into Inf and NaN."""
     if not w.numel():
         return
-    bound = w.numel() * float(w.abs().max()) ** 2 * float(h.diagonal().double().abs().sum())
-    if not bound < torch.finfo(torch.float32).max:
-        raise NonFiniteModel(f"W (largest |w| {float(w.abs().max()):.3g}) and H (trace "
-                         f"{float(h.diagonal().double().sum()):.3g}) are too large for float32 arithmetic: "
-                         "the squared loss overflows (are the weights right?)")
+    lo, hi = torch.aminmax(w)  # one pass, no |w|-sized temporary on every solve
+    largest = max(-float(lo), float(hi))
+    trace = float(h.diagonal().double().abs().sum())
+    if not w.numel() * largest ** 2 * trace < torch.finfo(torch.float32).max:
+        raise NonFiniteModel(f"W (largest |w| {largest:.3g}) and H (trace {trace:.3g}) are too large "
+                             "for float32 arithmetic: the squared loss overflows (are the weights right?)")
 
 
 def _compute_dtype(w: Tensor, h: Tensor) -> torch.dtype:
