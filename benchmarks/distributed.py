@@ -17,12 +17,18 @@ blocks (:func:`nmprune.distributed.balance_window`) and over all blocks at once.
 the paper's GPU); a second column scales the 1-GPU total to the paper's measured 11,170 s
 for its method on that model (Table ``tab:runtime``).
 
+``--scaling`` measures the issue's speed-up instead: the default job (prox + exact + block
+reconstruction) on a random 4-block Llama of hidden size 512 (memory.py's checkpoint
+builder), 1 rank against 2 torchrun ranks, one thread per process, three runs of each
+alternated, and the dry run's time for both beside the medians (``distributed_scaling.{json,md}``).
+
 A second projection covers the streamed design (every rank reads only its current block) for
 Llama-3.1-8B and 70B with nmprune's defaults, from ``nmprune prune --dry-run``'s model
 (:func:`projection_streamed`; ``--projection-only`` redoes just that section).
 
 Writes benchmarks/results/distributed.{json,md}. Run:
     flock /tmp/nmprune-bench.lock python benchmarks/distributed.py [extra nmprune prune flags]
+    flock /tmp/nmprune-bench.lock python benchmarks/distributed.py --scaling
     python benchmarks/distributed.py --projection-only
 """
 
@@ -70,7 +76,10 @@ def run(cmd: list[str], env: dict[str, str]) -> dict:
 def load(out: Path) -> tuple[dict, dict]:
     from safetensors.torch import load_file
 
-    return json.loads((out / "nmprune_report.json").read_text()), load_file(out / "model.safetensors")
+    state = {}
+    for shard in sorted(out.glob("*.safetensors")):  # one file, or a streamed run's shards
+        state.update(load_file(shard))
+    return json.loads((out / "nmprune_report.json").read_text()), state
 
 
 def matmul_flops(threads: int) -> float:
@@ -258,8 +267,87 @@ def markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+SCALING_MODEL = dict(hidden=512, inter=1376, blocks=4, heads=8)
+SCALING_RUNS = 3
+
+
+def dry_run_seconds(model: Path, ranks: int) -> float:
+    """The dry run's total time for the default job on ``ranks`` CPU ranks."""
+    from nmprune.config import build_config
+    from nmprune.resources import plan_run
+
+    config = build_config({"model": str(model), "calib": str(model / "text.txt"), "device": "cpu", "eval": []})
+    return sum(plan_run(config, ranks).seconds.values())
+
+
+def scaling() -> None:
+    """The ``--scaling`` measurement of the module docstring."""
+    from memory import BUILD
+
+    commit, load_start = code_commit(), os.getloadavg()[0]
+    env = {**{k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}, "OMP_NUM_THREADS": "1"}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = Path(tmp) / "llama"
+        subprocess.run([sys.executable, "-c", BUILD.format(**SCALING_MODEL), str(model)], check=True)
+        args = ["-m", "nmprune", "prune", "--quiet", "--model", str(model), "--calib", str(model / "text.txt"),
+                "--no-eval"]
+        cmds = {1: [sys.executable, *args], 2: [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                "--nproc-per-node", "2", *args]}
+        walls: dict[int, list[float]] = {1: [], 2: []}
+        for k in range(SCALING_RUNS):
+            for ranks, cmd in cmds.items():
+                walls[ranks].append(run(cmd + ["--out", f"{tmp}/out-{ranks}-{k}"], env)["wall_seconds"])
+                print(f"{ranks} rank(s), run {k + 1}: {walls[ranks][-1]:.1f} s", flush=True)
+        (one, state_one), (two, state_two) = load(Path(tmp) / "out-1-0"), load(Path(tmp) / "out-2-0")
+        planned = {ranks: dry_run_seconds(model, ranks) for ranks in cmds}
+    names = [r["name"] for r in one["layers"] if not r["skipped"]]
+    same = [same_mask_cells(state_one[f"{n}.weight"], state_two[f"{n}.weight"], 4) for n in names]
+    median = {r: sorted(w)[len(w) // 2] for r, w in walls.items()}
+    result = {"commit": commit, "cpu": cpu_description(), "load_average": [load_start, os.getloadavg()[0]],
+              "model": SCALING_MODEL, "wall_seconds": walls, "median_seconds": median,
+              "speedup": median[1] / median[2], "planned_seconds": planned,
+              "planned_over_measured": {r: planned[r] / median[r] for r in median},
+              "same_mask_cells": float(sum(x.sum() for x in same)) / sum(x.numel() for x in same),
+              "split_layers": sum(1 for r in two["layers"] if r.get("shares")), "layers": len(names)}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "distributed_scaling.json").write_text(json.dumps(result, indent=1))
+    text = scaling_markdown(json.loads(json.dumps(result)))  # rank counts as the JSON's keys
+    (RESULTS / "distributed_scaling.md").write_text(text)
+    print(text)
+
+
+def scaling_markdown(r: dict) -> str:
+    m = r["model"]
+    ok = lambda met: "yes" if met else "no"  # noqa: E731
+    lines = ["# Two ranks against one: the default job on a random Llama", "",
+             f"`nmprune prune --no-eval` (prox + exact + block reconstruction, default calibration) on a "
+             f"random {m['blocks']}-block Llama, hidden size {m['hidden']}, MLP {m['inter']}, one thread per "
+             f"process; {r['cpu']['model']}, commit {r['commit']}; load average {r['load_average'][0]:.1f} "
+             f"at the start, {r['load_average'][1]:.1f} at the end. {SCALING_RUNS} runs of each, alternated; "
+             f"medians. {r['split_layers']} of the 2-rank run's {r['layers']} layer solves were split "
+             "by rows between the ranks.", "",
+             "| ranks | wall s (runs) | median s | dry run s | dry run / measured |", "|---:|---|---:|---:|---:|"]
+    for ranks in ("1", "2"):
+        walls = ", ".join(f"{w:.1f}" for w in r["wall_seconds"][ranks])
+        lines.append(f"| {ranks} | {walls} | {r['median_seconds'][ranks]:.1f} | {r['planned_seconds'][ranks]:.1f} | "
+                     f"{r['planned_over_measured'][ranks]:.2f} |")
+    within = all(abs(v - 1) <= 0.35 for v in r["planned_over_measured"].values())
+    lines += ["", "| check | measured | target | met |", "|---|---|---|---|",
+              f"| speed-up, 2 ranks over 1 | {r['speedup']:.2f}x | >= 1.8x | {ok(r['speedup'] >= 1.8)} |",
+              f"| same 2:4 masks | {100 * r['same_mask_cells']:.3f}% of cells | >= 99% | "
+              f"{ok(r['same_mask_cells'] >= 0.99)} |",
+              f"| dry run within 35% of the wall time | "
+              f"{', '.join(f'{k} rank(s): {v:.2f}' for k, v in r['planned_over_measured'].items())} | "
+              f"0.65-1.35 | {ok(within)} |"]
+    return "\n".join(lines) + "\n"
+
+
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--projection-only"]:  # redo the projection, keep the measured runs
+    if sys.argv[1:] == ["--scaling"]:
+        scaling()
+    elif sys.argv[1:] == ["--scaling-report"]:  # the table again from the saved JSON
+        print(scaling_markdown(json.loads((RESULTS / "distributed_scaling.json").read_text())))
+    elif sys.argv[1:] == ["--projection-only"]:  # redo the projection, keep the measured runs
         result = json.loads((RESULTS / "distributed.json").read_text())
         result["projection_streamed"] = projection_streamed()
         (RESULTS / "distributed.json").write_text(json.dumps(result, indent=1))

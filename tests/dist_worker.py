@@ -6,7 +6,11 @@ Python inside a process group this script initialises (gloo).
 MODE ``run`` prunes a tiny model of FAMILY and rank 0 saves the state dict and the report
 under OUT; ``fail`` also keeps a checkpoint in OUT/ckpt and raises on rank 1 after block 1;
 ``resume`` continues from the checkpoint in OUT/ckpt (made by any number of ranks).
-RECONSTRUCT (``submodule`` or ``block``) adds local reconstruction with :data:`RECONSTRUCT`.
+RECONSTRUCT (``submodule`` or ``block``) adds local reconstruction with :data:`RECONSTRUCT`;
+``prox`` instead prunes with :data:`PROX`, whole layers to each rank (the tiny layers are too
+small to split), and ``rows`` does the same but lets the ranks split layers of any size
+(:data:`nmprune.distributed.MIN_SHARE_ROWS` lowered to 1), so they solve shares of every
+layer's rows.
 """
 
 from __future__ import annotations
@@ -21,11 +25,21 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_models_tiny import tiny_model, token_batch  # noqa: E402
 
+from nmprune import distributed  # noqa: E402
 from nmprune.checkpoint import Checkpoint  # noqa: E402
 from nmprune.pipeline import prune_model  # noqa: E402
 
 SETTINGS = dict(method="sparsegpt", refine="exact", pattern="2:4", batch_size=2, reconstruct="none")
 RECONSTRUCT = dict(reconstruct_batch_size=2, reconstruct_epochs=5, reconstruct_lr=1.8e-2)
+PROX = dict(SETTINGS, method="prox", hessian_inputs="pruned")  # its rows read totals over the layer
+
+
+def settings(family: str, extra: str) -> dict:
+    """The prune_model settings of a worker started with ``extra`` (module docstring)."""
+    if extra in ("prox", "rows"):
+        return PROX
+    return dict(SETTINGS, hessian_inputs="pruned" if family == "opt" else "dense",
+                **(dict(reconstruct=extra, **RECONSTRUCT) if extra != "none" else {}))
 
 
 def build(family: str):
@@ -34,8 +48,10 @@ def build(family: str):
     return tiny_model(family, layers=3, intermediate=128)
 
 
-def main(family: str, mode: str, out: Path, reconstruct: str = "none") -> None:
+def main(family: str, mode: str, out: Path, extra: str = "none") -> None:
     torch.set_num_threads(1)
+    if extra == "rows":
+        distributed.MIN_SHARE_ROWS = 1
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     model = build(family)
@@ -46,9 +62,7 @@ def main(family: str, mode: str, out: Path, reconstruct: str = "none") -> None:
             raise ValueError("injected failure on rank 1 after block 1")
 
     report = prune_model(model, calibration=token_batch(8, 16), device="cpu", progress=False,
-                         checkpoint=checkpoint, on_block_done=fail,
-                         hessian_inputs="pruned" if family == "opt" else "dense",
-                         **{**SETTINGS, **(dict(reconstruct=reconstruct, **RECONSTRUCT) if reconstruct != "none" else {})})
+                         checkpoint=checkpoint, on_block_done=fail, **settings(family, extra))
     if rank == 0:
         torch.save(model.state_dict(), out / "state.pt")
         (out / "report.json").write_text(json.dumps(report.to_dict(), default=str))

@@ -27,11 +27,11 @@ from nmprune.pipeline import prune_model
 WORKER = Path(__file__).resolve().parent / "dist_worker.py"
 
 
-def torchrun(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
-    """Two gloo ranks on a free port, a 60 s collective timeout, 2 minutes in all."""
+def torchrun(args: list[str], tmp_path: Path, nproc: int = 2) -> subprocess.CompletedProcess:
+    """``nproc`` gloo ranks on a free port, a 60 s collective timeout, 2 minutes in all."""
     env = {**os.environ, "NMPRUNE_DIST_TIMEOUT": "60"}
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "2", *args], capture_output=True, text=True,
+                           "--nproc-per-node", str(nproc), *args], capture_output=True, text=True,
                           env=env, cwd=tmp_path, timeout=120)
 
 
@@ -150,14 +150,14 @@ def test_default_job_on_two_ranks_gives_one_ranks_quality(tiny_dir, tmp_path):
         assert two["perplexity"]["pruned"][data] == pytest.approx(ppl, rel=5e-3), data
 
 
-def _worker(family: str, mode: str, out: Path, tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
+def worker_run(family: str, mode: str, out: Path, tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
     out.mkdir()
     return torchrun([str(WORKER), family, mode, str(out), *extra], tmp_path)
 
 
 def test_prune_model_in_a_process_group_matches_one_rank(tmp_path):
     """OPT, propagating through the pruned blocks: every rank needs every pruned weight."""
-    run = _worker("opt", "run", tmp_path / "two", tmp_path)
+    run = worker_run("opt", "run", tmp_path / "two", tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     sys.path.insert(0, str(WORKER.parent))
     from dist_worker import SETTINGS, build
@@ -181,7 +181,7 @@ def test_prune_model_in_a_process_group_matches_one_rank(tmp_path):
 def test_reconstruction_on_two_ranks_matches_one_rank(family, granularity, tmp_path):
     """Data-parallel reconstruction: each rank trains on its half of the calibration batches,
     the gradients summed; two ranks end where one does, up to float summation order."""
-    run = _worker(family, "run", tmp_path / "two", tmp_path, granularity)
+    run = worker_run(family, "run", tmp_path / "two", tmp_path, granularity)
     assert run.returncode == 0, run.stderr[-3000:]
     sys.path.insert(0, str(WORKER.parent))
     from dist_worker import RECONSTRUCT, SETTINGS, build
@@ -207,7 +207,7 @@ def test_reconstruction_on_two_ranks_matches_one_rank(family, granularity, tmp_p
 
 def test_failing_rank_ends_the_job_with_its_error_and_resumes_on_one_rank(tmp_path):
     out = tmp_path / "failed"
-    run = _worker("llama", "fail", out, tmp_path)
+    run = worker_run("llama", "fail", out, tmp_path)
     assert run.returncode != 0
     # Llama's wide MLP made the ranks solve blocks 0 and 1 together
     assert "rank 1 failed during saving blocks 0-1: ValueError: injected failure on rank 1" in run.stderr

@@ -7,11 +7,17 @@ each rank (one process, one device: ``cuda:LOCAL_RANK`` with NCCL, the CPU with 
 1. runs its contiguous share of the calibration batches through the current block;
 2. all-reduces the input statistics (``sum x x^T``, ``sum x``, token count: sums, so the
    reduction is exact up to float summation order) before any layer is solved;
-3. solves the layers the cost-based assignment (:func:`assign`, longest job first to the
-   least loaded rank) gives it;
-4. receives every other rank's pruned weights by broadcast, so after each block all ranks
-   hold the same pruned block (needed to propagate with ``hessian_inputs="pruned"``, and it
-   lets :func:`nmprune.pipeline.prune_model` return the same model on every rank).
+3. solves its share of the layers. The loss is a sum over a layer's rows, and every built-in
+   solver treats the rows independently once ``H`` is known (reading the few totals its loop
+   needs over all rows through :class:`~nmprune.registry.RowShards`), so each rank can solve
+   a contiguous share of every layer's rows (:func:`split_rows`), which keeps the ranks
+   equally busy whatever the block's shapes and the cost model's errors. Where a solver is
+   registered ``rows="whole"``, or the layers are too small to split, the cost-based
+   assignment (:func:`assign`, longest job first to the least loaded rank) gives each rank
+   whole layers instead;
+4. receives every other rank's pruned weights (rows) by broadcast, so after each block all
+   ranks hold the same pruned block (needed to propagate with ``hessian_inputs="pruned"``,
+   and it lets :func:`nmprune.pipeline.prune_model` return the same model on every rank).
 
 Errors never hang a job: each phase ends in :func:`Ranks.check`, an all-gather of every
 rank's status; a rank that raised makes all ranks raise :class:`RankError` naming it and its
@@ -25,7 +31,7 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, Iterator, Sequence, TypeVar
 
@@ -357,6 +363,80 @@ def balance_window(block_costs: Sequence[Sequence[float]], world: int,
     return max(len(block_costs), 1)
 
 
+#: Fewest rows a rank solves of a layer whose rows are split (fewer make each rank's products
+#: too thin to run at speed, and the per-iteration totals cost more than they save).
+MIN_SHARE_ROWS = 64
+
+
+def split_rows(rows: Sequence[int], splittable: bool, world: int) -> bool:
+    """Whether the ranks solve shares of every layer's rows (True) rather than whole layers,
+    for a block of layers with these output ``rows``: on several ranks, when ``splittable``
+    (every solver of the block is registered ``rows="independent"`` or ``"reduced"``) and every
+    layer gives each rank at least :data:`MIN_SHARE_ROWS` rows. Shares of rows keep the ranks
+    equally busy whatever the block's shapes and however far the cost model
+    (:func:`job_cost`) is from the real times, which whole layers depend on."""
+    return world >= 2 and splittable and bool(rows) and all(r >= world * MIN_SHARE_ROWS for r in rows)
+
+
+def busiest_rank_cost(costs: Sequence[float], rows: Sequence[int], splittable: bool, world: int) -> float:
+    """The busiest rank's cost of solving one block's layers as :class:`DistributedExecutor`
+    does (:func:`split_rows`): an equal share of the total, or the whole layers' makespan."""
+    if split_rows(rows, splittable, world):
+        return sum(costs) / world
+    return makespan(costs, world)
+
+
+def splittable(plans: Sequence[Any]) -> bool:
+    """Whether every solver of these :class:`~nmprune.stages.plan.LayerPlan` s may split a
+    layer's rows (registered ``rows="independent"`` or ``"reduced"``)."""
+    return all(s.rows != "whole" for p in plans for s in (p.method, p.refiner) if s is not None)
+
+
+def row_share(rank: int, world: int, rows: int) -> range:
+    """Rank ``rank``'s contiguous share of a layer's ``rows`` output rows."""
+    return range(rank * rows // world, (rank + 1) * rows // world)
+
+
+def merge_records(parts: Sequence[dict[str, Any]], shares: Sequence[range]) -> dict[str, Any]:
+    """One layer's record (:func:`nmprune.stages.executor.run_job`) from its ranks' records of
+    their shares of its rows: losses are sums over rows, so they add up; times are the
+    slowest share's (the ranks solve together), CPU time all of theirs. ``rank`` is None and
+    ``shares`` says which rows each rank solved and in how many seconds."""
+    record = dict(parts[0])
+    for key in ("loss_method", "loss_refined", "loss_wanda"):
+        record[key] = None if record[key] is None else sum(p[key] for p in parts)
+    for key in ("seconds_method", "seconds_refine", "seconds_wanda_reference", "seconds"):
+        record[key] = max(p[key] for p in parts)
+    record["cpu_seconds"] = sum(p["cpu_seconds"] for p in parts)
+    final = record["loss_refined"] if record["loss_refined"] is not None else record["loss_method"]
+    record["loss_vs_wanda"] = final / record["loss_wanda"] if record["loss_wanda"] > 0 else None
+    record["rank"] = None
+    record["shares"] = [{"rank": r, "rows": [rows.start, rows.stop], "seconds": p["seconds"],
+                         "cpu_seconds": p["cpu_seconds"]} for r, (p, rows) in enumerate(zip(parts, shares))]
+    return record
+
+
+class RankTotals:
+    """:class:`~nmprune.registry.RowShards` over the ranks, for the layer whose weights (on
+    every rank) are ``whole``: each total is one all-reduce of a float64 vector (the same
+    calls on every rank, as the solvers make them)."""
+
+    def __init__(self, ranks: "Ranks", whole: Tensor):
+        self.ranks, self.whole = ranks, whole
+
+    def _reduce(self, values: Sequence[float], op: Any) -> list[float]:
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.ranks.device)
+        with _peer_lost("a total over a layer's rows"):
+            dist.all_reduce(t, op=op)
+        return t.tolist()
+
+    def sum(self, values: Sequence[float]) -> list[float]:
+        return self._reduce(values, dist.ReduceOp.SUM)
+
+    def max(self, values: Sequence[float]) -> list[float]:
+        return self._reduce(values, dist.ReduceOp.MAX)
+
+
 # ----------------------------------------------------------------------------- executor
 
 
@@ -364,8 +444,10 @@ class DistributedExecutor:
     """The executor (:mod:`nmprune.stages.executor`) of one rank in a process group.
 
     Calibration batches: this rank's :meth:`Ranks.share` (:meth:`shard`); statistics:
-    all-reduced (:meth:`reduce`); layer solves: spread by :func:`assign`, each pruned weight
-    broadcast from its rank so every rank hands every job to ``done`` (:meth:`solve`).
+    all-reduced (:meth:`reduce`); layer solves: each layer's rows split over the ranks, or
+    whole layers spread by :func:`assign` (:func:`split_rows` decides per block), the pruned
+    rows or weights broadcast from the rank that solved them so every rank hands every job to
+    ``done`` (:meth:`solve`).
     Every exchange starts with a status check (:meth:`Ranks.check`).
     """
 
@@ -400,14 +482,49 @@ class DistributedExecutor:
         self.ranks.all_reduce_sum(tensors)
 
     def solve(self, jobs: Sequence[Any], done, progress=iter) -> None:
-        """Solve this rank's share of ``jobs`` (:class:`~nmprune.stages.executor.LayerJob`), then
-        hand every job, in order, with its pruned weight (broadcast from the rank that solved
-        it) and record (with that ``rank``) to ``done`` on every rank."""
+        """Solve ``jobs`` (:class:`~nmprune.stages.executor.LayerJob`) with the other ranks --
+        shares of every layer's rows, or whole layers, as :func:`split_rows` decides -- then
+        hand every job, in order, with its whole pruned weight (broadcast from the ranks that
+        solved it) and record to ``done`` on every rank."""
+        if split_rows([job.weight.shape[0] for job in jobs], splittable([job.plan for job in jobs]), self.world):
+            self._solve_rows(jobs, done, progress)
+        else:
+            costs = [job_cost(*job.weight.shape, job.plan.method.name,
+                              job.plan.refiner.name if job.plan.refiner is not None else None) for job in jobs]
+            self._solve_layers(jobs, assign(costs, self.world), done, progress)
+
+    def _solve_rows(self, jobs: Sequence[Any], done, progress) -> None:
+        """Every rank solves its :func:`row_share` of each layer, all ranks one layer at a
+        time (the solvers' totals are collectives; :func:`~nmprune.stages.executor.run_job`
+        checks the whole layer's inputs first, so that bad inputs fail on every rank alike)."""
         from .stages.executor import run_job
 
-        owner = assign([job_cost(*job.weight.shape, job.plan.method.name,
-                                 job.plan.refiner.name if job.plan.refiner is not None else None)
-                        for job in jobs], self.world)
+        for job in progress(jobs):
+            d_out = job.weight.shape[0]
+            shares = [row_share(r, self.world, d_out) for r in range(self.world)]
+            mine = shares[self.rank]
+            error, record, part = None, None, None
+            try:
+                # the weights as run_job hands them to the solver (the same tensor, no copy)
+                whole = replace(job, weight=job.weight.detach().to(self.device, job.stats.xtx.dtype))
+                part, record = run_job(whole, self.device, rows=mine, shards=RankTotals(self.ranks, whole.weight))
+                del whole
+            except Exception as e:  # noqa: BLE001 - reported to every rank by check
+                error = e
+            parts = self.ranks.check(f"layer {job.name}", error, record)
+            weight = torch.empty(tuple(job.weight.shape), dtype=part.dtype, device=self.device)
+            weight[mine.start:mine.stop] = part
+            del part
+            for r, rows in enumerate(shares):
+                self.ranks.broadcast_into(weight[rows.start:rows.stop], r)
+            done(job, weight, merge_records(parts, shares))
+            del weight
+
+    def _solve_layers(self, jobs: Sequence[Any], owner: list[int], done, progress) -> None:
+        """This rank solves the whole layers ``owner`` gives it; each weight is then
+        broadcast from its owner."""
+        from .stages.executor import run_job
+
         weights: dict[int, Tensor] = {}
         records: dict[int, dict[str, Any]] = {}
         error = None

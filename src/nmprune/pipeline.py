@@ -29,7 +29,7 @@ from .checkpoint import Checkpoint
 from .memory import frozen_heap, release_memory
 from .config import PruneSettings
 from .devices import default_device
-from .distributed import DistributedExecutor, balance_window, job_cost
+from .distributed import DistributedExecutor, balance_window, job_cost, split_rows, splittable
 from .stages.executor import Executor, LayerJob, LocalExecutor
 from .models import evaluating, set_weight_matrix, weight_matrix
 from .progress import bar as progress_bar
@@ -190,16 +190,21 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
                            p.refiner.name if p.refiner is not None else None)
                   for name in source.layers(i) if (p := plans[name]) is not None]
                  for i in range(len(source))]
+        active = [[name for name in source.layers(i) if plans[name] is not None] for i in range(len(source))]
+        # blocks whose layers the ranks solve in shares of rows are balanced alone
+        alone = [split_rows([shapes[n][0] for n in names], splittable([plans[n] for n in names]), executor.world)
+                 for names in active]
         # the ETA shows from the second block on: the first pays one-time costs (the
         # solvers' compilation, the first reads)
         bar = progress_bar(None, enabled=progress and executor.is_main, desc="pruning blocks",
                            initial=start, total=len(source), bar_format=_NO_ETA)
         i = start
         while i < len(source):
-            # dense inputs: solve as many blocks together as it takes to balance the ranks
-            # (not with reconstruction, which needs every block's pruned outputs for the next)
+            # dense inputs: solve as many blocks together as it takes to balance the ranks with
+            # whole layers, where rows cannot be shared (not with reconstruction, which needs
+            # every block's pruned outputs for the next)
             k = balance_window(costs[i:], executor.world) \
-                if settings.hessian_inputs == "dense" and settings.reconstruct == "none" else 1
+                if settings.hessian_inputs == "dense" and settings.reconstruct == "none" and not alone[i] else 1
             group = range(i, i + k)
             new, fitted = _prune_blocks(group, source, plans, stage, executor, hessians is None,
                                         progress and executor.is_main, busy)
@@ -231,15 +236,25 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
                 template = stage.inputs.output_template
                 report.end_to_end = stage.end_to_end(lambda js, finals: source.head_logits(
                     template, [batches[j] for j in js], finals, device))
-    mine = [r for r in report.layers[len(resumed):] if not r["skipped"] and r["rank"] == executor.rank]
-    solve = sum(r["seconds"] for r in mine)
+    mine = [_my_share(r, executor.rank) for r in report.layers[len(resumed):] if not r["skipped"]]
+    mine = [(r["name"], share) for r, share in mine if share is not None]
+    solve = sum(share["seconds"] for _, share in mine)
     report.per_rank = executor.per_rank({
         "rank": executor.rank, "busy_seconds": busy["calibration_seconds"] + solve,
         "calibration_seconds": busy["calibration_seconds"], "solve_seconds": solve,
-        "layer_cpu_seconds": sum(r["cpu_seconds"] for r in mine), "layers": [r["name"] for r in mine]})
+        "layer_cpu_seconds": sum(share["cpu_seconds"] for _, share in mine),
+        "layers": [name for name, _ in mine]})
     report.seconds = {"capture": t_capture, "total": time.perf_counter() - t_start,
                       "layers": sum(r.get("seconds", 0.0) for r in report.layers)}
     return report
+
+
+def _my_share(record: dict[str, Any], rank: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """``record`` and the part of its solve rank ``rank`` did (seconds, CPU seconds): the
+    whole layer's, its share of the rows (``shares``), or None."""
+    if record.get("shares"):
+        return record, next((s for s in record["shares"] if s["rank"] == rank), None)
+    return record, record if record["rank"] == rank else None
 
 
 def _statistics_stage(inputs: BlockInputs, settings: PruneSettings, executor: Executor,

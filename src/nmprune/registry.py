@@ -20,7 +20,12 @@ and checked once by :mod:`nmprune.stages.plan` against its annotation: ``bool``,
 
 Each registration also carries the solver's ``cost``: its seconds per ``rows x d_in^2``
 (:data:`DEFAULT_COST` when not given), from which :func:`nmprune.distributed.job_cost`
-estimates a layer's solve when spreading layers over ranks.
+estimates a layer's solve when spreading layers over ranks, and what it promises about its
+rows (``rows``), which decides whether several ranks may solve one layer's rows between them
+(:data:`ROWS`). The local loss is a sum over rows, so a solver that treats its rows alone
+gives the same rows on any share of them; one whose loop reads a total over the rows (a mean
+weight, a stopping rule) takes a keyword-only ``shards`` (:class:`RowShards`) and reads its
+totals through it.
 """
 
 from __future__ import annotations
@@ -29,9 +34,35 @@ import importlib
 import inspect
 import math
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Callable
+from collections.abc import Sequence
+from typing import Annotated, Any, Callable, Protocol
+
+from torch import Tensor
 
 from .pattern import NMPattern
+
+
+class RowShards(Protocol):
+    """The rows of one layer split between processes, each solving its share: every total
+    a solver reads over its rows is summed (or maximised) over all shares through this, so
+    that all processes take the same decisions (every process calls it at the same points,
+    with values of the same length). ``whole`` is the whole layer's ``W`` (as the solver's
+    share of it: same dtype and device), for a statistic that must be bit for bit the one
+    the whole layer gives (a float mean depends on its summation order)."""
+
+    whole: Tensor
+
+    def sum(self, values: Sequence[float]) -> list[float]: ...
+
+    def max(self, values: Sequence[float]) -> list[float]: ...
+
+
+#: What a solver promises about its rows, declared when it registers:
+#: ``"independent"``: each output row is solved from its own weights and ``H`` alone, so any
+#: share of the rows gives the same rows; ``"reduced"``: the same, given the totals its
+#: ``shards`` parameter provides; ``"whole"`` (the default, for solvers that promise neither):
+#: the layer is always solved whole by one process.
+ROWS = ("independent", "reduced", "whole")
 
 
 @dataclass(frozen=True)
@@ -94,12 +125,14 @@ class Registered:
     supports: Callable[[NMPattern], bool] = field(default=lambda p: True)
     statistics: tuple[str, ...] = ()
     cost: float = DEFAULT_COST  # seconds per rows x d_in^2 (see DEFAULT_COST)
+    rows: str = "whole"  # one of ROWS
 
     def option_names(self) -> list[str]:
-        """The user options: keyword-only parameters that are not declared statistics."""
+        """The user options: keyword-only parameters that are neither declared statistics
+        nor ``shards``."""
         params = inspect.signature(self.fn).parameters.values()
-        return [p.name for p in params
-                if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name not in self.statistics]
+        return [p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY
+                and p.name not in self.statistics and p.name != "shards"]
 
 
 _METHODS: dict[str, Registered] = {}
@@ -108,8 +141,10 @@ _REFINERS: dict[str, Registered] = {}
 
 def _register(table: dict[str, Registered], kind: str, name: str, description: str,
               supports: Callable[[NMPattern], bool] | None, statistics: tuple[str, ...],
-              cost: float) -> Callable:
+              cost: float, rows: str) -> Callable:
     cost = _check_cost(kind, name, cost)
+    if rows not in ROWS:
+        raise ValueError(f"{kind} {name!r}: rows must be one of {', '.join(ROWS)}, got {rows!r}")
 
     def deco(fn: Callable) -> Callable:
         if name in table:
@@ -119,15 +154,20 @@ def _register(table: dict[str, Registered], kind: str, name: str, description: s
             if stat not in params or params[stat].kind is not inspect.Parameter.KEYWORD_ONLY:
                 raise ValueError(f"{kind} {name!r} declares statistic {stat!r} but has no "
                                  "keyword-only parameter of that name")
+        takes = "shards" in params and params["shards"].kind is inspect.Parameter.KEYWORD_ONLY
+        if (rows == "reduced") != takes:
+            raise ValueError(f"{kind} {name!r}: a solver registered with rows='reduced' takes a "
+                             "keyword-only parameter 'shards', and only such a solver does")
         table[name] = Registered(name, fn, description or (fn.__doc__ or "").strip().split("\n")[0],
-                                 supports or (lambda p: True), tuple(statistics), cost)
+                                 supports or (lambda p: True), tuple(statistics), cost, rows)
         return fn
     return deco
 
 
 def register_method(name: str, *, description: str = "",
                     supports: Callable[[NMPattern], bool] | None = None,
-                    statistics: tuple[str, ...] = (), cost: float = DEFAULT_COST) -> Callable:
+                    statistics: tuple[str, ...] = (), cost: float = DEFAULT_COST,
+                    rows: str = "whole") -> Callable:
     """Decorator registering a layer pruning method under ``name``.
 
     ``description`` (default: the first line of the docstring) is what ``nmprune methods``
@@ -143,15 +183,19 @@ def register_method(name: str, *, description: str = "",
     over ranks. Left out, the method is priced at :data:`DEFAULT_COST` = 1.5e-8, like the
     most expensive built-in solver: measure ``seconds / (rows * d_in**2)`` of your method on
     a few layer shapes and give it here.
+
+    ``rows`` (:data:`ROWS`) says whether ranks may split a layer's rows between them; left
+    out (``"whole"``), a layer solved with this method is always solved by one rank.
     """
-    return _register(_METHODS, "method", name, description, supports, statistics, cost)
+    return _register(_METHODS, "method", name, description, supports, statistics, cost, rows)
 
 
-def register_refiner(name: str, *, description: str = "", cost: float = DEFAULT_COST) -> Callable:
+def register_refiner(name: str, *, description: str = "", cost: float = DEFAULT_COST,
+                     rows: str = "whole") -> Callable:
     """Decorator registering a mask-held refiner under ``name``. ``cost`` (seconds per
-    ``rows x d_in^2``, added to the method's by :func:`nmprune.distributed.job_cost`) means
-    what it means for :func:`register_method`, and defaults likewise to :data:`DEFAULT_COST`."""
-    return _register(_REFINERS, "refiner", name, description, None, (), cost)
+    ``rows x d_in^2``, added to the method's by :func:`nmprune.distributed.job_cost`) and
+    ``rows`` mean what they mean for :func:`register_method`, with the same defaults."""
+    return _register(_REFINERS, "refiner", name, description, None, (), cost, rows)
 
 
 def _load() -> None:

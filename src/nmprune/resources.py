@@ -27,10 +27,14 @@ parameters and its prunable layers' shapes, as a streamed run does
   layers' weights and the hidden states of every stream).
 * **Time.** The layer solves from the cost model (:func:`nmprune.distributed.job_cost`,
   seconds on the reference CPU; on CUDA divided by :data:`CUDA_SPEEDUP`), spread over the
-  ranks: the busiest rank's share of each block when blocks are solved one at a time (with
-  reconstruction or pruned inputs), the mean otherwise (a window of blocks balances them) and the forward and backward passes from their floating-point
+  ranks as the run spreads them: when blocks are solved one at a time (with reconstruction or
+  pruned inputs), the busiest rank's cost of each block under the executor's own choice
+  between shares of rows and whole layers (:func:`nmprune.distributed.busiest_rank_cost`),
+  the mean otherwise (a window of blocks balances them); and the forward and backward passes from their floating-point
   operations (2 per parameter and token forward, 6 forward and backward) at
-  :data:`FLOPS` per device kind.
+  :data:`FLOPS` per device kind: the calibration passes spread over the ranks, a
+  reconstruction step's training only over as many ranks as the step has batches (one
+  batch per step, the default, runs on one rank at a time).
 
 Every figure is an estimate; ``benchmarks/memory.py`` checks the memory ones against
 measured peaks.
@@ -123,7 +127,7 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None, mo
     number of ranks and the model's files, :func:`~nmprune.streaming.fit.ranks_offload`);
     ``model``: the model's ``(source, configuration)`` when already read."""
     from .devices import default_device
-    from .distributed import job_cost, makespan
+    from .distributed import busiest_rank_cost, job_cost, splittable
     from .stages.source import DecoderBlocks
     from .streaming.fit import ranks_offload
 
@@ -171,7 +175,9 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None, mo
     costs = [[job_cost(*b[n], p.method.name, p.refiner.name if p.refiner else None)
               for n in b if (p := plans[n]) is not None] for b in per_block]
     if recon or s.hessian_inputs == "pruned":  # one block at a time: the busiest rank's share
-        solve = sum(makespan(c, ranks) for c in costs)
+        solve = sum(busiest_rank_cost(c, [b[n][0] for n in b if plans[n] is not None],
+                                      splittable([plans[n] for n in b if plans[n] is not None]), ranks)
+                    for c, b in zip(costs, per_block))
     else:  # a window of blocks keeps the ranks near balance (nmprune.distributed.balance_window)
         solve = sum(map(sum, costs)) / ranks
     if device == "cuda":
@@ -180,7 +186,11 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None, mo
     forward = 2.0 * sum(block_params) * tokens
     seconds = {"layer_solves": solve, "calibration_passes": passes * forward / FLOPS[device] / ranks}
     if recon:
-        seconds["reconstruction"] = (3 * s.reconstruct_epochs + 2) * forward / FLOPS[device] / ranks
+        # the passes before and after training are data-parallel; a training step runs the
+        # step's batches on the ranks that hold them, so ranks beyond its batches wait
+        per_step = s.fit_options().batches_per_step
+        training = 3 * s.reconstruct_epochs * forward * -(-per_step // ranks) / per_step
+        seconds["reconstruction"] = (training + 2 * forward / ranks) / FLOPS[device]
     if config.eval:
         seconds["evaluation"] = 2 * len(config.eval) * 2.0 * params * (config.eval_max_tokens or tokens) \
             / FLOPS[device]

@@ -25,7 +25,7 @@ from .linalg import wanda_score
 from .loss import local_loss
 from .pattern import NMPattern, is_nm_sparse, topn_mask
 from .stages.plan import LayerPlan, resolve_plan
-from .registry import get_method
+from .registry import RowShards, get_method
 
 
 @dataclass
@@ -46,7 +46,9 @@ class LayerResult:
     seconds_refine: float
 
 
-def _validate(w: Tensor, h: Tensor, pattern: NMPattern) -> None:
+def check_problem(w: Tensor, h: Tensor, pattern: NMPattern) -> None:
+    """What :func:`solve` checks of its inputs (ValueError, or
+    :class:`~nmprune.checks.NonFiniteModel` for values beyond float32's range)."""
     check_float("W", w)
     check_float("H", h)
     if w.ndim != 2:
@@ -85,12 +87,18 @@ def _sync(t: Tensor) -> None:
         torch.cuda.synchronize(t.device)
 
 
-def full_mask(w_pruned: Tensor, w_star: Tensor, h: Tensor, pattern: NMPattern) -> Tensor:
+def full_mask(w_pruned: Tensor, w_star: Tensor, h: Tensor, pattern: NMPattern,
+              shards: RowShards | None = None) -> Tensor:
     """Exactly N positions per cell: the non-zeros of ``w_pruned`` first, then the highest
-    Wanda scores ``|W*_ij| H_jj^{1/2}`` (a free slot can only help a mask-held refiner)."""
+    Wanda scores ``|W*_ij| H_jj^{1/2}`` (a free slot can only help a mask-held refiner).
+    ``shards``: the rows are one share of a layer's (the scores are scaled by the layer's
+    largest, as for the whole layer)."""
     score = wanda_score(w_star, h)  # one temporary of W's size
+    largest = score.max() if score.numel() else None
+    if shards is not None:
+        largest = shards.max([float(largest) if largest is not None else 0.0])[0]
     if score.numel():
-        score.div_(1.0 + score.max())
+        score.div_(1.0 + largest)
     return topn_mask(score.add_(w_pruned != 0), pattern)
 
 
@@ -124,8 +132,8 @@ def dampened(h: Tensor, damp: float) -> Iterator[Tensor]:
         diagonal.copy_(original)
 
 
-def solve(W: Tensor, H: Tensor, plan: LayerPlan, statistics: Mapping[str, Tensor] | None = None
-          ) -> LayerResult:
+def solve(W: Tensor, H: Tensor, plan: LayerPlan, statistics: Mapping[str, Tensor] | None = None,
+          shards: RowShards | None = None) -> LayerResult:
     """Prune ``W`` (d_out, d_in) to ``plan.pattern`` along ``d_in`` minimising
     ``Tr((W-W*) H (W-W*)^T)`` with the plan's method, then its refiner (if any).
 
@@ -135,31 +143,37 @@ def solve(W: Tensor, H: Tensor, plan: LayerPlan, statistics: Mapping[str, Tensor
     instead of ``H`` (``H``'s diagonal is raised in place while they run); the reported
     losses are always on ``H`` itself. Raises ValueError on
     bad tensors (shapes, dtypes, devices, NaN/Inf, a non-symmetric ``H``).
+
+    ``shards``: ``W`` is this process's share of a layer's rows, the others solved at the same
+    time by other processes (:class:`~nmprune.registry.RowShards`); the plan's solvers must
+    not be registered ``rows="whole"``, and those registered ``"reduced"`` get ``shards``.
+    The losses are then this share's part of the layer's (the loss is a sum over rows).
     """
     p = plan.pattern
-    _validate(W, H, p)
+    check_problem(W, H, p)
     extra = dict(statistics or {})
     unknown = sorted(set(extra) - set(plan.statistics))
     if unknown:
         raise ValueError(f"method {plan.method.name!r} takes no statistic {unknown[0]!r}")
     dtype = _compute_dtype(W, H)
     w_star, h = W.to(dtype), H.to(dtype)
+    method_shards, refiner_shards = _shards(plan, shards)
 
     start = time.perf_counter()
     with dampened(h, plan.damp) as h_solve:
-        w = plan.method.fn(w_star, h_solve, p, **extra, **plan.method_options)
+        w = plan.method.fn(w_star, h_solve, p, **extra, **method_shards, **plan.method_options)
         _sync(w)
     seconds_method = time.perf_counter() - start
     if w.shape != w_star.shape or not is_nm_sparse(w, p):
         raise RuntimeError(f"method {plan.method.name!r} did not return an exactly {p} sparse matrix")
-    mask = full_mask(w, w_star, h, p)
+    mask = full_mask(w, w_star, h, p, shards)
     loss_method = local_loss(w, w_star, h)
 
     loss_refined, seconds_refine = None, 0.0
     if plan.refiner is not None:
         start = time.perf_counter()
         with dampened(h, plan.damp) as h_solve:
-            w = plan.refiner.fn(w, w_star, h_solve, mask, **plan.refiner_options)
+            w = plan.refiner.fn(w, w_star, h_solve, mask, **refiner_shards, **plan.refiner_options)
             _sync(w)
         seconds_refine = time.perf_counter() - start
         if bool((w[~mask] != 0).any()):
@@ -169,6 +183,19 @@ def solve(W: Tensor, H: Tensor, plan: LayerPlan, statistics: Mapping[str, Tensor
     return LayerResult(weight=w.to(W.dtype), mask=mask, loss_method=loss_method,
                        loss_refined=loss_refined, seconds_method=seconds_method,
                        seconds_refine=seconds_refine)
+
+
+def _shards(plan: LayerPlan, shards: RowShards | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The ``shards`` keyword of the plan's method and refiner (empty for a whole layer and
+    for solvers whose rows are independent)."""
+    if shards is None:
+        return {}, {}
+    solvers = [plan.method] + ([plan.refiner] if plan.refiner is not None else [])
+    whole = [r.name for r in solvers if r.rows == "whole"]
+    if whole:
+        raise ValueError(f"{whole[0]!r} solves a layer only whole (registered rows='whole'), not a share of its rows")
+    return tuple({"shards": shards} if r is not None and r.rows == "reduced" else {}
+                 for r in (plan.method, plan.refiner))
 
 
 def prune_layer(W: Tensor, H: Tensor, method: str = "prox", pattern: str | NMPattern = "2:4",

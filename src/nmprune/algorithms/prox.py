@@ -63,7 +63,7 @@ from ..linalg import column_scale, gd_step_size, rescale
 from ..pattern import NMPattern, count_dense_cells, from_cells, to_cells, topn_mask
 from ..prox import prox_2of4, prox_l0, prox_l1, prox_l2, prox_nm
 from ..prox.two_four import SOLVERS
-from ..registry import NonNegativeInt, PositiveFloat, Range, register_method
+from ..registry import NonNegativeInt, PositiveFloat, Range, RowShards, register_method
 
 CellProx = Callable[[Tensor, Tensor], Tensor]  # (cells (..., M), lambda per cell) -> cells
 Growth = Annotated[float, Range(1, low_open=True)]  # beta: lambda must grow
@@ -74,9 +74,15 @@ Momentum = Annotated[float, Range(0, 1)]  # shrink_momentum rho
 def prox_gradient(w_star: Tensor, h: Tensor, pattern: NMPattern, cell_prox: CellProx, *,
                   lambda0: float, beta: float, lambda_adapt: bool, max_iter: int,
                   finish: float, accelerate: bool, shrink_momentum: float | str, method: str,
-                  gradient_precision: str = "full") -> Tensor:
+                  gradient_precision: str = "full", shards: RowShards | None = None) -> Tensor:
     """Algorithm ``alg:prox_e2e`` for any cell-wise prox; returns an N:M matrix in the original
-    (unscaled) coordinates. See the module docstring for the options."""
+    (unscaled) coordinates. See the module docstring for the options.
+
+    ``shards``: ``w_star`` is one share of a layer's rows (:class:`~nmprune.registry.RowShards`),
+    and the loop's two totals over the rows -- ``mean|W*|`` of eq. ``lambda_adapt`` (from
+    the whole layer's weights, so bit for bit the whole layer's) and the count of cells not
+    yet N:M, which decides when the loop stops -- are those of the whole layer, so every
+    share takes the iterations the whole layer would."""
     low = gradient_dtype(gradient_precision, w_star)
     s = column_scale(h)
     w_star, h = rescale(w_star, h, s)
@@ -85,17 +91,23 @@ def prox_gradient(w_star: Tensor, h: Tensor, pattern: NMPattern, cell_prox: Cell
         shrink_momentum = auto_shrink_momentum(h, eta)
     lam = float(lambda0)
     if lambda_adapt:
-        mean_abs = float(w_star.abs().mean()) if w_star.numel() else 0.0
+        whole = w_star if shards is None else shards.whole * s  # the scaled weights of all rows
+        mean_abs = float(whole.abs().mean()) if whole.numel() else 0.0
+        del whole
         lam = lam / mean_abs if mean_abs > 0 else lam
     if low is None:
         step_target = (2.0 * eta) * (w_star @ h)  # the constant part of the gradient step
     else:
         h_low = h.to(low)
     n_cells = w_star.numel() // pattern.m
+    if shards is not None:
+        (n_cells,) = shards.sum([n_cells])
     w, w_prev, z_prev, momentum = w_star.clone(), w_star, w_star, 1.0
     it = 0
     while True:
         n_left = count_dense_cells(w, pattern)
+        if shards is not None:
+            (n_left,) = shards.sum([n_left])
         if n_left == 0:
             break
         if n_left <= finish * n_cells or it >= max_iter:
@@ -167,33 +179,36 @@ def _exact_prox(pattern: NMPattern, solver: str) -> CellProx:
 
 
 @register_method("prox", description="proximal gradient with the exact N:M prox (paper Alg. prox_e2e)",
-                 cost=7.2e-10)
+                 cost=7.2e-10, rows="reduced")
 def prox(w: Tensor, h: Tensor, pattern: NMPattern, *, lambda0: PositiveFloat = 0.001,
          beta: Growth = 1.05, lambda_adapt: bool = True, solver: Literal[SOLVERS] = "reduced",
          max_iter: NonNegativeInt = 5000, finish: Finish = 0.005, accelerate: bool = True,
          shrink_momentum: Momentum | Literal["auto"] = "auto",
-         gradient_precision: Literal[GRADIENT_PRECISIONS] = "auto") -> Tensor:
+         gradient_precision: Literal[GRADIENT_PRECISIONS] = "auto",
+         shards: RowShards | None = None) -> Tensor:
     """Prox pruner with the regulariser ``r_{N:M}`` (eq. ``regularizer_nm``). ``solver`` picks
     the 2:4 prox solver (``prox_2of4``); other patterns always use ``prox_nm``."""
     return prox_gradient(w, h, pattern, _exact_prox(pattern, solver), lambda0=lambda0, beta=beta,
                          lambda_adapt=lambda_adapt, max_iter=max_iter, finish=finish,
                          accelerate=accelerate, shrink_momentum=shrink_momentum, method="prox",
-                         gradient_precision=gradient_precision)
+                         gradient_precision=gradient_precision, shards=shards)
 
 
 def _register_simple(name: str, cell_prox: Callable[..., Tensor], eq: str, cost: float) -> None:
     def method(w: Tensor, h: Tensor, pattern: NMPattern, *, lambda0: PositiveFloat = 0.01,
                beta: Growth = 1.01, lambda_adapt: bool = False, max_iter: NonNegativeInt = 5000,
                finish: Finish = 0.0, accelerate: bool = False, shrink_momentum: Momentum = 1.0,
-               gradient_precision: Literal[GRADIENT_PRECISIONS] = "full") -> Tensor:
+               gradient_precision: Literal[GRADIENT_PRECISIONS] = "full",
+               shards: RowShards | None = None) -> Tensor:
         return prox_gradient(w, h, pattern, lambda z, lam: cell_prox(z, lam, pattern.n),
                              lambda0=lambda0, beta=beta, lambda_adapt=lambda_adapt,
                              max_iter=max_iter, finish=finish, accelerate=accelerate,
                              shrink_momentum=shrink_momentum, method=name,
-                             gradient_precision=gradient_precision)
+                             gradient_precision=gradient_precision, shards=shards)
 
     method.__doc__ = f"Prox pruner with the regulariser of eq. ``{eq}`` (Appendix app:other_regularizers)."
-    register_method(name, description=f"proximal gradient with the {eq} regulariser", cost=cost)(method)
+    register_method(name, description=f"proximal gradient with the {eq} regulariser", cost=cost,
+                    rows="reduced")(method)
 
 
 _register_simple("prox-l0", prox_l0, "L0", cost=7.3e-9)

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from ..linalg import column_scale
-from ..registry import NonNegativeFloat, NonNegativeInt, PositiveInt, register_refiner
+from ..registry import NonNegativeFloat, NonNegativeInt, PositiveInt, RowShards, register_refiner
 
 SOLVERS = ("auto", "direct", "pcg")
 PRECONDITIONERS = ("auto", "jacobi", "inverse")
@@ -49,6 +49,11 @@ _ITERATIONS_SAVED = 10  # products the inverse preconditioner saves, net (docs/m
 def _loss(w: Tensor, w_star: Tensor, wh: Tensor, target: Tensor) -> float:
     """``Tr((W-W*) H (W-W*)^T)`` from ``W H`` and ``target = W* H``."""
     return float(((w - w_star) * (wh - target)).sum())
+
+
+def _summer(shards: RowShards | None) -> Callable[[float], float]:
+    """A total over the layer's rows: ``shards``' sum, or the value itself for a whole layer."""
+    return (lambda x: x) if shards is None else (lambda x: shards.sum([x])[0])
 
 
 def direct_flops(d_out: int, k: int) -> float:
@@ -182,15 +187,16 @@ def _direct(w: Tensor, h: Tensor, mask: Tensor, target: Tensor, k: int) -> Tenso
 
 def _pcg(w: Tensor, w_star: Tensor, h: Tensor, keep: Tensor, target: Tensor, *, tol: float,
          max_iter: int, restart: int, precondition: Callable[[Tensor, Tensor], Tensor],
-         best_w: Tensor, best_loss: float) -> Tensor:
+         best_w: Tensor, best_loss: float, total: Callable[[float], float]) -> Tensor:
     """Batched preconditioned CG from ``w``; returns ``best_w`` (loss ``best_loss``) unless it
     finds a lower loss. The iteration updates its ``(d_out, d_in)`` buffers in place (one
-    product, one more for the inverse preconditioner, and about six passes over them)."""
+    product, one more for the inverse preconditioner, and about six passes over them). Losses
+    and decreases are the layer's totals (``total``: of every share of its rows)."""
     dot = torch.linalg.vecdot
     it = 0
     while it < max_iter:
         wh = w @ h  # exact residual and loss at every (re)start
-        loss = _loss(w, w_star, wh, target)
+        loss = total(_loss(w, w_star, wh, target))
         if loss > best_loss:
             return best_w
         best_w, best_loss = w, loss
@@ -206,7 +212,7 @@ def _pcg(w: Tensor, w_star: Tensor, h: Tensor, keep: Tensor, target: Tensor, *, 
             ok = pq > 0
             alpha = torch.where(ok, dot(p, resid) / torch.where(ok, pq, 1.0), 0.0)
             w.addcmul_(alpha[:, None], p)
-            decrease = float((alpha * rz).sum())
+            decrease = total(float((alpha * rz).sum()))
             loss -= decrease
             if decrease <= tol * max(loss, 0.0):
                 it = max_iter  # converged
@@ -217,15 +223,15 @@ def _pcg(w: Tensor, w_star: Tensor, h: Tensor, keep: Tensor, target: Tensor, *, 
             beta = torch.where(rz > 0, rz_new / torch.where(rz > 0, rz, 1.0), 0.0)
             rz = rz_new
             p.mul_(beta[:, None]).add_(z)
-    return w if _loss(w, w_star, w @ h, target) <= best_loss else best_w
+    return w if total(_loss(w, w_star, w @ h, target)) <= best_loss else best_w
 
 
 @register_refiner("exact", description="minimiser of the local loss with the mask held "
-                                       "(batched Cholesky or PCG)", cost=1.3e-9)
+                                       "(batched Cholesky or PCG)", cost=1.3e-9, rows="reduced")
 def refine_exact(w: Tensor, w_star: Tensor, h: Tensor, mask: Tensor, *,
                  solver: Literal[SOLVERS] = "pcg", preconditioner: Literal[PRECONDITIONERS] = "auto",
                  tol: NonNegativeFloat = 1e-8, max_iter: NonNegativeInt = 600,
-                 restart: PositiveInt = 25) -> Tensor:
+                 restart: PositiveInt = 25, shards: RowShards | None = None) -> Tensor:
     """Minimise ``Tr((W-W*) H (W-W*)^T)`` over ``W`` zero outside ``mask``, warm-started at ``w``.
 
     The default is ``"pcg"``: on real Hessians it converges in a few dozen iterations and beats
@@ -248,6 +254,10 @@ def refine_exact(w: Tensor, w_star: Tensor, h: Tensor, mask: Tensor, *,
     than at the previous restart, the previous iterate is returned. This keeps
     float32 reliable on ill-conditioned Hessians. The result's loss never exceeds that of
     ``w`` with the mask applied.
+
+    ``shards``: ``w`` is one share of a layer's rows (:class:`~nmprune.registry.RowShards`); the
+    choices (solver, preconditioner) and PCG's losses are the whole layer's, so every share
+    stops where the whole layer would.
     """
     keep = mask.to(w.dtype)
     w = w * keep
@@ -255,15 +265,18 @@ def refine_exact(w: Tensor, w_star: Tensor, h: Tensor, mask: Tensor, *,
         return w
     d_out, d_in = w.shape
     k = int(mask.sum(1).max())
+    if shards is not None:  # the whole layer's rows and kept entries decide, on every share
+        k = int(shards.max([k])[0])
+        d_out = int(shards.sum([d_out])[0])
     direct = (pick_solver(d_out, d_in, k, max_iter) if solver == "auto" else solver) == "direct"
     if k == 0 or (not direct and max_iter == 0):
         return w  # nothing kept (the only feasible point) or nothing to do
     target = w_star @ h
     kind = pick_preconditioner(d_out, d_in) if preconditioner == "auto" else preconditioner
     options = {"tol": tol, "max_iter": max_iter, "restart": restart,
-               "precondition": _preconditioner(h, keep, kind)}
+               "precondition": _preconditioner(h, keep, kind), "total": _summer(shards)}
     if not direct:
         return _pcg(w, w_star, h, keep, target, best_w=w, best_loss=float("inf"), **options)
-    start_loss = _loss(w, w_star, w @ h, target)
+    start_loss = options["total"](_loss(w, w_star, w @ h, target))
     return _pcg(_direct(w, h, mask, target, k), w_star, h, keep, target, best_w=w,
                 best_loss=start_loss, **options)

@@ -25,7 +25,8 @@ from torch import Tensor
 from ..checks import NonFiniteModel, all_finite
 from ..loss import local_loss
 from .plan import LayerPlan, wanda_reference
-from ..solve import dampened, solve
+from ..registry import RowShards
+from ..solve import check_problem, dampened, solve
 from .statistics import InputStats, statistic_values
 
 T = TypeVar("T")
@@ -59,7 +60,8 @@ def wanda_loss(w: Tensor, h: Tensor, plan: LayerPlan, loss_method: float | None 
     return local_loss(pruned, w, h)
 
 
-def run_job(job: LayerJob, device: torch.device) -> tuple[Tensor, dict[str, Any]]:
+def run_job(job: LayerJob, device: torch.device, rows: range | None = None,
+            shards: RowShards | None = None) -> tuple[Tensor, dict[str, Any]]:
     """Solve ``job`` on ``device``: the pruned matrix (float, on ``device``) and its record
     (docs/methods.md, "The per-layer record"): the plan (``method``, ``refine``, ``pattern``,
     ``damp``); the local losses (paper eq. ``squared_loss``, on the undamped ``H``) after the
@@ -68,7 +70,12 @@ def run_job(job: LayerJob, device: torch.device) -> tuple[Tensor, dict[str, Any]
     the same pattern and dampening (``loss_wanda``, :func:`wanda_loss`), the final loss
     relative to it (``loss_vs_wanda``: None when ``loss_wanda`` is 0) and the seconds that
     took (``seconds_wanda_reference``); the whole job's wall and CPU seconds (``seconds``,
-    ``cpu_seconds``: this process's, all its threads)."""
+    ``cpu_seconds``: this process's, all its threads).
+
+    ``rows`` and ``shards``: solve only these output rows, while other processes solve the
+    others (:func:`nmprune.solve.solve`); the whole layer's inputs are checked first, so
+    every process fails alike on bad ones. The matrix is then these rows, and the losses
+    their part of the layer's."""
     started, cpu_started = time.perf_counter(), time.process_time()
     h = job.stats.hessian().to(device)
     if h.numel() and not all_finite(h):
@@ -77,7 +84,10 @@ def run_job(job: LayerJob, device: torch.device) -> tuple[Tensor, dict[str, Any]
                          "for its dtype?); check the model's weights, or use --dtype float32")
     w = job.weight.detach().to(device=device, dtype=h.dtype)  # the solvers leave it as it is
     try:
-        result = solve(w, h, job.plan, statistic_values(job.plan.statistics, job.stats, device))
+        if rows is not None:
+            check_problem(w, h, job.plan.pattern)
+            w = w[rows.start:rows.stop]
+        result = solve(w, h, job.plan, statistic_values(job.plan.statistics, job.stats, device), shards)
     except ValueError as e:  # bad tensors (NaN/Inf weights or statistics): say which layer
         raise (NonFiniteModel if isinstance(e, NonFiniteModel) else ValueError)(f"layer {job.name}: {e}") from e
     record = {**job.plan.describe(), "loss_method": result.loss_method,
