@@ -126,7 +126,6 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
     ranks = distributed.current(device)
     executor = DistributedExecutor(ranks) if ranks is not None else \
         LocalExecutor(default_device(device))
-    device = executor.device
     if not executor.is_main:
         checkpoint = None
     if (model is None) == (source is None):
@@ -143,6 +142,57 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
 
     t_start = time.perf_counter()
     report = PruneReport(settings=asdict(settings), ranks=executor.world)
+    batches, sizes, start, resumed = _setup(source, sink, plans, settings, executor, tokenizer, calibration,
+                                            checkpoint, hessians)
+    report.layers, report.blocks, report.resumed_from_block = list(resumed[0]), list(resumed[1]), start
+    if model is not None:  # a streaming sink holds the finished blocks itself
+        executor.broadcast_tensors([m.weight for i in range(start) for m in source.layers(i).values()])
+    shown = progress and executor.is_main
+    loop = _BlockLoop(source, sink, plans, settings, executor, checkpoint, report, sizes, shown, on_block_done,
+                      saving=executor.broadcast_object(checkpoint is not None), load=hessians is None)
+    with evaluating(source.model), frozen_heap():
+        if hessians is None:
+            say(f"capturing the calibration inputs of block {start} ({len(sizes)} batches through the "
+                "embeddings)", shown)
+            with executor.phase("capturing the block inputs"):
+                inputs = source.capture(batches, executor.device, keep_hidden=start == 0 or executor.world > 1)
+                saved = checkpoint.hidden() if start > 0 and checkpoint is not None else None
+            stage = _statistics_stage(inputs, settings, executor, len(sizes), shown, scratch)
+            del inputs  # the stage owns the hidden states now: each batch is freed once it moves on
+            if start > 0:
+                stage.hidden = [executor.scatter_batches(None if saved is None else [h.to(executor.device) for h in saved[k]],
+                                                         local) for k, local in enumerate(stage.hidden)]
+            del saved
+        else:
+            stage = PrecomputedStatistics(hessians)
+        t_capture = time.perf_counter() - t_start
+        loop.run(stage, start)
+        if isinstance(stage, ReconstructingStatistics):
+            with executor.phase("end-to-end check of the reconstruction"):
+                template = stage.inputs.output_template
+                report.end_to_end = stage.end_to_end(lambda js, finals: source.head_logits(
+                    template, [batches[j] for j in js], finals, executor.device))
+    mine = [_my_share(r, executor.rank) for r in report.layers[len(resumed[0]):] if not r["skipped"]]
+    mine = [(r["name"], share) for r, share in mine if share is not None]
+    solve = sum(share["seconds"] for _, share in mine)
+    report.per_rank = executor.per_rank({
+        "rank": executor.rank, "busy_seconds": loop.busy["calibration_seconds"] + solve,
+        "calibration_seconds": loop.busy["calibration_seconds"], "solve_seconds": solve,
+        "layer_cpu_seconds": sum(share["cpu_seconds"] for _, share in mine),
+        "layers": [name for name, _ in mine]})
+    report.seconds = {"capture": t_capture, "total": time.perf_counter() - t_start,
+                      "layers": sum(r.get("seconds", 0.0) for r in report.layers)}
+    return report
+
+
+def _setup(source: BlockSource, sink: BlockSink, plans: dict[str, LayerPlan | None], settings: PruneSettings,
+           executor: Executor, tokenizer: Any, calibration: Tensor | None, checkpoint: Checkpoint | None,
+           hessians: dict[str, InputStats] | None
+           ) -> tuple[list[Tensor], list[int], int, tuple[list[dict[str, Any]], list[dict[str, Any]]]]:
+    """The calibration batches (this process's share) and every batch's size, and what a
+    checkpoint resumes: the first block to prune, and the layer and block records before it
+    (the finished blocks' weights written to ``sink``); the same on every rank."""
+    batches: list[Tensor] = []
     sizes: list[int] = []
     with executor.phase("setup"):
         if hessians is None:
@@ -162,91 +212,86 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
                 layers = source.layers(i)
                 sink.write(i, checkpoint.block_weights(i, {n: m.weight.shape for n, m in layers.items()}))
     start, resumed, resumed_blocks = executor.broadcast_object((start, resumed, resumed_blocks))
-    report.layers, report.blocks, report.resumed_from_block = list(resumed), list(resumed_blocks), start
-    if model is not None:  # a streaming sink holds the finished blocks itself
-        executor.broadcast_tensors([m.weight for i in range(start) for m in source.layers(i).values()])
-    saving = executor.broadcast_object(checkpoint is not None)
+    return batches, sizes, start, (resumed, resumed_blocks)
 
-    busy = {"calibration_seconds": 0.0}
-    with evaluating(source.model), frozen_heap():
-        if hessians is None:
-            say(f"capturing the calibration inputs of block {start} ({len(sizes)} batches through the "
-                "embeddings)", progress and executor.is_main)
-            with executor.phase("capturing the block inputs"):
-                inputs = source.capture(batches, device, keep_hidden=start == 0 or executor.world > 1)
-                saved = checkpoint.hidden() if start > 0 and checkpoint is not None else None
-            stage = _statistics_stage(inputs, settings, executor, len(sizes), progress and executor.is_main,
-                                      scratch)
-            del inputs  # the stage owns the hidden states now: each batch is freed once it moves on
-            if start > 0:
-                stage.hidden = [executor.scatter_batches(None if saved is None else [h.to(device) for h in saved[k]],
-                                                         local) for k, local in enumerate(stage.hidden)]
-            del saved
-        else:
-            stage = PrecomputedStatistics(hessians)
-        t_capture = time.perf_counter() - t_start
-        shapes = source.layer_shapes()
-        costs = [[job_cost(*shapes[name], p.method.name,
-                           p.refiner.name if p.refiner is not None else None)
-                  for name in source.layers(i) if (p := plans[name]) is not None]
-                 for i in range(len(source))]
-        active = [[name for name in source.layers(i) if plans[name] is not None] for i in range(len(source))]
-        # blocks whose layers the ranks solve in shares of rows are balanced alone
-        alone = [split_rows([shapes[n][0] for n in names], splittable([plans[n] for n in names]), executor.world)
+
+@dataclass
+class _BlockLoop:
+    """The block loop of :func:`prune_model`: each group of blocks (:meth:`groups`) is
+    collected, solved and fitted (:func:`_prune_blocks`), written to the sink and, with
+    ``saving``, to rank 0's checkpoint with the streams' hidden states gathered from every
+    rank; its records go into ``report``. ``load``: the blocks visit the compute device (not
+    with precomputed statistics); ``busy`` accumulates this process's calibration seconds."""
+
+    source: BlockSource
+    sink: BlockSink
+    plans: dict[str, LayerPlan | None]
+    settings: PruneSettings
+    executor: Executor
+    checkpoint: Checkpoint | None
+    report: PruneReport
+    sizes: list[int]
+    progress: bool
+    on_block_done: Callable[[int], None] | None
+    saving: bool
+    load: bool
+    busy: dict[str, float] = field(default_factory=lambda: {"calibration_seconds": 0.0})
+
+    def groups(self, start: int) -> list[range]:
+        """The groups of consecutive blocks solved together, from block ``start``: one block
+        each, except with dense inputs and no reconstruction where the ranks solve whole
+        layers: then as many blocks as it takes to balance them (:func:`balance_window`)."""
+        shapes, plans, world = self.source.layer_shapes(), self.plans, self.executor.world
+        active = [[n for n in self.source.layers(i) if plans[n] is not None] for i in range(len(self.source))]
+        costs = [[job_cost(*shapes[n], plans[n].method.name,
+                           plans[n].refiner.name if plans[n].refiner is not None else None) for n in names]
                  for names in active]
+        windows = self.settings.hessian_inputs == "dense" and self.settings.reconstruct == "none"
+        groups, i = [], start
+        while i < len(self.source):
+            alone = split_rows([shapes[n][0] for n in active[i]], splittable([plans[n] for n in active[i]]), world)
+            k = balance_window(costs[i:], world) if windows and not alone else 1
+            groups.append(range(i, i + k))
+            i += k
+        return groups
+
+    def run(self, stage: StatisticsStage, start: int) -> None:
+        """Prune blocks ``start`` to the last with the statistics ``stage``."""
         # the ETA shows from the second block on: the first pays one-time costs (the
         # solvers' compilation, the first reads)
-        bar = progress_bar(None, enabled=progress and executor.is_main, desc="pruning blocks",
-                           initial=start, total=len(source), bar_format=_NO_ETA)
-        i = start
-        while i < len(source):
-            # dense inputs: solve as many blocks together as it takes to balance the ranks with
-            # whole layers, where rows cannot be shared (not with reconstruction, which needs
-            # every block's pruned outputs for the next)
-            k = balance_window(costs[i:], executor.world) \
-                if settings.hessian_inputs == "dense" and settings.reconstruct == "none" and not alone[i] else 1
-            group = range(i, i + k)
-            new, fitted = _prune_blocks(group, source, plans, stage, executor, hessians is None,
-                                        progress and executor.is_main, busy)
-            report.layers += new
-            report.blocks += fitted
-            streams = stage.hidden if saving else None
-            hidden = [executor.gather_batches(s, sizes) for s in streams] if streams is not None else None
-            del streams
-            with executor.phase(f"saving block {i}" if k == 1 else f"saving blocks {i}-{i + k - 1}"):
-                weights = [{name: m.weight for name, m in source.layers(j).items()} for j in group]
-                for j in group:  # no loop variable keeps the last block's weights alive
-                    sink.write(j, weights[j - i])
-                if checkpoint is not None:
-                    checkpoint.save_blocks(i, weights, hidden, new, fitted)
-                del hidden, weights
-                for j in group:
-                    source.release(j)  # a streaming source drops the block's weights here
-                release_memory()
-                if on_block_done is not None:
-                    for j in group:
-                        on_block_done(j)
-            bar.update(k)
-            i += k
-            if i - start >= 2:
+        bar = progress_bar(None, enabled=self.progress, desc="pruning blocks", initial=start,
+                           total=len(self.source), bar_format=_NO_ETA)
+        for group in self.groups(start):
+            new, fitted = _prune_blocks(group, self.source, self.plans, stage, self.executor, self.load,
+                                        self.progress, self.busy)
+            self.report.layers += new
+            self.report.blocks += fitted
+            self._save(group, stage, new, fitted)
+            bar.update(len(group))
+            if group.stop - start >= 2:
                 bar.bar_format = None  # tqdm's own, with the ETA
         bar.close()
-        if isinstance(stage, ReconstructingStatistics):
-            with executor.phase("end-to-end check of the reconstruction"):
-                template = stage.inputs.output_template
-                report.end_to_end = stage.end_to_end(lambda js, finals: source.head_logits(
-                    template, [batches[j] for j in js], finals, device))
-    mine = [_my_share(r, executor.rank) for r in report.layers[len(resumed):] if not r["skipped"]]
-    mine = [(r["name"], share) for r, share in mine if share is not None]
-    solve = sum(share["seconds"] for _, share in mine)
-    report.per_rank = executor.per_rank({
-        "rank": executor.rank, "busy_seconds": busy["calibration_seconds"] + solve,
-        "calibration_seconds": busy["calibration_seconds"], "solve_seconds": solve,
-        "layer_cpu_seconds": sum(share["cpu_seconds"] for _, share in mine),
-        "layers": [name for name, _ in mine]})
-    report.seconds = {"capture": t_capture, "total": time.perf_counter() - t_start,
-                      "layers": sum(r.get("seconds", 0.0) for r in report.layers)}
-    return report
+
+    def _save(self, group: range, stage: StatisticsStage, new: list[dict[str, Any]],
+              fitted: list[dict[str, Any]]) -> None:
+        """Write ``group``'s blocks to the sink and the checkpoint, then release them."""
+        streams = stage.hidden if self.saving else None
+        hidden = [self.executor.gather_batches(s, self.sizes) for s in streams] if streams is not None else None
+        del streams
+        i = group.start
+        with self.executor.phase(f"saving block {i}" if len(group) == 1 else f"saving blocks {i}-{group[-1]}"):
+            weights = [{name: m.weight for name, m in self.source.layers(j).items()} for j in group]
+            for j in group:  # no loop variable keeps the last block's weights alive
+                self.sink.write(j, weights[j - i])
+            if self.checkpoint is not None:
+                self.checkpoint.save_blocks(i, weights, hidden, new, fitted)
+            del hidden, weights
+            for j in group:
+                self.source.release(j)  # a streaming source drops the block's weights here
+            release_memory()
+            if self.on_block_done is not None:
+                for j in group:
+                    self.on_block_done(j)
 
 
 def _my_share(record: dict[str, Any], rank: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
