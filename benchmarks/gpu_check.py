@@ -19,7 +19,13 @@ peak device memory on Llama-3.1-8B-shaped layers. Writes ``benchmarks/results/gp
    (:mod:`nmprune.stages.reconstruction`) on 128 x 2048 calibration tokens, their seconds,
    the block's output error before and after, and the peak device memory.
 
-The parts run in the order ``agreement, pipeline, speed, block`` (``--parts`` picks some) and
+0. **The prox kernel.** On each Llama-3.1-8B layer shape: one 2:4 prox of the whole matrix
+   (``nmprune.prox.prox_2of4``: the Triton kernel on CUDA where triton is installed, the
+   float64 torch solver otherwise) at lambda near the median cell's threshold, against one
+   bfloat16 gradient product ``(Y - W*) H`` (issue target: the prox at most one product), and
+   the prox method and the exact refinement of one solve timed apart.
+
+The parts run in the order ``prox, agreement, pipeline, speed, block`` (``--parts`` picks some) and
 the results are written after each, so a run stopped at a time limit keeps what it finished;
 ``--merge`` adds the parts of this run to an earlier ``gpu.json`` of the same device.
 
@@ -192,6 +198,48 @@ def block_reconstruction(device: torch.device, model_dir: Path, work: Path, sett
             "peak_device_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
 
 
+def _timed(fn, device: torch.device, repeats: int) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` runs after one warm-up."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def prox_kernel(device: torch.device, shapes: list[tuple[int, int]], repeats: int) -> list[dict]:
+    """Part 0: the 2:4 prox of a whole layer against one gradient product (module docstring)."""
+    import importlib.util
+
+    from nmprune.prox import prox_2of4
+
+    # the path prox_2of4 takes for float32 cells (nmprune.prox.two_four)
+    kernel = "numba (CPU)" if device.type == "cpu" else \
+        "triton" if importlib.util.find_spec("triton") is not None else "torch float64"
+
+    rows = []
+    for d_out, d_in in shapes:
+        w, h, mean = (t.to(device) for t in correlated_layer(d_out, d_in, seed=2))
+        z = w + 0.01 * torch.randn_like(w)
+        lam = torch.tensor(float(z.abs().median()) ** 3, device=device)  # near the median threshold
+        cells = z.reshape(-1, 4)
+        h_low, diff = h.to(torch.bfloat16), (z - w).to(torch.bfloat16)
+        gradient = _timed(lambda: torch.mm(diff, h_low), device, repeats)
+        prox = _timed(lambda: prox_2of4(cells, lam), device, repeats)
+        method = _timed(lambda: _solve(w, h, mean, "prox", None), device, max(1, repeats // 2))
+        whole = _timed(lambda: _solve(w, h, mean, "prox", "exact"), device, max(1, repeats // 2))
+        rows.append({"shape": [d_out, d_in], "kernel": kernel,
+                     "gradient_product_seconds": gradient, "prox_seconds": prox,
+                     "prox_over_gradient": prox / gradient, "prox_method_seconds": method,
+                     "exact_refine_seconds": whole - method, "prox_exact_seconds": whole})
+        del w, h, mean, z, cells, h_low, diff
+    return rows
+
+
 def report_markdown(result: dict) -> str:
     """The results (the parts done so far) as Markdown tables."""
     lines = [f"# Layer solvers on {result['device_name']}", "",
@@ -202,6 +250,14 @@ def report_markdown(result: dict) -> str:
     mib = lambda b: "-" if b is None else f"{b / 2**20:.0f}"  # noqa: E731
     for name, trace in result.get("failed", {}).items():
         lines += [f"## Part {name} FAILED", "", "```", trace.rstrip(), "```", ""]
+    if "prox" in result:
+        lines += ["## The 2:4 prox of a whole layer against one gradient product", "",
+                  "| shape | prox kernel | gradient product s (bf16) | prox s | prox / product | "
+                  "prox method s | exact refinement s |", "|---|---|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['shape'][0]}x{r['shape'][1]} | {r['kernel']} | {r['gradient_product_seconds']:.4f} | "
+                  f"{r['prox_seconds']:.4f} | {r['prox_over_gradient']:.2f} | {r['prox_method_seconds']:.2f} | "
+                  f"{r['exact_refine_seconds']:.2f} |" for r in result["prox"]]
+        lines.append("")
     if "agreement" in result:
         lines += ["## Agreement with the CPU", "",
                   "| method | refine | shape | same mask cells | loss CPU | loss device | rel. diff |",
@@ -240,7 +296,7 @@ def _write(result: dict, out: Path) -> None:
     (out / "gpu.md").write_text(report_markdown(result))
 
 
-PARTS = ("agreement", "pipeline", "speed", "block")
+PARTS = ("prox", "agreement", "pipeline", "speed", "block")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -308,7 +364,9 @@ def main(argv: list[str] | None = None) -> dict:
         if model_dir is None and ("pipeline" in parts or "block" in parts and args.tokenizer is None):
             model_dir = packaged_model_dir(Path(tmp))
         for name in parts:
-            if name == "agreement":
+            if name == "prox":
+                part(name, lambda: prox_kernel(device, shapes, args.repeats))
+            elif name == "agreement":
                 part(name, lambda: agreement(device, *AGREEMENT_SHAPE[fallback]))
             elif name == "pipeline":
                 result["pipeline_model"] = "SmolLM2-135M-Instruct" if args.model is None else model_dir.name
