@@ -170,29 +170,24 @@ READ_BYTES_PER_S = 2e9  # shared file system, per rank (assumed); every rank rea
 
 def projection_streamed() -> list[dict]:
     """Each PROJECTED model on 1/2/4/8 GPUs, streamed: per-rank memory and the time of each
-    phase from ``nmprune prune --dry-run``'s model (:mod:`nmprune.resources`), except the
-    layer solves: with reconstruction one block is solved at a time, so they take the
-    busiest rank's share of each block (:func:`makespan`), not the mean."""
+    phase from ``nmprune prune --dry-run``'s model (:mod:`nmprune.resources`, which prices the
+    layer solves as the executor spreads them: shares of every layer's rows), plus reading
+    the blocks."""
     from transformers import LlamaConfig
 
     from nmprune.config import build_config
-    from nmprune.distributed import job_cost
-    from nmprune.resources import CUDA_SPEEDUP, plan_run
+    from nmprune.resources import plan_run
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, shape in PROJECTED.items():
             LlamaConfig(**shape, vocab_size=128256, dtype="bfloat16", tie_word_embeddings=False,
                         architectures=["LlamaForCausalLM"]).save_pretrained(f"{tmp}/{name}")
-            block = [job_cost(r, d, "prox", "exact") / CUDA_SPEEDUP for r, d in LLAMA_8B_BLOCK.values()]
-            scale = shape["hidden_size"] / 4096  # every 8B layer's rows and d_in times this
-            block = [c * scale ** 3 for c in block]
             for gpus in (1, 2, 4, 8):
                 config = build_config({"model": f"{tmp}/{name}", "device": "cuda", "nsamples": 128,
                                        "seqlen": 2048, "eval": []})
                 needs = plan_run(config, gpus, streamed=True)
-                seconds = {**needs.seconds, "layer_solves": makespan(block, gpus) * shape["num_hidden_layers"],
-                           "reading_blocks": needs.output_disk / READ_BYTES_PER_S}
+                seconds = {**needs.seconds, "reading_blocks": needs.output_disk / READ_BYTES_PER_S}
                 rows.append({"model": name, "gpus": gpus, "cpu_peak_per_rank": needs.cpu_peak_per_rank,
                              "device_peak_per_rank": needs.device_peak_per_rank, "seconds": seconds,
                              "total_seconds": sum(seconds.values())})
@@ -251,11 +246,11 @@ def markdown(r: dict) -> str:
                   "nmprune's defaults (prox + exact, block reconstruction, bfloat16). Memory and the "
                   "passes' time come from `nmprune prune --dry-run` (nmprune/resources.py: layer solves "
                   "at the cost model / 50 and passes at 60 TFLOP/s, both from an H200 in "
-                  "benchmarks/results/gpu.md); the layer solves take the busiest rank's share of "
-                  "each block, one block at a time, because reconstruction needs each block's pruned "
-                  "outputs before the next (no window of blocks: the largest layer, the down "
-                  "projection, caps the speed-up near 1.8x). Estimates, not measurements: no "
-                  "multi-GPU run has been made.", "",
+                  "benchmarks/results/gpu.md, measured with the float64 torch prox before the Triton "
+                  "kernel, which no GPU has run yet); the ranks solve shares of every layer's rows, "
+                  "one block at a time; a reconstruction step of one sample trains on one rank at a "
+                  "time, so only the passes before and after it are shared. Estimates, not "
+                  "measurements: no multi-GPU run has been made.", "",
                   "| model | GPUs | CPU peak / rank | device peak / rank | layer solves | calibration passes "
                   "| reconstruction | reading blocks | total |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for p in r["projection_streamed"]:
