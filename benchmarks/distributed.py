@@ -20,7 +20,8 @@ for its method on that model (Table ``tab:runtime``).
 ``--scaling`` measures the issue's speed-up instead: the default job (prox + exact + block
 reconstruction) on a random 4-block Llama of hidden size 512 (memory.py's checkpoint
 builder), 1 rank against 2 torchrun ranks, one thread per process, three runs of each
-alternated, and the dry run's time for both beside the medians (``distributed_scaling.{json,md}``).
+alternated, and the dry run's time for both beside the medians (``distributed_scaling.{json,md}``;
+``--scaling-replan`` redoes only the dry run, with today's code).
 
 A second projection covers the streamed design (every rank reads only its current block) for
 Llama-3.1-8B and 70B with nmprune's defaults, from ``nmprune prune --dry-run``'s model
@@ -267,12 +268,21 @@ SCALING_RUNS = 3
 
 
 def dry_run_seconds(model: Path, ranks: int) -> float:
-    """The dry run's total time for the default job on ``ranks`` CPU ranks."""
+    """The dry run's total time for the default job on ``ranks`` CPU ranks of one thread each
+    (as the runs have: ``OMP_NUM_THREADS=1``)."""
     from nmprune.config import build_config
     from nmprune.resources import plan_run
 
     config = build_config({"model": str(model), "calib": str(model / "text.txt"), "device": "cpu", "eval": []})
-    return sum(plan_run(config, ranks).seconds.values())
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        return sum(plan_run(config, ranks).seconds.values())
+    finally:
+        if saved is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
 
 
 def scaling() -> None:
@@ -311,6 +321,25 @@ def scaling() -> None:
     print(text)
 
 
+def scaling_replan() -> None:
+    """``--scaling-replan``: the dry run's times again with today's code (the plan changed, the
+    runs did not), against the saved measurements."""
+    from memory import BUILD
+
+    result = json.loads((RESULTS / "distributed_scaling.json").read_text())
+    with tempfile.TemporaryDirectory() as tmp:
+        model = Path(tmp) / "llama"
+        subprocess.run([sys.executable, "-c", BUILD.format(**result["model"]), str(model)], check=True,
+                       capture_output=True)
+        planned = {str(r): dry_run_seconds(model, r) for r in (1, 2)}
+    result.update(planned_seconds=planned, plan_commit=code_commit(),
+                  planned_over_measured={r: planned[r] / result["median_seconds"][r] for r in planned})
+    (RESULTS / "distributed_scaling.json").write_text(json.dumps(result, indent=1))
+    text = scaling_markdown(result)
+    (RESULTS / "distributed_scaling.md").write_text(text)
+    print(text)
+
+
 def scaling_markdown(r: dict) -> str:
     m = r["model"]
     ok = lambda met: "yes" if met else "no"  # noqa: E731
@@ -320,7 +349,8 @@ def scaling_markdown(r: dict) -> str:
              f"process; {r['cpu']['model']}, commit {r['commit']}; load average {r['load_average'][0]:.1f} "
              f"at the start, {r['load_average'][1]:.1f} at the end. {SCALING_RUNS} runs of each, alternated; "
              f"medians. {r['split_layers']} of the 2-rank run's {r['layers']} layer solves were split "
-             "by rows between the ranks.", "",
+             "by rows between the ranks."
+             + (f" The dry run's times are of commit {r['plan_commit']}." if r.get("plan_commit") else ""), "",
              "| ranks | wall s (runs) | median s | dry run s | dry run / measured |", "|---:|---|---:|---:|---:|"]
     for ranks in ("1", "2"):
         walls = ", ".join(f"{w:.1f}" for w in r["wall_seconds"][ranks])
@@ -340,6 +370,8 @@ def scaling_markdown(r: dict) -> str:
 if __name__ == "__main__":
     if sys.argv[1:] == ["--scaling"]:
         scaling()
+    elif sys.argv[1:] == ["--scaling-replan"]:
+        scaling_replan()
     elif sys.argv[1:] == ["--scaling-report"]:  # the table again from the saved JSON
         print(scaling_markdown(json.loads((RESULTS / "distributed_scaling.json").read_text())))
     elif sys.argv[1:] == ["--projection-only"]:  # redo the projection, keep the measured runs

@@ -5,11 +5,12 @@ small for one block."""
 from __future__ import annotations
 
 import pytest
+import torch
 from transformers import LlamaConfig
 
 from nmprune.cli import main
 from nmprune.config import build_config
-from nmprune.resources import hessian_inputs, plan_run
+from nmprune.resources import CPU_THREAD_SCALING, cpu_threads, hessian_inputs, plan_run
 
 GIB = 1 << 30
 
@@ -35,7 +36,8 @@ def test_dry_run_reads_only_the_configuration_and_writes_nothing(tmp_path, capsy
     assert sorted(p.name for p in tmp_path.iterdir()) == ["llama"]  # no output, checkpoint or lock
 
 
-def test_the_plan_scales_with_blocks_ranks_and_settings(tmp_path):
+def test_the_plan_scales_with_blocks_ranks_and_settings(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # every rank one thread, as under torchrun
     small, large = (plan_run(build_config({"model": str(llama_config_dir(tmp_path / f"m{n}", n)),
                                            "device": "cpu"}), ranks=2) for n in (16, 32))
     assert small.streamed and large.streamed  # several ranks stream
@@ -52,6 +54,22 @@ def test_the_plan_scales_with_blocks_ranks_and_settings(tmp_path):
                     ranks=2)
     assert "reconstruction" not in bare.seconds and bare.block_phase < small.block_phase
     assert bare.seconds["layer_solves"] == pytest.approx(one.seconds["layer_solves"] / 2)
+
+
+def test_the_cpu_plan_follows_the_threads_each_rank_has(tmp_path, monkeypatch):
+    """The reference constants are of 2 threads; torchrun gives each of several ranks one
+    thread unless OMP_NUM_THREADS says otherwise."""
+    config = build_config({"model": str(llama_config_dir(tmp_path / "m", 4)), "device": "cpu"})
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert cpu_threads(2) == 1 and cpu_threads(1) == torch.get_num_threads()
+    plans = {}
+    for threads in ("1", "2", "4"):
+        monkeypatch.setenv("OMP_NUM_THREADS", threads)
+        assert cpu_threads(2) == int(threads)
+        plans[threads] = plan_run(config, ranks=1).seconds
+    for key in plans["2"]:
+        assert plans["1"][key] == pytest.approx(plans["2"][key] * 2 ** CPU_THREAD_SCALING)
+        assert plans["4"][key] == pytest.approx(plans["2"][key] / 2 ** CPU_THREAD_SCALING)
 
 
 def test_ranks_plan_to_stream_only_a_model_that_can(tmp_path):

@@ -32,7 +32,8 @@ parameters and its prunable layers' shapes, as a streamed run does
   between shares of rows and whole layers (:func:`nmprune.distributed.busiest_rank_cost`),
   the mean otherwise (a window of blocks balances them); and the forward and backward passes from their floating-point
   operations (2 per parameter and token forward, 6 forward and backward) at
-  :data:`FLOPS` per device kind: the calibration passes spread over the ranks, a
+  :data:`FLOPS` per device kind (on the CPU scaled to the threads each rank has,
+  :func:`cpu_threads`): the calibration passes spread over the ranks, a
   reconstruction step's training only over as many ranks as the step has batches (one
   batch per step, the default, runs on one rank at a time).
 
@@ -58,6 +59,12 @@ CUDA_SPEEDUP = 50.0
 #: sustained float32 operations per second of the passes through a block: the reference CPU
 #: (2 threads, SmolLM2's reconstruction) and an H200 (an 8B-shaped block, gpu.md)
 FLOPS = {"cpu": 9e10, "cuda": 6e13}
+#: the reference CPU's constants (FLOPS["cpu"], the solvers' registered costs) were measured
+#: with this many threads per process; 2 threads ran the default job 1.82x as fast as one
+#: (1039 CPU s in 571 s wall, benchmarks/results/distributed.md), so a process with ``t``
+#: threads runs at ``(t / 2) ** CPU_THREAD_SCALING`` of those rates
+CPU_REFERENCE_THREADS = 2
+CPU_THREAD_SCALING = 0.86
 #: layers that share their input (one Hessian) when they sit side by side in one module
 SHARED_INPUTS = ({"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"}, {"w1", "w3"})
 
@@ -121,6 +128,19 @@ def hessian_inputs(shapes: dict[str, tuple[int, int]]) -> list[int]:
     return widths
 
 
+def cpu_threads(ranks: int) -> int:
+    """The threads each of ``ranks`` CPU processes will compute with: ``OMP_NUM_THREADS`` where
+    it is set, else one under torchrun (which sets it to 1 for several processes), else
+    torch's own count for this machine."""
+    import os
+
+    import torch
+
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
+        return int(os.environ["OMP_NUM_THREADS"])
+    return 1 if ranks > 1 else torch.get_num_threads()
+
+
 def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None, model=None) -> RunNeeds:
     """The estimates of the module docstring for ``config`` on ``ranks`` ranks; ``streamed``
     says whether the weights stream (default: as the run decides from ``config.offload``, the
@@ -180,20 +200,23 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None, mo
                     for c, b in zip(costs, per_block))
     else:  # a window of blocks keeps the ranks near balance (nmprune.distributed.balance_window)
         solve = sum(map(sum, costs)) / ranks
+    rate = FLOPS[device]
     if device == "cuda":
         solve /= CUDA_SPEEDUP
+    else:  # the reference CPU's constants at the threads each rank will have
+        speed = (cpu_threads(ranks) / CPU_REFERENCE_THREADS) ** CPU_THREAD_SCALING
+        solve, rate = solve / speed, rate * speed
     passes = 2 + (1 if s.hessian_inputs == "pruned" else 0)  # statistics and propagation
     forward = 2.0 * sum(block_params) * tokens
-    seconds = {"layer_solves": solve, "calibration_passes": passes * forward / FLOPS[device] / ranks}
+    seconds = {"layer_solves": solve, "calibration_passes": passes * forward / rate / ranks}
     if recon:
         # the passes before and after training are data-parallel; a training step runs the
         # step's batches on the ranks that hold them, so ranks beyond its batches wait
         per_step = s.fit_options().batches_per_step
         training = 3 * s.reconstruct_epochs * forward * -(-per_step // ranks) / per_step
-        seconds["reconstruction"] = (training + 2 * forward / ranks) / FLOPS[device]
+        seconds["reconstruction"] = (training + 2 * forward / ranks) / rate
     if config.eval:
-        seconds["evaluation"] = 2 * len(config.eval) * 2.0 * params * (config.eval_max_tokens or tokens) \
-            / FLOPS[device]
+        seconds["evaluation"] = 2 * len(config.eval) * 2.0 * params * (config.eval_max_tokens or tokens) / rate
     pruned_weights = sum(r * d for r, d in shapes.values()) * itemsize
     return RunNeeds(ranks=ranks, device=device, streamed=bool(streamed), blocks=len(source), parameters=params,
                     cpu_peak_per_rank=cpu_peak, device_peak_per_rank=device_peak, block_phase=block_phase,
