@@ -387,9 +387,9 @@ def busiest_rank_cost(costs: Sequence[float], rows: Sequence[int], splittable: b
 
 
 def splittable(plans: Sequence[Any]) -> bool:
-    """Whether every solver of these :class:`~nmprune.stages.plan.LayerPlan` s may split a
-    layer's rows (registered ``rows="independent"`` or ``"reduced"``)."""
-    return all(s.rows != "whole" for p in plans for s in (p.method, p.refiner) if s is not None)
+    """Whether every one of these :class:`~nmprune.stages.plan.LayerPlan` s lets processes
+    split a layer's rows (:attr:`~nmprune.stages.plan.LayerPlan.splits_rows`)."""
+    return all(p.splits_rows for p in plans)
 
 
 def row_share(rank: int, world: int, rows: int) -> range:

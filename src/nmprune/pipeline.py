@@ -172,8 +172,8 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
                 template = stage.inputs.output_template
                 report.end_to_end = stage.end_to_end(lambda js, finals: source.head_logits(
                     template, [batches[j] for j in js], finals, executor.device))
-    mine = [_my_share(r, executor.rank) for r in report.layers[len(resumed[0]):] if not r["skipped"]]
-    mine = [(r["name"], share) for r, share in mine if share is not None]
+    mine = [(r["name"], share) for r in report.layers[len(resumed[0]):] if not r["skipped"]
+            and (share := _my_share(r, executor.rank)) is not None]
     solve = sum(share["seconds"] for _, share in mine)
     report.per_rank = executor.per_rank({
         "rank": executor.rank, "busy_seconds": loop.busy["calibration_seconds"] + solve,
@@ -294,12 +294,12 @@ class _BlockLoop:
                     self.on_block_done(j)
 
 
-def _my_share(record: dict[str, Any], rank: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """``record`` and the part of its solve rank ``rank`` did (seconds, CPU seconds): the
-    whole layer's, its share of the rows (``shares``), or None."""
+def _my_share(record: dict[str, Any], rank: int) -> dict[str, Any] | None:
+    """The part of a layer's solve rank ``rank`` did (seconds, CPU seconds): the whole
+    layer's record, its share of the rows (``shares``), or None."""
     if record.get("shares"):
-        return record, next((s for s in record["shares"] if s["rank"] == rank), None)
-    return record, record if record["rank"] == rank else None
+        return next((s for s in record["shares"] if s["rank"] == rank), None)
+    return record if record["rank"] == rank else None
 
 
 def _statistics_stage(inputs: BlockInputs, settings: PruneSettings, executor: Executor,

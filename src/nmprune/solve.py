@@ -190,10 +190,9 @@ def _shards(plan: LayerPlan, shards: RowShards | None) -> tuple[dict[str, Any], 
     for solvers whose rows are independent)."""
     if shards is None:
         return {}, {}
-    solvers = [plan.method] + ([plan.refiner] if plan.refiner is not None else [])
-    whole = [r.name for r in solvers if r.rows == "whole"]
-    if whole:
-        raise ValueError(f"{whole[0]!r} solves a layer only whole (registered rows='whole'), not a share of its rows")
+    if not plan.splits_rows:
+        whole = next(r.name for r in (plan.method, plan.refiner) if r is not None and r.rows == "whole")
+        raise ValueError(f"{whole!r} solves a layer only whole (registered rows='whole'), not a share of its rows")
     return tuple({"shards": shards} if r is not None and r.rows == "reduced" else {}
                  for r in (plan.method, plan.refiner))
 

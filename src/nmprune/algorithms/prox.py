@@ -101,13 +101,13 @@ def prox_gradient(w_star: Tensor, h: Tensor, pattern: NMPattern, cell_prox: Cell
         h_low = h.to(low)
     n_cells = w_star.numel() // pattern.m
     if shards is not None:
-        (n_cells,) = shards.sum([n_cells])
+        n_cells = int(shards.sum([n_cells])[0])
     w, w_prev, z_prev, momentum = w_star.clone(), w_star, w_star, 1.0
     it = 0
     while True:
         n_left = count_dense_cells(w, pattern)
         if shards is not None:
-            (n_left,) = shards.sum([n_left])
+            n_left = int(shards.sum([n_left])[0])
         if n_left == 0:
             break
         if n_left <= finish * n_cells or it >= max_iter:

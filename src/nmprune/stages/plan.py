@@ -52,6 +52,12 @@ class LayerPlan:
         """The input statistics beyond ``H`` the method takes (its registration says which)."""
         return self.method.statistics
 
+    @property
+    def splits_rows(self) -> bool:
+        """Whether processes may solve shares of the layer's rows: neither solver is
+        registered ``rows="whole"`` (:data:`nmprune.registry.ROWS`)."""
+        return all(s.rows != "whole" for s in (self.method, self.refiner) if s is not None)
+
     def describe(self) -> dict[str, Any]:
         """The plan as the per-layer report records it."""
         return {"method": self.method.name, "refine": self.refiner.name if self.refiner else None,
