@@ -72,7 +72,8 @@ class Bench:
         from nmprune.config import PruneSettings
 
         t = time.perf_counter()
-        self.model, self.tokenizer, _ = open_model(model, None, "auto", False)
+        self.source, self.tokenizer, _ = open_model(model, None, "auto", False)
+        self.model = self.source.whole_model("the benchmark")
         self.load_seconds = time.perf_counter() - t
         self.commit = code_commit()  # the code this process runs, whatever is committed meanwhile
         self.dense = {k: v.clone() for k, v in self.model.state_dict().items()}
@@ -96,7 +97,7 @@ class Bench:
         ppl, seconds = {}, {}
         for name in EVAL:
             t = time.perf_counter()
-            ppl.update(evaluate(self.model, self.tokenizer, [name], EVAL_SEQLEN, EVAL_TOKENS, "cpu", False,
+            ppl.update(evaluate(self.source, self.tokenizer, [name], EVAL_SEQLEN, EVAL_TOKENS, "cpu", False,
                                 self.cache))
             seconds[f"eval_{name}"] = time.perf_counter() - t
         if not tasks:

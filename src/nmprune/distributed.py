@@ -29,6 +29,7 @@ Without a process group (no ``torchrun``, or ``WORLD_SIZE`` 1) none of this runs
 
 from __future__ import annotations
 
+import contextlib
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -220,6 +221,35 @@ class Ranks:
                 if j not in mine:
                     dist.send(t.to(self.device).contiguous(), dst=self.owner_of(j, len(batches)))
         return [batches[j].to(self.device) for j in mine]
+
+
+class OneProcess:
+    """A job without ``torchrun`` (or with one rank): this process is every rank, so what a
+    job asks of :class:`Ranks` (:func:`nmprune.job.run`) is trivially true."""
+
+    world = local_world = 1
+    is_main = True
+
+    def __init__(self, device: str | torch.device | None):
+        self.asked = device
+
+    @property
+    def device(self) -> torch.device:
+        """The device asked for, else the default (:func:`nmprune.devices.default_device`),
+        resolved when first used: after the run's checks have judged the setting."""
+        return default_device(self.asked)
+
+    def agree(self, digests: dict[str, str]) -> None:
+        """One process agrees with itself."""
+
+    def phase(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """Errors propagate as they are: there is no other rank to tell."""
+        return contextlib.nullcontext()
+
+
+def job_ranks(device: str | torch.device | None = None) -> Ranks | OneProcess:
+    """The ranks of a job: :func:`setup` under ``torchrun``, else :class:`OneProcess`."""
+    return setup(device) or OneProcess(device)
 
 
 def _cores() -> int:

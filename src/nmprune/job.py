@@ -7,17 +7,19 @@ flags and YAML into a :class:`~nmprune.config.RunConfig` and prints what these r
 
 from __future__ import annotations
 
-import contextlib
 import json
 import platform
 import sys
 import time
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import __version__
 from .config import RunConfig, to_dict
+
+if TYPE_CHECKING:
+    from .stages.source import BlockSource
 
 REPORT_FILE = "nmprune_report.json"
 
@@ -37,23 +39,19 @@ def token_streams(tokenizer, datasets: list[str], seqlen: int, max_tokens: int |
             cache[name] = tokens
 
 
-def evaluate(model, tokenizer, datasets: list[str], seqlen: int, max_tokens: int | None,
+def evaluate(model: BlockSource, tokenizer, datasets: list[str], seqlen: int, max_tokens: int | None,
              device: str | None, progress: bool, cache: dict[str, Any] | None = None,
              label: str = "") -> dict[str, float]:
-    """Perplexity of ``model`` (loaded, or a :class:`~nmprune.streaming.StreamingModel`
-    evaluated block by block) on each data set's held-out split (token streams cached);
-    ``label`` names the model on the progress bars ("dense", "pruned")."""
+    """Perplexity of ``model`` (held in memory or streamed, as its block source measures it)
+    on each data set's held-out split (token streams cached); ``label`` names the model on
+    the progress bars ("dense", "pruned")."""
     from .data import window_prefix
-    from .evaluate import perplexity
-    from .streaming import StreamingModel
-    from .streaming.evaluate import streaming_perplexity
 
-    measure = streaming_perplexity if isinstance(model, StreamingModel) else perplexity
     cache = {} if cache is None else cache
     token_streams(tokenizer, datasets, seqlen, max_tokens, cache)
     prefix = window_prefix(tokenizer)  # every window starts as the tokenizer starts a text (a BOS)
-    return {name: measure(model, cache[name], seqlen=seqlen, device=device, progress=progress, prefix=prefix,
-                          desc=f"{label + ' ' if label else ''}perplexity on {name}")
+    return {name: model.perplexity(cache[name], seqlen=seqlen, device=device, progress=progress, prefix=prefix,
+                                   desc=f"{label + ' ' if label else ''}perplexity on {name}")
             for name in datasets}
 
 
@@ -65,17 +63,10 @@ def downstream_settings(config: RunConfig):
                               config.eval_limit, config.eval_batch_size, tuple(config.eval_include_path))
 
 
-STREAMED_TASKS = (
-    "--eval-tasks cannot run on a streamed model (--offload, a model larger than memory, or "
-    "several ranks on a safetensors model): lm-eval calls the whole model at once, so it "
-    "needs every weight in memory. Prune without --eval-tasks, then run "
-    "'nmprune eval OUT --tasks ...' on the saved model on a machine where it fits (the "
-    "perplexity evaluation streams, --eval-tasks does not)")
-
-
 def open_model(spec: str | None, gguf_file: str | None, dtype: str | None, offload: bool | None,
                allow_pickle: bool = False, processes: int = 1, config=None):
-    """``(model, tokenizer, source)``: the model loaded whole, or a
+    """``(model, tokenizer, source)``, the model as a block source: loaded whole
+    (:class:`~nmprune.stages.source.ModelBlocks`), or a
     :class:`~nmprune.streaming.StreamingModel` whose blocks stream from its safetensors
     checkpoint when ``offload`` says so or ``processes`` copies of the model (one per rank
     on this machine) do not fit in memory (:func:`nmprune.streaming.fit.choose_streaming`).
@@ -83,6 +74,7 @@ def open_model(spec: str | None, gguf_file: str | None, dtype: str | None, offlo
     (:func:`check_run`)."""
     from .memory import prefer_mmap
     from .models import check_causal, load_model, load_tokenizer, resolve_model
+    from .stages.source import ModelBlocks
     from .streaming import StreamingModel
     from .streaming.fit import choose_streaming
 
@@ -90,7 +82,9 @@ def open_model(spec: str | None, gguf_file: str | None, dtype: str | None, offlo
     if config is None:
         config = check_causal(source)  # read once: a GGUF file's takes seconds to parse
     if not choose_streaming(source, dtype, offload, config, processes):
-        return load_model(spec, gguf_file=gguf_file, dtype=dtype, allow_pickle=allow_pickle, config=config)
+        model, tokenizer, source = load_model(spec, gguf_file=gguf_file, dtype=dtype,
+                                              allow_pickle=allow_pickle, config=config)
+        return ModelBlocks(model, source), tokenizer, source
     print(f"streaming the weights of {source} block by block", file=sys.stderr)
     prefer_mmap(4 << 20)  # the lowest peak: weight-sized temporaries are mapped too (nmprune/memory.py)
     return StreamingModel(source.path, dtype=dtype), load_tokenizer(source), source
@@ -171,14 +165,10 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
     from .memory import release_memory
     from .output import RunLock, remove_partial_save
     from .progress import stage
-    from .stages.source import ModelBlocks
-    from .streaming import StreamingModel
     from .streaming.fit import ranks_offload
-    from .validate import check_finite
 
-    ranks = distributed.setup(config.device)
-    main_rank = ranks is None or ranks.is_main
-    phase = ranks.phase if ranks is not None else lambda name: contextlib.nullcontext()
+    ranks = distributed.job_ranks(config.device)
+    main_rank, phase = ranks.is_main, ranks.phase
     out = Path(config.out) if config.out else None
     ckpt_dir = Path(config.checkpoint_dir or f"{out}.checkpoint")
     # one lock per folder written, however it was named: a second run that names this run's
@@ -191,9 +181,9 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
             print(f"removed {ckpt_dir}, left by the completed run that saved {out}", file=sys.stderr)
         resolved, model_config, downstream = check_run(config, writes=main_rank)
         digest = model_digest(resolved)
-        offload = ranks_offload(config.offload, ranks.world if ranks is not None else 1, resolved)
-    if ranks is not None:  # every rank the same job, before any of them loads
-        ranks.agree({"settings": config.identity(), "model files": digest})
+        offload = ranks_offload(config.offload, ranks.world, resolved)
+    # every rank the same job, before any of them loads
+    ranks.agree({"settings": config.identity(), "model files": digest})
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
 
@@ -202,22 +192,18 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
                                  "de-quantizing GGUF tensors' bar)" if resolved.gguf_file else ""))
     with phase("loading the model"):
         model, tokenizer, source = open_model(config.model, config.gguf_file, config.dtype, offload,
-                                              config.allow_pickle, ranks.local_world if ranks else 1,
+                                              config.allow_pickle, ranks.local_world,
                                               model_config)
-        streaming = isinstance(model, StreamingModel)
-        if streaming and downstream.tasks:
-            raise ValueError(STREAMED_TASKS)
+        if downstream.tasks:
+            model.whole_model("--eval-tasks")  # refused when streamed
         if tokenizer is None:
             raise ValueError(f"{source} has no tokenizer; nmprune needs one for calibration and "
                              "evaluation text (save one next to the model)")
         timings["load"] = time.perf_counter() - t0
         # every tensor the run will save, before any work (a streamed model reads each once)
-        if streaming:
-            model.check_finite()
-        else:
-            check_finite(model, source)
+        model.check_finite()
         # prune_model warns about skipped layers itself
-        config.prune.planner().plan_layers((model if streaming else ModelBlocks(model)).layer_shapes(), warn=False)
+        config.prune.planner().plan_layers(model.layer_shapes(), warn=False)
         # the text is tokenised before the checkpoint exists: a text too short is refused with
         # nothing written
         cache: dict[str, Any] = {}
@@ -252,70 +238,37 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
         lock.release()
 
 
-def _prune_and_save(config: RunConfig, model, tokenizer, source, ckpt, calibration, cache,
+def _prune_and_save(config: RunConfig, model: BlockSource, tokenizer, source, ckpt, calibration, cache,
                     timings: dict[str, float], t0: float, progress: bool, on_block_done,
                     ranks, ckpt_dir: Path) -> dict[str, Any]:
     """:func:`run` after loading: dense perplexity and accuracy, pruning, pruned
     perplexity and accuracy, save (``ckpt`` is None on ranks other than 0, which return
     the pruning report once pruning is done)."""
-    from .devices import default_device
     from .downstream import evaluate_tasks
-    from .memory import release_memory
-    from .output import save_pretrained_atomic
     from .pipeline import prune_model
     from .progress import stage
-    from .stages.sink import DiscardingSink
-    from .streaming import ShardedWriter, StreamingModel
-    from .validate import check_finite_value
 
     out = Path(config.out)
-    main_rank = ranks is None or ranks.is_main
+    main_rank, device = ranks.is_main, ranks.device
     downstream = downstream_settings(config)
-    streaming = isinstance(model, StreamingModel)
-    if ckpt is not None and ckpt.done_blocks:
-        print(f"resuming from {ckpt.directory}: {ckpt.done_blocks} blocks already pruned", file=sys.stderr)
-    device = ranks.device if ranks is not None else default_device(config.device)
     say = partial(stage, enabled=progress and main_rank)
-
-    key = f"dense_perplexity/{config.eval_seqlen}/{config.eval_max_tokens}"
-    dense = ckpt.get(key, {}) if ckpt is not None else {}
-    missing = [d for d in config.eval if d not in dense]
-    if main_rank and missing:
-        t = time.perf_counter()
-        say(f"evaluating the dense model (perplexity on {', '.join(missing)})")
-        dense.update(evaluate(model, tokenizer, missing, config.eval_seqlen,
-                              config.eval_max_tokens or None, device, progress, cache, "dense"))
-        for name in missing:  # a model that overflows is refused before any pruning
-            check_finite_value(dense[name], f"the dense model's perplexity on {name}")
-        release_memory()
-        ckpt.put(key, dense)
-        timings["eval_dense"] = time.perf_counter() - t
-    acc_key = "dense_downstream/" + json.dumps(downstream.to_dict(), sort_keys=True)
-    dense_acc = ckpt.get(acc_key, {}) if ckpt is not None else {}
-    if main_rank and downstream.tasks and not dense_acc:
-        t = time.perf_counter()
-        say(f"evaluating the dense model (lm-eval: {', '.join(downstream.tasks)})")
-        dense_acc = evaluate_tasks(model, tokenizer, downstream, device=device)
-        release_memory()
-        ckpt.put(acc_key, dense_acc)
-        timings["downstream_dense"] = time.perf_counter() - t
+    if main_rank:
+        if ckpt.done_blocks:
+            print(f"resuming from {ckpt.directory}: {ckpt.done_blocks} blocks already pruned", file=sys.stderr)
+        dense, dense_acc = _dense_results(config, model, tokenizer, ckpt, cache, timings, device, progress)
 
     t = time.perf_counter()
-    # streaming: each pruned block goes straight into a shard of OUT.partial/unfinished/,
-    # written by rank 0 alone
-    sink = (ShardedWriter(model, out) if main_rank else DiscardingSink()) if streaming else None
+    # in memory, the model is pruned in place; streamed, each pruned block goes straight into
+    # a shard of OUT.partial/unfinished/, written by rank 0 alone
+    sink = model.output(out, writes=main_rank)
     say(f"pruning block by block: {_run_label(config)}")
     try:
-        prune_report = prune_model(None if streaming else model, tokenizer, config.prune,
-                                   calibration=calibration, device=device, checkpoint=ckpt,
-                                   progress=progress, on_block_done=on_block_done,
-                                   source=model if streaming else None, sink=sink,
-                                   scratch=ckpt_dir)
-        pruned_model = StreamingModel(sink.close(tokenizer), dtype=config.dtype) \
-            if streaming and main_rank else model
+        prune_report = prune_model(None, tokenizer, config.prune, calibration=calibration, device=device,
+                                   checkpoint=ckpt, progress=progress, on_block_done=on_block_done,
+                                   source=model, sink=sink, scratch=ckpt_dir)
+        pruned_model = sink.finish(tokenizer) if main_rank else model
     except BaseException:
-        if isinstance(sink, ShardedWriter):
-            sink.abandon()
+        sink.abandon()
         raise
     timings["prune"] = time.perf_counter() - t
     if not main_rank:
@@ -331,14 +284,14 @@ def _prune_and_save(config: RunConfig, model, tokenizer, source, ckpt, calibrati
     if downstream.tasks:
         t = time.perf_counter()
         say(f"evaluating the pruned model (lm-eval: {', '.join(downstream.tasks)})")
-        pruned_acc = evaluate_tasks(model, tokenizer, downstream, device=device)
+        pruned_acc = evaluate_tasks(pruned_model.whole_model("--eval-tasks"), tokenizer, downstream, device=device)
         timings["downstream_pruned"] = time.perf_counter() - t
     layers = [r for r in prune_report.layers if not r.get("skipped")]
     ratios = [r["loss_vs_wanda"] for r in layers if r.get("loss_vs_wanda") is not None]
     report = {
         "model": str(source), "run": _run_label(config), "model_files": ckpt.get("model files"), "config": to_dict(config),
         "identity": config.identity(),
-        "versions": versions(), "device": str(device), "streamed": streaming,
+        "versions": versions(), "device": str(device), "streamed": model.streamed,
         "perplexity": {"dense": {d: dense[d] for d in config.eval}, "pruned": pruned,
                        "seqlen": config.eval_seqlen, "max_tokens": config.eval_max_tokens},
         "downstream": {"dense": dense_acc, "pruned": pruned_acc, "settings": downstream.to_dict()},
@@ -356,13 +309,47 @@ def _prune_and_save(config: RunConfig, model, tokenizer, source, ckpt, calibrati
     extra = {REPORT_FILE: json.dumps(report, indent=1, default=str)}
     say(f"saving the pruned model to {out}")
     ckpt.put("published_to", str(out.resolve()))  # a kill after the rename: the next run cleans up
-    if streaming:
-        sink.publish(extra)
-    else:
-        save_pretrained_atomic(model, tokenizer, out, extra)
+    sink.publish(extra)
     ckpt.remove()
     report["saved_to"] = str(out)  # for the caller; not in the saved report (the folder may move)
     return report
+
+
+def _dense_results(config: RunConfig, model: BlockSource, tokenizer, ckpt, cache: dict[str, Any],
+                   timings: dict[str, float], device, progress: bool) -> tuple[dict[str, float], dict[str, Any]]:
+    """The dense model's perplexities and lm-eval results, from the checkpoint where a run
+    before the resume measured them, else measured now and kept there. A perplexity that is
+    not finite (the model overflows) is refused before any pruning."""
+    from .downstream import evaluate_tasks
+    from .memory import release_memory
+    from .progress import stage
+    from .validate import check_finite_value
+
+    say = partial(stage, enabled=progress)
+    downstream = downstream_settings(config)
+    key = f"dense_perplexity/{config.eval_seqlen}/{config.eval_max_tokens}"
+    dense = ckpt.get(key, {})
+    missing = [d for d in config.eval if d not in dense]
+    if missing:
+        t = time.perf_counter()
+        say(f"evaluating the dense model (perplexity on {', '.join(missing)})")
+        dense.update(evaluate(model, tokenizer, missing, config.eval_seqlen,
+                              config.eval_max_tokens or None, device, progress, cache, "dense"))
+        for name in missing:
+            check_finite_value(dense[name], f"the dense model's perplexity on {name}")
+        release_memory()
+        ckpt.put(key, dense)
+        timings["eval_dense"] = time.perf_counter() - t
+    acc_key = "dense_downstream/" + json.dumps(downstream.to_dict(), sort_keys=True)
+    dense_acc = ckpt.get(acc_key, {})
+    if downstream.tasks and not dense_acc:
+        t = time.perf_counter()
+        say(f"evaluating the dense model (lm-eval: {', '.join(downstream.tasks)})")
+        dense_acc = evaluate_tasks(model.whole_model("--eval-tasks"), tokenizer, downstream, device=device)
+        release_memory()
+        ckpt.put(acc_key, dense_acc)
+        timings["downstream_dense"] = time.perf_counter() - t
+    return dense, dense_acc
 
 
 def _reconstruction_summary(config: RunConfig, blocks: list[dict[str, Any]],
@@ -439,24 +426,21 @@ def evaluate_model(spec: str | None, *, data: list[str], seqlen: int, max_tokens
     (:class:`~nmprune.downstream.DownstreamSettings`, ``None``: none). Every input that can
     be judged before the model loads is checked first."""
     from .downstream import accuracy_columns, check_tasks, evaluate_tasks
-    from .streaming import StreamingModel
-    from .validate import check_eval_inputs, check_finite, check_finite_value, check_positions
+    from .validate import check_eval_inputs, check_finite_value, check_positions
 
     check_eval_inputs(data, device, dtype, seqlen, max_tokens)
     if tasks is not None and tasks.tasks:
         check_tasks(tasks)
     model, tokenizer, source = open_model(spec, gguf_file, dtype or "auto", offload, allow_pickle)
-    streaming = isinstance(model, StreamingModel)
-    if streaming and tasks is not None and tasks.tasks:
-        raise ValueError(STREAMED_TASKS.replace("--eval-tasks", "--tasks"))
+    lm_eval_model = model.whole_model("--tasks") if tasks is not None and tasks.tasks else None
     if tokenizer is None:
         raise ValueError(f"{source} has no tokenizer; save one next to the model")
-    check_positions(model.config, {"--seqlen": seqlen})
-    if not streaming:
-        check_finite(model, source)
+    check_positions(model.model.config, {"--seqlen": seqlen})
+    if not model.streamed:  # a streamed model is checked tensor by tensor as it is read
+        model.check_finite()
     result = evaluate(model, tokenizer, data, seqlen, max_tokens or None, device, progress)
     for name, value in result.items():
         check_finite_value(value, f"the perplexity of {source} on {name}")
-    if tasks is not None and tasks.tasks:
-        result.update(accuracy_columns(evaluate_tasks(model, tokenizer, tasks, device=device)))
+    if lm_eval_model is not None:
+        result.update(accuracy_columns(evaluate_tasks(lm_eval_model, tokenizer, tasks, device=device)))
     return str(source), result

@@ -145,7 +145,7 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
     batches, sizes, start, resumed = _setup(source, sink, plans, settings, executor, tokenizer, calibration,
                                             checkpoint, hessians)
     report.layers, report.blocks, report.resumed_from_block = list(resumed[0]), list(resumed[1]), start
-    if model is not None:  # a streaming sink holds the finished blocks itself
+    if isinstance(sink, ModelSink):  # every rank's model holds the resumed blocks (a streaming sink holds them itself)
         executor.broadcast_tensors([m.weight for i in range(start) for m in source.layers(i).values()])
     shown = progress and executor.is_main
     loop = _BlockLoop(source, sink, plans, settings, executor, checkpoint, report, sizes, shown, on_block_done,

@@ -6,17 +6,23 @@ prunable layer as the layer stores them (``module.weight``), keyed by full modul
 place; a resumed block's weights come from the checkpoint); a streaming sink writes
 safetensors shards instead; :class:`DiscardingSink` keeps nothing (the ranks other than 0 of a
 streamed run under torchrun, where rank 0 writes the shards).
+
+A job's sink is an :class:`OutputSink` (from its source's ``output``): once every block is
+written, ``finish`` completes the output and gives the pruned model to evaluate, ``publish``
+makes it appear under ``--out`` at once, and ``abandon`` removes what a failed run wrote.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
-from typing import Protocol
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
-from .source import ModelBlocks
+from .source import BlockSource, ModelBlocks
 
 
 class BlockSink(Protocol):
@@ -26,11 +32,28 @@ class BlockSink(Protocol):
         """Keep block ``index``'s final weights (every prunable layer's, by full name)."""
 
 
-class ModelSink:
-    """Writes finished blocks into the model behind ``source``."""
+class OutputSink(BlockSink, Protocol):
+    """What a prune job (:func:`nmprune.job.run`) asks of its sink beyond the blocks."""
 
-    def __init__(self, source: ModelBlocks):
+    def finish(self, tokenizer: Any) -> BlockSource:
+        """Every block is written: complete the output (``tokenizer`` beside it) and return
+        the pruned model, to evaluate."""
+
+    def publish(self, extra_files: Mapping[str, str]) -> None:
+        """Write the output, with ``extra_files`` (name -> text), so that it appears under
+        ``out`` at once."""
+
+    def abandon(self) -> None:
+        """Remove what a failed run left of the output."""
+
+
+class ModelSink:
+    """Writes finished blocks into the model behind ``source``; saved whole to ``out``."""
+
+    def __init__(self, source: ModelBlocks, out: str | os.PathLike | None = None):
         self.source = source
+        self.out = None if out is None else Path(out)
+        self.tokenizer: Any = None
 
     def write(self, index: int, weights: Mapping[str, Tensor]) -> None:
         """Give every prunable layer of block ``index`` its weight from ``weights``."""
@@ -43,6 +66,21 @@ class ModelSink:
                 if weights[name].data_ptr() != module.weight.data_ptr():
                     module.weight.copy_(weights[name])
 
+    def finish(self, tokenizer: Any) -> ModelBlocks:
+        """The model is pruned in place: it is its own output (saved with ``tokenizer``)."""
+        self.tokenizer = tokenizer
+        return self.source
+
+    def publish(self, extra_files: Mapping[str, str]) -> None:
+        """Save model, tokenizer and ``extra_files`` to ``out`` by one rename
+        (:func:`nmprune.output.save_pretrained_atomic`)."""
+        from ..output import save_pretrained_atomic
+
+        save_pretrained_atomic(self.source.model, self.tokenizer, self.out, dict(extra_files))
+
+    def abandon(self) -> None:
+        """Nothing is written before :meth:`publish`, which cleans up after itself."""
+
 
 class DiscardingSink:
     """Keeps nothing: a rank other than 0 in a streamed run under torchrun (rank 0's
@@ -50,3 +88,12 @@ class DiscardingSink:
 
     def write(self, index: int, weights: Mapping[str, Tensor]) -> None:
         """Nothing to keep."""
+
+    def finish(self, tokenizer: Any) -> BlockSource:
+        raise RuntimeError("this rank writes no output: rank 0 holds the pruned model")
+
+    def publish(self, extra_files: Mapping[str, str]) -> None:
+        raise RuntimeError("this rank writes no output: rank 0 publishes it")
+
+    def abandon(self) -> None:
+        """Nothing was written."""

@@ -7,12 +7,19 @@ compute device (``load``, ``offload``, ``release``), and turns the last block's 
 logits through the model's own head (``head_logits``). :class:`ModelBlocks` serves a model held
 in CPU memory; :class:`nmprune.streaming.StreamingModel` reads each block from the
 checkpoint instead. Both find blocks and layers by :class:`DecoderBlocks`.
+
+A source is also what a prune or eval job (:mod:`nmprune.job`) holds of its model, so that
+the job never asks which kind it has: it checks the weights (``check_finite``), measures
+perplexity (``perplexity``), hands lm-eval the whole model (``whole_model``, refused when
+streamed) and opens where the pruned blocks go (``output``, a
+:class:`~nmprune.stages.sink.OutputSink`).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -20,11 +27,23 @@ from torch import Tensor, nn
 from .block_runner import BlockInputs, capture_block_inputs, head_logits
 from ..models import find_blocks, find_linears, outside_parameters, weight_matrix
 
+if TYPE_CHECKING:
+    from .sink import OutputSink
+
+#: Why lm-eval cannot run on a streamed model (``{flag}``: the option that asked for it).
+STREAMED_TASKS = (
+    "{flag} cannot run on a streamed model (--offload, a model larger than memory, or "
+    "several ranks on a safetensors model): lm-eval calls the whole model at once, so it "
+    "needs every weight in memory. Prune without --eval-tasks, then run "
+    "'nmprune eval OUT --tasks ...' on the saved model on a machine where it fits (the "
+    "perplexity evaluation streams, lm-eval does not)")
+
 
 class BlockSource(Protocol):
-    """What :func:`nmprune.pipeline.prune_model` asks of a block source."""
+    """What :func:`nmprune.pipeline.prune_model` and the jobs ask of a block source."""
 
     model: nn.Module
+    streamed: bool  # the weights stay in the checkpoint (read block by block)
 
     def __len__(self) -> int: ...
 
@@ -46,6 +65,15 @@ class BlockSource(Protocol):
     def offload(self, index: int) -> None: ...
 
     def release(self, index: int) -> None: ...
+
+    def check_finite(self) -> None: ...
+
+    def perplexity(self, input_ids: Tensor, seqlen: int, device: Any, progress: bool,
+                   prefix: Sequence[int], desc: str) -> float: ...
+
+    def whole_model(self, flag: str) -> nn.Module: ...
+
+    def output(self, out: str | os.PathLike, writes: bool) -> OutputSink: ...
 
 
 class DecoderBlocks:
@@ -82,7 +110,40 @@ class DecoderBlocks:
 
 class ModelBlocks(DecoderBlocks):
     """The block source of a model in CPU memory: its blocks visit the compute device one
-    at a time."""
+    at a time. ``origin`` names the model in messages (where it was loaded from)."""
+
+    streamed = False
+
+    def __init__(self, model: nn.Module, origin: object = "the model"):
+        super().__init__(model)
+        self.origin = origin
+
+    def check_finite(self) -> None:
+        """Refuse NaN or Inf in any parameter or buffer, naming each
+        (:func:`nmprune.validate.check_finite`)."""
+        from ..validate import check_finite
+
+        check_finite(self.model, self.origin)
+
+    def perplexity(self, input_ids: Tensor, seqlen: int, device: Any, progress: bool,
+                   prefix: Sequence[int], desc: str) -> float:
+        """The model's perplexity on a ``(1, N)`` token stream
+        (:func:`nmprune.evaluate.perplexity`)."""
+        from ..evaluate import perplexity
+
+        return perplexity(self.model, input_ids, seqlen=seqlen, device=device, progress=progress,
+                          prefix=prefix, desc=desc)
+
+    def whole_model(self, flag: str) -> nn.Module:
+        """The model itself, for lm-eval."""
+        return self.model
+
+    def output(self, out: str | os.PathLike, writes: bool) -> OutputSink:
+        """A :class:`~nmprune.stages.sink.ModelSink` into this model, saved to ``out`` whole
+        (every rank keeps its copy up to date: ``writes`` only says who saves)."""
+        from .sink import ModelSink
+
+        return ModelSink(self, out)
 
     def capture(self, batches: Sequence[Tensor], device: torch.device, keep_hidden: bool = True
                 ) -> BlockInputs:

@@ -108,7 +108,11 @@ class ShardedWriter:
             tokenizer.save_pretrained(self.tmp)
         return self.tmp
 
-    def publish(self, extra_files: dict[str, str] | None = None) -> Path:
+    def finish(self, tokenizer: Any) -> StreamingModel:
+        """Complete the directory (:meth:`close`) and open it as the pruned model, streamed."""
+        return StreamingModel(self.close(tokenizer), dtype=self.source.dtype)
+
+    def publish(self, extra_files: Mapping[str, str] | None = None) -> Path:
         """Add ``extra_files`` (name -> text) and rename the directory to ``out``; a failed
         write (a full disk, say) abandons the output."""
         try:

@@ -28,7 +28,8 @@ from torch import Tensor, nn
 from ..stages.block_runner import BlockInputs, capture_block_inputs, head_logits
 from ..models import ModelSource, check_causal, parse_dtype
 from ..validate import check_finite_tensors
-from ..stages.source import DecoderBlocks
+from ..stages.sink import DiscardingSink, OutputSink
+from ..stages.source import STREAMED_TASKS, DecoderBlocks
 from .files import CheckpointFileError, SafetensorsFiles, check_no_extra_blocks, missing_tensors
 
 
@@ -67,6 +68,8 @@ class StreamingModel(DecoderBlocks):
     layers are found by :class:`nmprune.stages.source.DecoderBlocks` on the skeleton, tied weights
     by the same rule as in memory.
     """
+
+    streamed = True
 
     def __init__(self, directory: str | os.PathLike, dtype: str | torch.dtype | None = "auto"):
         from accelerate import init_empty_weights
@@ -184,6 +187,28 @@ class StreamingModel(DecoderBlocks):
         with self.outside(device):
             yield from head_logits(self.model, self.blocks_name, self.blocks, template, batches, finals,
                                    device, place=False)
+
+    # -- what a job asks of its model ---------------------------------------------------------
+
+    def perplexity(self, input_ids: Tensor, seqlen: int, device: Any, progress: bool,
+                   prefix: Sequence[int], desc: str) -> float:
+        """Perplexity on a ``(1, N)`` token stream, block by block
+        (:func:`nmprune.streaming.evaluate.streaming_perplexity`)."""
+        from .evaluate import streaming_perplexity
+
+        return streaming_perplexity(self, input_ids, seqlen=seqlen, device=device, progress=progress,
+                                    prefix=prefix, desc=desc)
+
+    def whole_model(self, flag: str) -> nn.Module:
+        """Refused: lm-eval needs every weight in memory at once."""
+        raise ValueError(STREAMED_TASKS.format(flag=flag))
+
+    def output(self, out: str | os.PathLike, writes: bool) -> OutputSink:
+        """Shards written as blocks finish (:class:`~nmprune.streaming.ShardedWriter`) on the
+        process that ``writes``; on the others, nothing (rank 0 writes)."""
+        from .sink import ShardedWriter
+
+        return ShardedWriter(self, out) if writes else DiscardingSink()
 
     # -- sizes and names ------------------------------------------------------------------
 
