@@ -41,8 +41,11 @@ def test_gpu_check_runs_on_the_cpu(tmp_path, monkeypatch):
     assert all(r["perplexity_rel_diff"] < 0.05 for r in result["pipeline"][3:])  # bfloat16: close
     assert "The whole pipeline (model)" in (tmp_path / "gpu.md").read_text()
     block = result["block"]  # the 8B-shaped block, scaled down: solved, then reconstructed
-    # one sample per step, one of the four held out
-    assert block["settings"] == {"nsamples": 4, "seqlen": 16} and block["steps"] == 3
+    # one sample per step, one of the four held out, the default number of epochs
+    from nmprune.config import PruneSettings
+
+    assert block["settings"] == {"nsamples": 4, "seqlen": 16}
+    assert block["steps"] == 3 * PruneSettings().reconstruct_epochs
     assert block["layer_seconds"] > 0 and block["reconstruction_seconds"] > 0
     assert 0 < block["heldout_after"] <= block["heldout_before"] and block["kept"] in ("reconstructed", "solved")
     assert list(result["seconds"]) == list(gpu_check.PARTS) and result["failed"] == {}
