@@ -188,7 +188,10 @@ def test_checkpoint_left_by_a_completed_run_is_removed(job, tmp_path, capsys):
 # ----------------------------------------------------------------------------- concurrency
 
 PAUSED_CHILD = """
-import os, sys, time
+import os, signal, sys, time
+# Ctrl-C as in a terminal, even when the suite runs in the background (where a shell starts
+# its children with SIGINT ignored, which they inherit)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import nmprune.stages.statistics as statistics
 original, calls = statistics.run_block, [0]
 def paused(*args, **kwargs):
