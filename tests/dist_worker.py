@@ -6,7 +6,8 @@ Python inside a process group this script initialises (gloo).
 MODE ``run`` prunes a tiny model of FAMILY and rank 0 saves the state dict and the report
 under OUT; ``fail`` also keeps a checkpoint in OUT/ckpt and raises on rank 1 after block 1;
 ``resume`` continues from the checkpoint in OUT/ckpt (made by any number of ranks).
-RECONSTRUCT (``submodule`` or ``block``) adds local reconstruction with :data:`RECONSTRUCT`;
+RECONSTRUCT (``submodule`` or ``block``) adds local reconstruction with :data:`RECONSTRUCT`
+(``block:1``: in one lane instead of the default one per rank);
 ``prox`` instead prunes with :data:`PROX`, whole layers to each rank (the tiny layers are too
 small to split), and ``rows`` does the same but lets the ranks split layers of any size
 (:data:`nmprune.distributed.MIN_SHARE_ROWS` lowered to 1), so they solve shares of every
@@ -38,8 +39,10 @@ def settings(family: str, extra: str) -> dict:
     """The prune_model settings of a worker started with ``extra`` (module docstring)."""
     if extra in ("prox", "rows"):
         return PROX
+    granularity, _, lanes = extra.partition(":")
     return dict(SETTINGS, hessian_inputs="pruned" if family == "opt" else "dense",
-                **(dict(reconstruct=extra, **RECONSTRUCT) if extra != "none" else {}))
+                **(dict(reconstruct=granularity, **RECONSTRUCT) if extra != "none" else {}),
+                **(dict(reconstruct_lanes=int(lanes)) if lanes else {}))
 
 
 def build(family: str):

@@ -16,7 +16,7 @@ from nmprune.checkpoint import Checkpoint
 from nmprune.config import PruneSettings
 from nmprune.models import find_blocks, find_linears, weight_matrix
 from nmprune.pipeline import prune_model
-from nmprune.reconstruct import FitOptions, KeptEntries, ReconstructionDiverged, fit_masked
+from nmprune.reconstruct import FitOptions, KeptEntries, ReconstructionDiverged, epoch_steps, fit_masked, lane_of
 
 FIT = dict(reconstruct_batch_size=2, reconstruct_epochs=3, reconstruct_lr=5e-2)
 SOLVE = dict(method="wanda", refine=None, pattern="2:4", batch_size=2)
@@ -162,6 +162,75 @@ def test_fit_masked_steps_as_adamw_on_the_whole_weight_with_masked_gradients(mon
         torch.testing.assert_close(a, b.detach(), rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("lanes,per_step", [(3, 1), (2, 2)])
+def test_fit_masked_lanes_step_through_gradients_taken_at_the_rounds_weights(lanes, per_step):
+    """With lanes, each round computes every lane's next step's gradient at the same weights,
+    then steps through them in lane order (each lane's batches in its own seeded order): the
+    reference is torch's AdamW on the dense weight with masked gradients, fed gradients
+    computed from a copy of the weights frozen at the round's start (7 batches, lanes of 2, 2
+    and 3 batches or of 3 and 4; steps of one batch, or of two with a short last step)."""
+    torch.manual_seed(6)
+    n = 7
+    xs = [torch.randn(5, 12, dtype=torch.float64) for _ in range(n)]
+    targets = [torch.tanh(x @ torch.randn(12, 6, dtype=torch.float64)) for x in xs]
+    start = torch.randn(6, 12, dtype=torch.float64)
+    start[:, ::2] = 0
+    options = FitOptions(epochs=2, lr=5e-2, batches_per_step=per_step, seed=7, lanes=lanes)
+    lane = [lane_of(g, n, lanes) for g in range(n)]
+    ours = [start.clone()]
+    result = fit_masked(lambda j: torch.tanh(xs[j] @ ours[0].T), targets, ours, range(n), n, options, lanes=lane)
+
+    members = [[g for g in range(n) if lane[g] == k] for k in range(lanes)]
+    assert [len(m) for m in members] == ([2, 2, 3] if lanes == 3 else [3, 4])
+    steps = options.epochs * epoch_steps(lane, per_step)
+    assert result.steps == steps == options.epochs * sum(-(-len(m) // per_step) for m in members)
+    w = start.clone().requires_grad_(True)
+    mask = start != 0
+    rms = float(start.square().sum() / mask.sum()) ** 0.5
+    optimiser = torch.optim.AdamW([w], lr=options.lr * rms, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimiser, lambda k: 1.0 - k / steps)
+    gen = torch.Generator().manual_seed(options.seed)
+    for _ in range(options.epochs):
+        orders = [[m[i] for i in torch.randperm(len(m), generator=gen).tolist()] for m in members]
+        for r in range(max(-(-len(m) // per_step) for m in members)):
+            frozen = w.detach().clone().requires_grad_(True)
+            grads = []
+            for order in orders:
+                batch = order[r * per_step:(r + 1) * per_step]
+                if not batch:
+                    continue
+                frozen.grad = None
+                for j in batch:
+                    (torch.tanh(xs[j] @ frozen.T).float() - targets[j].float()).square().sum().backward()
+                grads.append(frozen.grad.div(sum(targets[j].numel() for j in batch)).mul(mask))
+            for grad in grads:
+                w.grad = grad
+                optimiser.step()
+                schedule.step()
+                with torch.no_grad():
+                    w.mul_(mask)
+    assert torch.equal(ours[0] != 0, mask)
+    torch.testing.assert_close(ours[0], w.detach(), rtol=1e-10, atol=1e-12)
+
+
+def test_one_lane_is_one_step_at_a_time():
+    """One lane (the default) is the plain loop: every step's gradient at the latest weights,
+    whatever the lane table says; and lanes change the result (the gradients are delayed)."""
+    torch.manual_seed(7)
+    xs = [torch.randn(4, 8, dtype=torch.float64) for _ in range(6)]
+    targets = [x @ torch.randn(8, 3, dtype=torch.float64) for x in xs]
+    start = torch.randn(3, 8, dtype=torch.float64)
+    results = []
+    for lanes in (None, [0] * 6, [lane_of(g, 6, 2) for g in range(6)]):
+        w = [start.clone()]
+        fit_masked(lambda j: xs[j] @ w[0].T, targets, w, range(6), 6,
+                   FitOptions(epochs=2, lr=2e-2, batches_per_step=1), lanes=lanes)
+        results.append(w[0])
+    assert torch.equal(results[0], results[1])
+    assert not torch.allclose(results[0], results[2])
+    assert [lane_of(g, 10, 3) for g in range(10)] == [0, 0, 0, 1, 1, 1, 2, 2, 2, 2]
+
+
 def test_fit_masked_steps_are_relative_to_each_weights_scale():
     """A layer whose weights are c times larger, fed inputs c times smaller, computes the same
     function: trained alike, it ends c times the other's weights (the steps are relative to
@@ -183,7 +252,8 @@ def test_fit_masked_steps_are_relative_to_each_weights_scale():
 
 @pytest.mark.parametrize("bad, message", [
     (dict(epochs=0), "at least one epoch"), (dict(lr=0.0), "positive"), (dict(lr=-1e-3), "positive"),
-    (dict(lr=float("nan")), "positive"), (dict(batches_per_step=0), "at least 1")])
+    (dict(lr=float("nan")), "positive"), (dict(batches_per_step=0), "at least 1"),
+    (dict(lanes=0), "at least one lane")])
 def test_fit_options_refuse_bad_values(bad, message):
     with pytest.raises(ValueError, match=message):
         FitOptions(**{**dict(epochs=1, lr=1e-3, batches_per_step=1), **bad})

@@ -129,6 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reconstruct-batch-size", dest="reconstruct_batch_size", type=int,
                    help="calibration samples per reconstruction step, a multiple of --batch-size "
                         "(default: --batch-size, one calibration batch per step)")
+    p.add_argument("--reconstruct-lanes", dest="reconstruct_lanes", type=int,
+                   help="split the calibration batches into this many lanes; each round, every lane "
+                        "computes one step's gradient at the same weights, and the steps follow one "
+                        "another (gradients up to lanes-1 steps old); the result depends on the lanes, "
+                        "not on the ranks (default: one lane per rank, so every rank trains)")
     p.add_argument("--damp", type=float,
                    help="Hessian dampening: solvers see H + DAMP * mean(diag H) * I (default 0.01; "
                         "0 = the paper's undamped loss)")
@@ -175,7 +180,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     flags: dict[str, Any] = {k: getattr(args, k) for k in (
         "model", "gguf_file", "dtype", "device", "out", "method", "refine", "pattern", "calib",
         "nsamples", "seqlen", "seed", "batch_size", "hessian_inputs", "hessian_dtype", "damp", "strict",
-        "reconstruct", "reconstruct_epochs", "reconstruct_lr", "reconstruct_batch_size",
+        "reconstruct", "reconstruct_epochs", "reconstruct_lr", "reconstruct_batch_size", "reconstruct_lanes",
         "eval_seqlen", "checkpoint_dir", "restart", "allow_pickle", "eval_tasks", "eval_num_fewshot",
         "eval_limit", "eval_batch_size", "eval_include_path", "offload")}
     if args.option:
@@ -208,7 +213,7 @@ def _methods_text() -> str:
         opts = ", ".join(r.option_names()) or "-"
         lines.append(f"  {name:<12} {r.description}  [options: {opts}]")
     lines.append("reconstruction after each block's solve (--reconstruct; --reconstruct-epochs, "
-                 "--reconstruct-lr, --reconstruct-batch-size):")
+                 "--reconstruct-lr, --reconstruct-batch-size, --reconstruct-lanes):")
     lines += [f"  {name:<12} {text}" for name, text in RECONSTRUCTION_TEXT.items()]
     return "\n".join(lines)
 

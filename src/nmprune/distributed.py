@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .devices import default_device
+from .reconstruct import lane_of
 from .registry import get_method, get_refiner
 
 T = TypeVar("T")
@@ -152,9 +153,9 @@ class Ranks:
         return range(self.rank * n // self.world, (self.rank + 1) * n // self.world)
 
     def owner_of(self, index: int, n: int) -> int:
-        """The rank whose :meth:`share` of ``n`` items holds item ``index``."""
-        return next(r for r in range(self.world)
-                    if r * n // self.world <= index < (r + 1) * n // self.world)
+        """The rank whose :meth:`share` of ``n`` items holds item ``index`` (the reconstruction's
+        lane of that item with one lane per rank)."""
+        return lane_of(index, n, self.world)
 
     def broadcast_object(self, value: Any, src: int = 0) -> Any:
         """``value`` of rank ``src`` on every rank (small picklable values)."""

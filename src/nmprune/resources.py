@@ -19,7 +19,8 @@ parameters and its prunable layers' shapes, as a streamed run does
   pruned stream in float32 besides), the float32 activations of one calibration batch, and
   with reconstruction the block in float32, a mask bit per pruned weight, 12 bytes per kept
   entry (:class:`nmprune.reconstruct.CompactAdamW`'s compact gradient and two moments; the
-  solved weights' backup waits on disk in the checkpoint folder), one layer's
+  solved weights' backup waits on disk in the checkpoint folder) and 4 more per lane the
+  rank computes when there are several, one layer's
   dense gradient and autograd's activations of one batch. A
   run that loads the model whole adds all its weights. On a CUDA device the block phase is
   device memory and the CPU holds the process, the outside modules and one block on its way.
@@ -34,8 +35,8 @@ parameters and its prunable layers' shapes, as a streamed run does
   operations (2 per parameter and token forward, 6 forward and backward) at
   :data:`FLOPS` per device kind (on the CPU scaled to the threads each rank has,
   :func:`cpu_threads`): the calibration passes spread over the ranks, a
-  reconstruction step's training only over as many ranks as the step has batches (one
-  batch per step, the default, runs on one rank at a time).
+  reconstruction round's training (one step per lane, :mod:`nmprune.reconstruct`) over as
+  many ranks as the round has batches (one lane per rank, the default: all of them).
 
 Every figure is an estimate; ``benchmarks/memory.py`` checks the memory ones against
 measured peaks.
@@ -178,11 +179,15 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None, mo
     batch_tokens = s.batch_size * s.seqlen
     activations = batch_tokens * (3 * intermediate + 4 * hidden_size) * 4
     # the block in float32, then per pruned weight: a mask (a bit) and 12 bytes per kept
-    # entry (its compact gradient and two AdamW moments); one layer's dense gradient
-    # in flight, and autograd's activations of one batch
+    # entry (its compact gradient and two AdamW moments) and 4 more per lane the rank
+    # computes (with several lanes); one layer's dense gradient in flight, and autograd's
+    # activations of one batch
+    fit = s.fit_options(ranks)
+    slots = 0 if fit.lanes == 1 else -(-fit.lanes // ranks)
     kept = max((p.pattern.n / p.pattern.m for p in plans.values() if p is not None), default=1.0)
     pruned = max(sum(r * d for n, (r, d) in b.items() if plans[n] is not None) for b in per_block)
-    training = ((4 - itemsize) * largest + pruned * (1 / 8 + 12 * kept) + 4 * max(r * d for r, d in shapes.values())
+    training = ((4 - itemsize) * largest + pruned * (1 / 8 + (12 + 4 * slots) * kept)
+                + 4 * max(r * d for r, d in shapes.values())
                 + batch_tokens * (16 * hidden_size + 4 * intermediate) * 4) if recon else 0
     block_phase = block + hessians + solver + hidden + activations + training
     whole = 0 if streamed else params * itemsize
@@ -210,10 +215,11 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None, mo
     forward = 2.0 * sum(block_params) * tokens
     seconds = {"layer_solves": solve, "calibration_passes": passes * forward / rate / ranks}
     if recon:
-        # the passes before and after training are data-parallel; a training step runs the
-        # step's batches on the ranks that hold them, so ranks beyond its batches wait
-        per_step = s.fit_options().batches_per_step
-        training = 3 * s.reconstruct_epochs * forward * -(-per_step // ranks) / per_step
+        # the passes before and after training are data-parallel; a training round runs the
+        # batches of every lane's step on the ranks that hold them, so ranks beyond the
+        # round's batches wait (one lane per rank: every rank trains)
+        batches = fit.lanes * fit.batches_per_step
+        training = 3 * s.reconstruct_epochs * forward * -(-batches // ranks) / batches
         seconds["reconstruction"] = (training + 2 * forward / ranks) / rate
     if config.eval:
         seconds["evaluation"] = 2 * len(config.eval) * 2.0 * params * (config.eval_max_tokens or tokens) / rate

@@ -33,7 +33,8 @@ from torch import Tensor, nn
 from ..evaluate import window_kl, window_nll
 from ..checks import NonFiniteModel
 from ..progress import bar as progress_bar
-from ..reconstruct import FitOptions, KeptEntries, ReconstructionDiverged, channel_weights, fit_masked
+from ..reconstruct import (FitOptions, KeptEntries, ReconstructionDiverged, channel_weights, epoch_steps,
+                           fit_masked, lane_of)
 from .block_runner import BlockCall, BlockInputs, block_hidden, run_block
 from .statistics import CalibrationStatistics, InputStats
 
@@ -367,13 +368,15 @@ class ReconstructingStatistics:
         """Train the kept weights of each submodel of block ``index`` in turn on its targets
         (``where``: each weight's kept entries, by ``id``). Returns the optimiser steps taken."""
         steps = 0
-        per_unit = self.options.epochs * -(-(self.total - len(self.held)) // self.options.batches_per_step)
+        # this process's training batches, their ranks among all processes' training batches,
+        # and the lane of each of those (lanes are shares of all batches, as the ranks')
+        rank = {g: r for r, g in enumerate(g for g in range(self.total) if g not in self.held)}
+        train = [j for j, g in enumerate(self.positions) if g not in self.held]
+        lanes = [lane_of(g, self.total, self.options.lanes) for g in rank]
+        per_unit = self.options.epochs * epoch_steps(lanes, self.options.batches_per_step)
         bar = progress_bar(total=per_unit * len(self._units), desc=f"reconstructing block {index}",
                            enabled=self.progress, nested=True)
         dense_sum = [x.float() for x in self._dense_in] if self._additive else []
-        # this process's training batches, and their ranks among all processes' training batches
-        rank = {g: r for r, g in enumerate(g for g in range(self.total) if g not in self.held)}
-        train = [j for j, g in enumerate(self.positions) if g not in self.held]
         try:
             with _training(block):
                 for k, unit in enumerate(self._units):
@@ -389,7 +392,7 @@ class ReconstructingStatistics:
                                         [rank[self.positions[j]] for j in train], len(rank),
                                         replace(self.options, seed=self.options.seed + index),
                                         self.all_reduce, bar.update, [where[id(w)] for w in trained],
-                                        channel_weights(unit.targets, self.all_reduce))
+                                        channel_weights(unit.targets, self.all_reduce), lanes)
                     steps += result.steps
                     del inputs
                     unit.targets.clear()
