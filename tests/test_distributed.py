@@ -20,7 +20,7 @@ from test_models_tiny import token_batch
 
 from nmprune.checkpoint import Checkpoint
 from nmprune.cli import main
-from nmprune.distributed import assign, balance_window, job_cost, makespan
+from nmprune.distributed import assign, balance_window, flat_buckets, job_cost, makespan
 from nmprune.pattern import same_mask_cells
 from nmprune.pipeline import prune_model
 
@@ -97,6 +97,17 @@ def test_balance_window_takes_the_fewest_blocks_that_balance():
     assert balance_window([[10.0, 1.0]] * 2, 3) == 2  # never balanced: all blocks
     assert balance_window([[1.0] * 4] * 3, 2) == 1
 
+
+
+def test_sums_over_ranks_go_in_buckets_by_dtype_in_order():
+    """One collective per bucket: tensors of one dtype and device, in order, up to the byte
+    limit; a tensor over the limit, or not contiguous, alone."""
+    a, b, c = torch.zeros(10), torch.zeros(20), torch.zeros(5)
+    wide, big, strided = torch.zeros(3, dtype=torch.float64), torch.zeros(100), torch.zeros(4, 4).T
+    groups = flat_buckets([a, wide, b, big, strided, c], limit=200)
+    assert [[id(t) for t in g] for g in groups] == [[id(big)], [id(strided)], [id(a), id(b), id(c)], [id(wide)]]
+    groups = flat_buckets([a, b, c], limit=100)  # 40 + 80 bytes exceed 100: b opens a new bucket
+    assert [[id(t) for t in g] for g in groups] == [[id(a)], [id(b), id(c)]]
 
 # ----------------------------------------------------------------------------- 2 ranks
 

@@ -48,6 +48,11 @@ T = TypeVar("T")
 
 TIMEOUT_ENV = "NMPRUNE_DIST_TIMEOUT"
 DEFAULT_TIMEOUT_S = 1800.0
+#: :meth:`Ranks.all_reduce_sum` sums small tensors of one dtype together, in flat buckets of up
+#: to this many bytes: one collective per bucket, not per tensor (a reconstruction step's
+#: gradients, one per pruned layer, and its error would otherwise be eight collectives, and on
+#: gloo their latency took a fifth of a 2-rank reconstruction)
+BUCKET_BYTES = 32 << 20
 
 
 class RankError(RuntimeError):
@@ -64,6 +69,25 @@ class PeerLost(RankError):
     """A collective failed on this rank: another rank stopped without a word (killed, out of
     memory, its machine gone) or passed the collective timeout. Not followed by the farewell
     barrier of :func:`teardown`, which would wait for the lost rank."""
+
+
+def flat_buckets(tensors: Sequence[Tensor], limit: int) -> list[list[Tensor]]:
+    """``tensors`` grouped by dtype and device, in order, each group split into buckets of at
+    most ``limit`` bytes (a tensor larger than that, or not contiguous, is a bucket alone)."""
+    open_: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+    done: list[list[Tensor]] = []
+    for t in tensors:
+        size = t.numel() * t.element_size()
+        if size > limit or not t.is_contiguous():
+            done.append([t])
+            continue
+        key = (t.dtype, t.device)
+        bucket = open_.setdefault(key, [])
+        if bucket and sum(x.numel() * x.element_size() for x in bucket) + size > limit:
+            done.append(bucket)
+            bucket = open_[key] = []
+        bucket.append(t)
+    return done + [b for b in open_.values() if b]
 
 
 @contextmanager
@@ -165,13 +189,25 @@ class Ranks:
         return box[0]
 
     def all_reduce_sum(self, tensors: Sequence[Tensor]) -> None:
-        """Sum each tensor over all ranks, in place (on this rank's device)."""
-        for t in tensors:
-            buf = t if t.device == self.device else t.to(self.device)
+        """Sum each tensor over all ranks, in place (on this rank's device); the tensors of one
+        dtype go in flat buckets of up to :data:`BUCKET_BYTES`, one collective each (a larger
+        tensor goes alone, without a copy when it is on this rank's device)."""
+        for bucket in flat_buckets(tensors, BUCKET_BYTES):
+            if len(bucket) == 1:
+                (t,) = bucket
+                buf = t if t.device == self.device else t.to(self.device)
+            else:
+                buf = torch.cat([t.detach().reshape(-1).to(self.device) for t in bucket])
             with _peer_lost("a sum over the ranks"):
                 dist.all_reduce(buf, op=dist.ReduceOp.SUM)
-            if buf is not t:
-                t.copy_(buf)
+            if len(bucket) == 1:
+                if buf is not bucket[0]:
+                    bucket[0].copy_(buf)
+                continue
+            offset = 0
+            for t in bucket:
+                t.copy_(buf[offset:offset + t.numel()].view(t.shape))
+                offset += t.numel()
 
     def broadcast_into(self, target: Tensor, src: int) -> None:
         """Overwrite ``target`` on every rank with rank ``src``'s ``target``."""
