@@ -7,7 +7,7 @@ MODE ``run`` prunes a tiny model of FAMILY and rank 0 saves the state dict and t
 under OUT; ``fail`` also keeps a checkpoint in OUT/ckpt and raises on rank 1 after block 1;
 ``resume`` continues from the checkpoint in OUT/ckpt (made by any number of ranks).
 RECONSTRUCT (``submodule`` or ``block``) adds local reconstruction with :data:`RECONSTRUCT`
-(``block:1``: in one lane instead of the default one per rank);
+(``block:2``: in two lanes instead of the default one);
 ``prox`` instead prunes with :data:`PROX`, whole layers to each rank (the tiny layers are too
 small to split), and ``rows`` does the same but lets the ranks split layers of any size
 (:data:`nmprune.distributed.MIN_SHARE_ROWS` lowered to 1), so they solve shares of every

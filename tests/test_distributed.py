@@ -136,17 +136,16 @@ def test_command_line_on_two_ranks_matches_one_rank(tiny_dir, tmp_path):
     assert not (tmp_path / "two.checkpoint").exists()
 
 
-def test_default_job_on_two_ranks_gives_one_process_with_two_lanes(tiny_dir, tmp_path):
+def test_default_job_on_two_ranks_gives_one_ranks_quality(tiny_dir, tmp_path):
     """The promise of docs/distributed.md for the default job (prox + exact + block
-    reconstruction, one reconstruction lane per rank): 2 ranks against 1 process with
-    ``--reconstruct-lanes 2`` give masks equal on at least 99.5% of cells (summation order
-    flips near-ties, and an exact refinement then moves that row's kept weights), the same
-    kept/solved decisions, block errors within 1%, total local loss within 1e-3 and
-    perplexity within 0.5%."""
+    reconstruction in one lane): 2 ranks against 1 give masks equal on at least 99.5% of
+    cells (summation order flips near-ties, and an exact refinement then moves that row's kept
+    weights), the same kept/solved decisions, block errors within 1%, total local loss within
+    1e-3 and perplexity within 0.5%."""
     base, model_dir, text, yaml_file = tiny_dir
     args = ["prune", "--model", str(model_dir), "--calib", str(text), "--nsamples", "8", "--seqlen", "64",
             "--eval", str(text), "--eval-seqlen", "16", "--eval-max-tokens", "256", "--quiet"]
-    assert main(args + ["--reconstruct-lanes", "2", "--out", str(tmp_path / "one")]) == 0
+    assert main(args + ["--out", str(tmp_path / "one")]) == 0
     run = torchrun(["-m", "nmprune", *args, "--out", str(tmp_path / "two")], tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     (one, state_one), (two, state_two) = _load(tmp_path / "one"), _load(tmp_path / "two")
@@ -155,7 +154,7 @@ def test_default_job_on_two_ranks_gives_one_process_with_two_lanes(tiny_dir, tmp
     assert total_loss(two["layers"]) == pytest.approx(total_loss(one["layers"]), rel=1e-3)
     blocks_one, blocks_two = one["reconstruction"]["blocks"], two["reconstruction"]["blocks"]
     assert [b["kept"] for b in blocks_one] == [b["kept"] for b in blocks_two]
-    assert one["reconstruction"]["lanes"] == two["reconstruction"]["lanes"] == 2
+    assert one["reconstruction"]["lanes"] == two["reconstruction"]["lanes"] == 1
     for a, b in zip(blocks_one, blocks_two):
         for key in ("heldout_before", "heldout_after", "error_before", "error_after"):
             assert b[key] == pytest.approx(a[key], rel=1e-2), (a["block"], key)
@@ -190,14 +189,14 @@ def test_prune_model_in_a_process_group_matches_one_rank(tmp_path):
     assert perplexity(model, stream, seqlen=16, progress=False) == pytest.approx(ppl_one, rel=1e-3)
 
 
-@pytest.mark.parametrize("family,granularity,lanes", [("llama", "submodule", None), ("opt", "block", 1)])
+@pytest.mark.parametrize("family,granularity,lanes", [("llama", "submodule", 2), ("opt", "block", 1)])
 def test_reconstruction_on_two_ranks_matches_one_process_with_as_many_lanes(family, granularity, lanes, tmp_path):
     """Data-parallel reconstruction: each rank holds half of the calibration batches, and the
-    gradients are summed. By default each rank's half is a lane, trained at once with the
-    other's (delayed gradients): two ranks end where one process with two lanes does, up to
-    float summation order. With one lane the two ranks take one rank's steps."""
-    run = worker_run(family, "run", tmp_path / "two", tmp_path,
-                     granularity if lanes is None else f"{granularity}:{lanes}")
+    gradients are summed. With one lane (the default) two ranks take one rank's steps; with
+    two lanes each rank's half is a lane, trained at once with the other's (delayed
+    gradients), and two ranks end where one process with two lanes does; both up to float
+    summation order."""
+    run = worker_run(family, "run", tmp_path / "two", tmp_path, f"{granularity}:{lanes}")
     assert run.returncode == 0, run.stderr[-3000:]
     sys.path.insert(0, str(WORKER.parent))
     from dist_worker import RECONSTRUCT, SETTINGS, build
@@ -205,7 +204,7 @@ def test_reconstruction_on_two_ranks_matches_one_process_with_as_many_lanes(fami
     model = build(family)
     one = prune_model(model, calibration=token_batch(8, 16), device="cpu", progress=False,
                       hessian_inputs="pruned" if family == "opt" else "dense",
-                      **{**SETTINGS, "reconstruct": granularity, **RECONSTRUCT, "reconstruct_lanes": lanes or 2}
+                      **{**SETTINGS, "reconstruct": granularity, **RECONSTRUCT, "reconstruct_lanes": lanes}
                       ).to_dict()
     two = json.loads((tmp_path / "two" / "report.json").read_text())
     state_one, state_two = model.state_dict(), torch.load(tmp_path / "two" / "state.pt")

@@ -132,8 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reconstruct-lanes", dest="reconstruct_lanes", type=int,
                    help="split the calibration batches into this many lanes; each round, every lane "
                         "computes one step's gradient at the same weights, and the steps follow one "
-                        "another (gradients up to lanes-1 steps old); the result depends on the lanes, "
-                        "not on the ranks (default: one lane per rank, so every rank trains)")
+                        "another (gradients up to lanes-1 steps old), so that with a lane per rank "
+                        "every rank trains; the result depends on the lanes, not on the ranks; more "
+                        "lanes cost quality: 2 lanes took SmolLM2 from 24.17 to 24.80 wiki perplexity, "
+                        "8 made it worse than no reconstruction (default 1)")
     p.add_argument("--damp", type=float,
                    help="Hessian dampening: solvers see H + DAMP * mean(diag H) * I (default 0.01; "
                         "0 = the paper's undamped loss)")

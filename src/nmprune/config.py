@@ -106,9 +106,9 @@ class PruneSettings:
     AdamW at ``reconstruct_lr`` (relative to each weight's RMS) in steps of ``reconstruct_batch_size`` samples (a multiple
     of ``batch_size``; None: one calibration batch per step; :mod:`nmprune.stages.reconstruction`),
     the batches split into ``reconstruct_lanes`` lanes whose gradients of a round are computed at
-    the same weights (None: one lane per rank, so that every rank trains;
-    :mod:`nmprune.reconstruct`). A fixed number of lanes gives the same result on any number of
-    ranks.
+    the same weights (:mod:`nmprune.reconstruct`; 1: every step's gradient at the latest weights).
+    The result depends on the lanes, never on the number of ranks; with one lane per rank every
+    rank trains, at a cost in quality (docs/distributed.md).
     """
 
     method: str = "prox"
@@ -129,7 +129,7 @@ class PruneSettings:
     reconstruct_epochs: int = 2
     reconstruct_lr: float = 1.5e-2
     reconstruct_batch_size: int | None = None
-    reconstruct_lanes: int | None = None
+    reconstruct_lanes: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.pattern, int) and not isinstance(self.pattern, bool):
@@ -158,9 +158,8 @@ class PruneSettings:
             raise ValueError(f"reconstruct_batch_size must be a positive multiple of batch_size "
                              f"({self.batch_size}), the calibration batches a step is made of; "
                              f"got {self.reconstruct_batch_size}")
-        if self.reconstruct_lanes is not None and self.reconstruct_lanes < 1:
-            raise ValueError(f"reconstruct_lanes must be a positive integer (or unset: one per rank), "
-                             f"got {self.reconstruct_lanes}")
+        if self.reconstruct_lanes < 1:
+            raise ValueError(f"reconstruct_lanes must be a positive integer, got {self.reconstruct_lanes}")
 
     def planner(self) -> Planner:
         """The layer plans of these settings, parsed and validated on first use and kept
@@ -171,11 +170,11 @@ class PruneSettings:
             self.__dict__["_planner"] = cached = (key, Planner(self))
         return cached[1]
 
-    def fit_options(self, ranks: int = 1) -> FitOptions:
-        """How each reconstruction trains on ``ranks`` ranks (:func:`nmprune.reconstruct.fit_masked`)."""
+    def fit_options(self) -> FitOptions:
+        """How each reconstruction trains (:func:`nmprune.reconstruct.fit_masked`)."""
         step = self.reconstruct_batch_size or self.batch_size
         return FitOptions(self.reconstruct_epochs, self.reconstruct_lr, step // self.batch_size, self.seed,
-                          self.reconstruct_lanes or ranks)
+                          self.reconstruct_lanes)
 
     def fingerprint(self) -> str:
         """A stable hash of the settings (checkpoints only resume under the same one)."""

@@ -298,8 +298,7 @@ def _prune_and_save(config: RunConfig, model: BlockSource, tokenizer, source, ck
         "summary": {"layers_pruned": len(layers),
                     "layers_skipped": len(prune_report.layers) - len(layers),
                     "mean_loss_vs_wanda": sum(ratios) / len(ratios) if ratios else None},
-        "reconstruction": _reconstruction_summary(config, prune_report.blocks, prune_report.end_to_end,
-                                                  prune_report.ranks),
+        "reconstruction": _reconstruction_summary(config, prune_report.blocks, prune_report.end_to_end),
         "resumed_from_block": prune_report.resumed_from_block,
         "ranks": prune_report.ranks, "per_rank": prune_report.per_rank,
         "seconds": {**timings, "pipeline": prune_report.seconds},
@@ -354,8 +353,8 @@ def _dense_results(config: RunConfig, model: BlockSource, tokenizer, ckpt, cache
 
 
 def _reconstruction_summary(config: RunConfig, blocks: list[dict[str, Any]],
-                            end_to_end: dict[str, Any] | None, ranks: int) -> dict[str, Any]:
-    """The reconstruction part of a run's report: its settings (on ``ranks`` ranks), one record per block (the
+                            end_to_end: dict[str, Any] | None) -> dict[str, Any]:
+    """The reconstruction part of a run's report: its settings, one record per block (the
     channel-weighted squared error of the block's outputs relative to the dense model's,
     before and after, on the held-out and the training calibration batches), the means
     of those errors over the blocks, and the end-to-end check (held-out calibration
@@ -367,7 +366,7 @@ def _reconstruction_summary(config: RunConfig, blocks: list[dict[str, Any]],
         return sum(values) / len(values) if values else None
 
     return {"granularity": s.reconstruct, "epochs": s.reconstruct_epochs, "lr": s.reconstruct_lr,
-            "batch_size": s.reconstruct_batch_size or s.batch_size, "lanes": s.fit_options(ranks).lanes,
+            "batch_size": s.reconstruct_batch_size or s.batch_size, "lanes": s.reconstruct_lanes,
             "mean_heldout_before": mean("heldout_before"), "mean_heldout_after": mean("heldout_after"),
             "mean_error_before": mean("error_before"), "mean_error_after": mean("error_after"),
             "end_to_end": end_to_end, "blocks": blocks}

@@ -311,7 +311,7 @@ def _statistics_stage(inputs: BlockInputs, settings: PruneSettings, executor: Ex
     if settings.reconstruct == "none":
         return CalibrationStatistics(inputs, dtype, dense, executor.reduce)
     return ReconstructingStatistics(inputs, dtype, dense, executor.reduce, settings.reconstruct,
-                                    settings.fit_options(executor.world), executor.shard(range(batches)), batches,
+                                    settings.fit_options(), executor.shard(range(batches)), batches,
                                     executor.all_reduce, progress, scratch)
 
 

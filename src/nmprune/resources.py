@@ -36,7 +36,8 @@ parameters and its prunable layers' shapes, as a streamed run does
   :data:`FLOPS` per device kind (on the CPU scaled to the threads each rank has,
   :func:`cpu_threads`): the calibration passes spread over the ranks, a
   reconstruction round's training (one step per lane, :mod:`nmprune.reconstruct`) over as
-  many ranks as the round has batches (one lane per rank, the default: all of them).
+  many ranks as the round has batches (one lane, the default: a step's batches, so one
+  sample per step trains on one rank at a time).
 
 Every figure is an estimate; ``benchmarks/memory.py`` checks the memory ones against
 measured peaks.
@@ -182,7 +183,7 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None, mo
     # entry (its compact gradient and two AdamW moments) and 4 more per lane the rank
     # computes (with several lanes); one layer's dense gradient in flight, and autograd's
     # activations of one batch
-    fit = s.fit_options(ranks)
+    fit = s.fit_options()
     slots = 0 if fit.lanes == 1 else -(-fit.lanes // ranks)
     kept = max((p.pattern.n / p.pattern.m for p in plans.values() if p is not None), default=1.0)
     pruned = max(sum(r * d for n, (r, d) in b.items() if plans[n] is not None) for b in per_block)
