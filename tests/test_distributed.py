@@ -98,7 +98,6 @@ def test_balance_window_takes_the_fewest_blocks_that_balance():
     assert balance_window([[1.0] * 4] * 3, 2) == 1
 
 
-
 def test_sums_over_ranks_go_in_buckets_by_dtype_in_order():
     """One collective per bucket: tensors of one dtype and device, in order, up to the byte
     limit; a tensor over the limit, or not contiguous, alone."""
@@ -108,6 +107,7 @@ def test_sums_over_ranks_go_in_buckets_by_dtype_in_order():
     assert [[id(t) for t in g] for g in groups] == [[id(big)], [id(strided)], [id(a), id(b), id(c)], [id(wide)]]
     groups = flat_buckets([a, b, c], limit=100)  # 40 + 80 bytes exceed 100: b opens a new bucket
     assert [[id(t) for t in g] for g in groups] == [[id(a)], [id(b), id(c)]]
+
 
 # ----------------------------------------------------------------------------- 2 ranks
 

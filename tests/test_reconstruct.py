@@ -179,6 +179,9 @@ def test_fit_masked_lanes_step_through_gradients_taken_at_the_rounds_weights(lan
     lane = [lane_of(g, n, lanes) for g in range(n)]
     ours = [start.clone()]
     result = fit_masked(lambda j: torch.tanh(xs[j] @ ours[0].T), targets, ours, range(n), n, options, lanes=lane)
+    derived = [start.clone()]  # without a table, the lanes are options.lanes contiguous shares
+    fit_masked(lambda j: torch.tanh(xs[j] @ derived[0].T), targets, derived, range(n), n, options)
+    assert torch.equal(derived[0], ours[0])
 
     members = [[g for g in range(n) if lane[g] == k] for k in range(lanes)]
     assert [len(m) for m in members] == ([2, 2, 3] if lanes == 3 else [3, 4])

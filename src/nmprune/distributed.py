@@ -193,19 +193,12 @@ class Ranks:
         dtype go in flat buckets of up to :data:`BUCKET_BYTES`, one collective each (a larger
         tensor goes alone, without a copy when it is on this rank's device)."""
         for bucket in flat_buckets(tensors, BUCKET_BYTES):
-            if len(bucket) == 1:
-                (t,) = bucket
-                buf = t if t.device == self.device else t.to(self.device)
-            else:
-                buf = torch.cat([t.detach().reshape(-1).to(self.device) for t in bucket])
+            alone = len(bucket) == 1 and bucket[0].device == self.device
+            buf = bucket[0] if alone else torch.cat([t.detach().reshape(-1).to(self.device) for t in bucket])
             with _peer_lost("a sum over the ranks"):
                 dist.all_reduce(buf, op=dist.ReduceOp.SUM)
-            if len(bucket) == 1:
-                if buf is not bucket[0]:
-                    bucket[0].copy_(buf)
-                continue
             offset = 0
-            for t in bucket:
+            for t in bucket if not alone else ():
                 t.copy_(buf[offset:offset + t.numel()].view(t.shape))
                 offset += t.numel()
 

@@ -256,7 +256,8 @@ def fit_masked(run: Callable[[int], Tensor], targets: Sequence[Tensor], weights:
     ``run(j)`` computes the submodel's output on this process's calibration batch ``j``
     (with autograd on ``weights``); ``targets[j]`` is the dense output it should match.
     ``positions[j]`` is batch ``j``'s index among the ``total`` batches of all processes.
-    ``lanes`` gives each of the ``total`` batches its lane (default: all in lane 0): every
+    ``lanes`` gives each of the ``total`` batches its lane (default: :func:`lane_of` with
+    ``options.lanes``, contiguous shares of the ``total`` batches): every
     process draws the same order of each lane's batches per epoch, and in each round every
     lane's next ``batches_per_step`` batches make one step whose gradient is computed at the
     round's weights (by whichever processes hold them); the round's steps are then taken in
@@ -283,7 +284,7 @@ def fit_masked(run: Callable[[int], Tensor], targets: Sequence[Tensor], weights:
     entries = list(entries) if entries is not None else [KeptEntries(w) for w in weights]
     optimiser = CompactAdamW(weights, entries)
     local = {int(g): j for j, g in enumerate(positions)}
-    lane = list(lanes) if lanes is not None else [0] * total
+    lane = list(lanes) if lanes is not None else [lane_of(g, total, options.lanes) for g in range(total)]
     members: list[list[int]] = [[] for _ in range(max(lane, default=0) + 1)]
     for g, k in enumerate(lane):
         members[k].append(g)
@@ -341,12 +342,12 @@ def fit_masked(run: Callable[[int], Tensor], targets: Sequence[Tensor], weights:
                     if not group:
                         continue
                     error = errors.get(k, torch.zeros(2, dtype=torch.float64, device=device))
-                    if slots.get(k) is not optimiser.grads:
-                        for i, grad in enumerate(optimiser.grads):
-                            if k in slots:
-                                grad.copy_(slots[k][i])
-                            else:
-                                grad.zero_()
+                    if k not in slots:  # none of the step's batches here: add nothing
+                        for grad in optimiser.grads:
+                            grad.zero_()
+                    elif slots[k] is not optimiser.grads:
+                        for grad, held in zip(optimiser.grads, slots[k]):
+                            grad.copy_(held)
                     all_reduce([*optimiser.grads, error])
                     if not math.isfinite(float(error[0])):
                         why, broken = _not_finite(float(error[0]), epoch, step, optimiser.steps, targets, options.lr)
