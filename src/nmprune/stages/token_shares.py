@@ -1,0 +1,137 @@
+"""Token shares: several processes compute one reconstruction step of one sample together.
+
+A block's reconstruction loss is a sum over the sample's tokens (``sum_t ||y_t - t_t||^2``),
+so its gradient is the sum of the gradients of any split of the tokens. Process ``r`` takes
+the loss of a contiguous share of the tokens; the other tokens' outputs do not enter its
+loss, and most of the block's layers act on each token alone, so it computes those layers only
+on its share. A layer whose output at one token reaches the block's output at other tokens
+(through attention: the key and value projections) must also be computed on the tokens the
+share attends to -- every earlier token of a causal block -- and the block's own operations
+(norms, activations, attention itself) run on the whole sample. Summed over processes, the
+gradients are those of the whole sample, up to the order of the sums: one-sample steps (the
+best setting, docs/methods.md) train at every process's pace with the quality of one process.
+
+Which layers are which is measured, not assumed from their names (:func:`layer_reach`): the
+output of each layer is perturbed at one token, and the block's outputs show where it reaches.
+Computing a layer on more tokens than it needs is always exact (its values are the true ones),
+so a layer whose token axis cannot be told (an input that is not ``(..., tokens, features)``)
+simply runs whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+#: What a layer's output at token ``t`` reaches in the block's output: token ``t`` only, ``t``
+#: and the tokens after it (a causal block's keys and values), or earlier tokens too.
+REACHES = ("token", "causal", "all")
+
+
+@dataclass(frozen=True)
+class TokenSharing:
+    """The processes that share each step's tokens: this one is ``rank`` of ``world``;
+    ``owner(g)`` is the process that holds training batch ``g``, and ``broadcast(t, src)``
+    overwrites ``t`` on every process with process ``src``'s ``t`` (a collective)."""
+
+    rank: int
+    world: int
+    owner: Callable[[int], int]
+    broadcast: Callable[[Tensor, int], None]
+
+
+def layer_reach(run: Callable[[], Tensor], layers: Mapping[str, nn.Module], length: int) -> dict[str, str]:
+    """For each of ``layers`` (modules acting on each token alone, such as ``nn.Linear``),
+    which tokens of the block's output its output at one token reaches (:data:`REACHES`):
+    ``run()`` computes the block's output, ``(..., length, features)``, with no gradient; the
+    layer's output at the middle token is perturbed by its own scale and the rows of the
+    block's output that move beyond rounding are read off."""
+    middle = length // 2
+    base = run().float()
+    # a row moved when it changes by more than rounding of its own size
+    floor = 1e-4 * base.abs().amax(dim=tuple(i for i in range(base.dim()) if i != base.dim() - 2)).clamp(min=1e-6)
+    reach = {}
+    for name, layer in layers.items():
+        seen: list[bool] = []
+
+        def nudge(module: nn.Module, args: tuple, out: Tensor) -> Tensor | None:
+            seen.append(isinstance(out, Tensor) and out.dim() >= 2 and out.shape[-2] == length)
+            if not seen[-1]:
+                return None
+            bump = torch.zeros_like(out)
+            bump[..., middle, :] = out[..., middle, :].abs().mean() + 1.0
+            return out + bump
+
+        handle = layer.register_forward_hook(nudge)
+        try:
+            moved = (run().float() - base).abs()
+        finally:
+            handle.remove()
+        if not seen or not all(seen):
+            reach[name] = "all"  # no token axis to tell: the layer runs whole
+            continue
+        rows = moved.amax(dim=tuple(i for i in range(moved.dim()) if i != moved.dim() - 2)) > floor
+        if bool(rows[:middle].any()):
+            reach[name] = "all"
+        elif bool(rows[middle + 1:].any()):
+            reach[name] = "causal"
+        else:
+            reach[name] = "token"
+    return reach
+
+
+def token_shares(length: int, world: int, token_cost: float) -> list[range]:
+    """Contiguous shares of ``length`` tokens for ``world`` processes, sized so that each
+    computes about the same: share ``[a, b)`` costs ``token_cost * (b - a) + (1 - token_cost)
+    * b``, where ``token_cost`` is the part of the block's layers that act on each token alone
+    (the rest, the keys and values, run on every token up to ``b``). Equal costs make the
+    ends a geometric series: ``b_r = C (1 - c^r) / (1 - c)`` with ``c = token_cost``. Every
+    share holds at least one token when ``length >= world``."""
+    if length < world:
+        raise ValueError(f"{length} tokens cannot be shared by {world} processes")
+    c = min(max(token_cost, 0.0), 1.0)
+    ends = [length * (r / world if c >= 1.0 else (1 - c ** r) / (1 - c ** world)) for r in range(world + 1)]
+    bounds = [0]
+    for r in range(1, world + 1):
+        # at least one token each, and room for one token per later share
+        bounds.append(min(max(round(ends[r]), bounds[-1] + 1), length - (world - r)))
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def _rows_only(forward: Callable[..., Tensor], rows: range, length: int) -> Callable[..., Tensor]:
+    """``forward`` computed on the token rows ``rows`` only (zeros elsewhere, which nothing
+    of this process's loss reads); inputs without a token axis of ``length`` run whole."""
+    def restricted(x: Tensor, *args, **kwargs) -> Tensor:
+        if not isinstance(x, Tensor) or x.dim() < 2 or x.shape[-2] != length:
+            return forward(x, *args, **kwargs)
+        # contiguous: some layers view their input flat (GPT-2's Conv1D)
+        part = forward(x[..., rows.start:rows.stop, :].contiguous(), *args, **kwargs)
+        return torch.nn.functional.pad(part, (0, 0, rows.start, length - rows.stop))
+    return restricted
+
+
+@contextmanager
+def computing_share(layers: Mapping[str, nn.Module], reach: Mapping[str, str], share: range,
+                    length: int) -> Iterator[None]:
+    """Inside, each of ``layers`` computes only the token rows this process's ``share`` of the
+    loss needs (:func:`layer_reach`): the share for ``"token"`` layers, every token up to the
+    share's end for ``"causal"`` ones; ``"all"`` layers run whole."""
+    saved: dict[str, object] = {}
+    try:
+        for name, layer in layers.items():
+            kind = reach.get(name, "all")
+            if kind == "all":
+                continue
+            rows = share if kind == "token" else range(0, share.stop)
+            saved[name] = layer.__dict__.get("forward")
+            layer.forward = _rows_only(layer.forward, rows, length)
+        yield
+    finally:
+        for name, previous in saved.items():
+            del layers[name].forward
+            if previous is not None:
+                layers[name].forward = previous
