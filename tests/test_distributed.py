@@ -189,13 +189,15 @@ def test_prune_model_in_a_process_group_matches_one_rank(tmp_path):
     assert perplexity(model, stream, seqlen=16, progress=False) == pytest.approx(ppl_one, rel=1e-3)
 
 
-@pytest.mark.parametrize("family,granularity,lanes", [("llama", "submodule", 2), ("opt", "block", 1)])
+@pytest.mark.parametrize("family,granularity,lanes", [("llama", "submodule", 2), ("opt", "block", 1),
+                                                     ("llama", "block", 1), ("llama", "submodule", 1)])
 def test_reconstruction_on_two_ranks_matches_one_process_with_as_many_lanes(family, granularity, lanes, tmp_path):
     """Data-parallel reconstruction: each rank holds half of the calibration batches, and the
-    gradients are summed. With one lane (the default) two ranks take one rank's steps; with
-    two lanes each rank's half is a lane, trained at once with the other's (delayed
-    gradients), and two ranks end where one process with two lanes does; both up to float
-    summation order."""
+    gradients are summed. With one lane (the default) two ranks take one rank's steps: a whole
+    block's steps shared by tokens (every rank computes its share of each step's sample),
+    submodules' on the rank holding the sample; with two lanes each rank's half is a lane,
+    trained at once with the other's (delayed gradients), and two ranks end where one process
+    with two lanes does; all up to float summation order."""
     run = worker_run(family, "run", tmp_path / "two", tmp_path, f"{granularity}:{lanes}")
     assert run.returncode == 0, run.stderr[-3000:]
     sys.path.insert(0, str(WORKER.parent))
@@ -211,8 +213,10 @@ def test_reconstruction_on_two_ranks_matches_one_process_with_as_many_lanes(fami
     names = [r["name"] for r in one["layers"] if not r["skipped"]]
     assert agreement(state_one, state_two, names) >= 0.999
     assert [b["block"] for b in two["blocks"]] == [b["block"] for b in one["blocks"]] == [0, 1, 2]
+    shared = 2 if granularity == "block" and lanes == 1 else 1
     for a, b in zip(one["blocks"], two["blocks"]):
         assert a["kept"] == b["kept"] and a["steps"] == b["steps"]
+        assert a["token_shares"] == 1 and b["token_shares"] == shared
         assert b["error_before"] == pytest.approx(a["error_before"], rel=1e-3)
         assert b["error_after"] == pytest.approx(a["error_after"], rel=1e-3)
     assert any(b["kept"] == "reconstructed" for b in two["blocks"])

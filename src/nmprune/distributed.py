@@ -43,6 +43,7 @@ from torch import Tensor
 from .devices import default_device
 from .reconstruct import lane_of
 from .registry import get_method, get_refiner
+from .stages.token_shares import TokenSharing
 
 T = TypeVar("T")
 
@@ -606,6 +607,12 @@ class DistributedExecutor:
             self.ranks.broadcast_into(weight, owner[k])
             done(job, weight, records[k])
             del weight
+
+    def token_sharing(self, total: int) -> TokenSharing:
+        """The ranks share every reconstruction step's sample by tokens; batch ``g`` of
+        ``total`` comes from the rank whose :meth:`Ranks.share` holds it."""
+        return TokenSharing(self.rank, self.world, lambda g: self.ranks.owner_of(g, total), self.ranks.broadcast_into,
+                            lambda value: self.ranks.check("sharing a reconstruction step by tokens", None, value))
 
     def broadcast_object(self, value: T) -> T:
         return self.ranks.broadcast_object(value)

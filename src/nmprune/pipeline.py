@@ -312,7 +312,7 @@ def _statistics_stage(inputs: BlockInputs, settings: PruneSettings, executor: Ex
         return CalibrationStatistics(inputs, dtype, dense, executor.reduce)
     return ReconstructingStatistics(inputs, dtype, dense, executor.reduce, settings.reconstruct,
                                     settings.fit_options(), executor.shard(range(batches)), batches,
-                                    executor.all_reduce, progress, scratch)
+                                    executor.all_reduce, progress, scratch, executor.token_sharing(batches))
 
 
 def _prune_blocks(group: range, source: BlockSource, plans: dict[str, LayerPlan | None],

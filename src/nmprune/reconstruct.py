@@ -226,13 +226,17 @@ def channel_weights(targets: Sequence[Tensor],
 
 
 def _not_finite(loss: float, epoch: int, step: int, steps_taken: int, targets: Sequence[Tensor],
-                lr: float) -> tuple[str, bool]:
+                lr: float, all_reduce: Callable[[Sequence[Tensor]], None]) -> tuple[str, bool]:
     """Why a reconstruction loss is not finite, and whether the model itself is to blame (a
     :class:`~nmprune.checks.NonFiniteModel`): the learning rate is blamed only when training
     made it so, not when the dense outputs it trains towards, or the block's outputs before
-    any step, were not finite already (weights or activations beyond their dtype's range)."""
+    any step, were not finite already (weights or activations beyond their dtype's range).
+    Every process reads each of its targets (a collective for shared ones) and they agree."""
     where = f"in epoch {epoch + 1}, step {step + 1}"
-    if not all(all_finite(t) for t in targets):
+    broken = torch.tensor([float(sum(not all_finite(targets[j]) for j in range(len(targets))))],
+                          dtype=torch.float64)
+    all_reduce([broken])
+    if float(broken) > 0:
         return (f"the dense model's outputs hold NaN or Inf ({where}, before training could cause "
                 "it): its weights or activations overflow their dtype; check the model's weights, "
                 "or use --dtype float32"), True
@@ -350,7 +354,8 @@ def fit_masked(run: Callable[[int], Tensor], targets: Sequence[Tensor], weights:
                             grad.copy_(held)
                     all_reduce([*optimiser.grads, error])
                     if not math.isfinite(float(error[0])):
-                        why, broken = _not_finite(float(error[0]), epoch, step, optimiser.steps, targets, options.lr)
+                        why, broken = _not_finite(float(error[0]), epoch, step, optimiser.steps, targets, options.lr,
+                                                  all_reduce)
                         raise (NonFiniteModel if broken else ReconstructionDiverged)(why)
                     for grad in optimiser.grads:
                         grad.div_(max(float(error[1]), 1.0))

@@ -28,6 +28,7 @@ from .plan import LayerPlan, wanda_reference
 from ..registry import RowShards
 from ..solve import check_problem, dampened, solve
 from .statistics import InputStats, statistic_values
+from .token_shares import TokenSharing
 
 T = TypeVar("T")
 
@@ -137,6 +138,8 @@ class Executor(Protocol):
 
     def solve(self, jobs: Sequence[LayerJob], done: Done, progress: Callable = iter) -> None: ...
 
+    def token_sharing(self, total: int) -> TokenSharing | None: ...
+
 
 class LocalExecutor:
     """Every batch and every layer in this process, on ``device``."""
@@ -178,6 +181,10 @@ class LocalExecutor:
 
     def all_reduce(self, tensors: Sequence[Tensor]) -> None:
         """Sums over processes (a reconstruction step's gradients): already complete."""
+
+    def token_sharing(self, total: int) -> None:
+        """One process computes every token of a reconstruction step itself."""
+        return None
 
     def solve(self, jobs: Sequence[LayerJob], done: Done, progress: Callable = iter) -> None:
         """Solve the jobs in order, each handed to ``done`` as soon as it is finished."""

@@ -37,6 +37,7 @@ from ..reconstruct import (FitOptions, KeptEntries, ReconstructionDiverged, chan
                            fit_masked, lane_of)
 from .block_runner import BlockCall, BlockInputs, block_hidden, run_block
 from .statistics import CalibrationStatistics, InputStats
+from .token_shares import TokenSharing, computing_share, layer_reach, token_cost, token_shares, widest
 
 GRANULARITIES = ("none", "submodule", "block")
 RECONSTRUCTION_TEXT = {  # what `nmprune methods` says of each granularity
@@ -174,7 +175,9 @@ class ReconstructingStatistics:
     calibration split), so every process takes the same optimiser steps. ``progress``
     shows a bar of each block's steps. ``scratch``: a folder on disk where each block's solved
     weights wait while it trains, and its pruned inputs while its outputs are computed, in
-    case the solve is restored (:class:`Spill`; None: in memory).
+    case the solve is restored (:class:`Spill`; None: in memory). ``sharing``: the processes
+    that share every step's sample by tokens (:mod:`.token_shares`; None: one process), for
+    whole blocks with one lane; otherwise a step's samples train on the process that holds them.
 
     The batches of :func:`held_out_batches` are never trained on: a block's reconstruction is
     kept only if it lowers the block's error on them. Every error, in training and in the
@@ -185,7 +188,8 @@ class ReconstructingStatistics:
     def __init__(self, inputs: BlockInputs, dtype: torch.dtype, dense_inputs: bool,
                  reduce: Callable[[list[InputStats]], None], granularity: str, options: FitOptions,
                  positions: Sequence[int], total: int, all_reduce: Callable[[Sequence[Tensor]], None],
-                 progress: bool = False, scratch: str | os.PathLike | None = None):
+                 progress: bool = False, scratch: str | os.PathLike | None = None,
+                 sharing: TokenSharing | None = None):
         if granularity not in GRANULARITIES[1:]:
             raise ValueError(f"reconstruct must be one of {', '.join(GRANULARITIES[1:])} here, got {granularity!r}")
         # the streams own the captured hidden states: ``inputs`` keeps only the blocks' other arguments
@@ -193,7 +197,7 @@ class ReconstructingStatistics:
         self.dtype, self.dense_inputs, self.reduce = dtype, dense_inputs, reduce
         self.granularity, self.options, self.all_reduce = granularity, options, all_reduce
         self.positions, self.total, self.progress = list(positions), total, progress
-        self.scratch = scratch
+        self.scratch, self.sharing = scratch, sharing
         self.held = held_out_batches(total)
         self.held_local = [j for j, g in enumerate(self.positions) if g in self.held]
         # the held-out batches through the solved weights alone (what reconstruct="none" gives
@@ -206,6 +210,7 @@ class ReconstructingStatistics:
         self._dense_in: list[Tensor] = []
         self._additive = False
         self._weight = torch.ones(())
+        self._sharers = 1  # the processes that computed each training step of the last block
 
     @property
     def hidden(self) -> list[list[Tensor]]:
@@ -367,7 +372,7 @@ class ReconstructingStatistics:
     def _fit(self, index: int, block: nn.Module, where: Mapping[int, KeptEntries]) -> int:
         """Train the kept weights of each submodel of block ``index`` in turn on its targets
         (``where``: each weight's kept entries, by ``id``). Returns the optimiser steps taken."""
-        steps = 0
+        steps, self._sharers = 0, 1
         # this process's training batches, their ranks among all processes' training batches,
         # and the lane of each of those (lanes are shares of all batches, as the ranks')
         rank = {g: r for r, g in enumerate(g for g in range(self.total) if g not in self.held)}
@@ -377,28 +382,90 @@ class ReconstructingStatistics:
         bar = progress_bar(total=per_unit * len(self._units), desc=f"reconstructing block {index}",
                            enabled=self.progress, nested=True)
         dense_sum = [x.float() for x in self._dense_in] if self._additive else []
+        options = replace(self.options, seed=self.options.seed + index)
         try:
             with _training(block):
                 for k, unit in enumerate(self._units):
-                    inputs, earlier = self._unit_inputs(index, block, unit, torch.float32,
-                                                        self._units[:k] if self._additive else ())
-                    if self._additive:
-                        self._residual_targets(k, earlier, dense_sum)
-                    del earlier
                     trained = self._weights(unit)
-                    result = fit_masked(lambda i: block_hidden(unit.module(*inputs[train[i]][0],
-                                                                           **inputs[train[i]][1])),
-                                        [unit.targets[j] for j in train], trained,
-                                        [rank[self.positions[j]] for j in train], len(rank),
-                                        replace(self.options, seed=self.options.seed + index),
-                                        self.all_reduce, bar.update, [where[id(w)] for w in trained],
-                                        channel_weights(unit.targets, self.all_reduce), lanes)
+                    kept = [where[id(w)] for w in trained]
+                    shared = self._token_shared(index, block, unit, list(rank))
+                    if shared is not None:
+                        run, targets = shared
+                        self._sharers = self.sharing.world
+                        result = fit_masked(run, targets, trained, range(len(rank)), len(rank), options,
+                                            self.all_reduce, bar.update, kept,
+                                            channel_weights(unit.targets, self.all_reduce), lanes)
+                    else:
+                        inputs, earlier = self._unit_inputs(index, block, unit, torch.float32,
+                                                            self._units[:k] if self._additive else ())
+                        if self._additive:
+                            self._residual_targets(k, earlier, dense_sum)
+                        del earlier
+                        result = fit_masked(lambda i: block_hidden(unit.module(*inputs[train[i]][0],
+                                                                               **inputs[train[i]][1])),
+                                            [unit.targets[j] for j in train], trained,
+                                            [rank[self.positions[j]] for j in train], len(rank), options,
+                                            self.all_reduce, bar.update, kept,
+                                            channel_weights(unit.targets, self.all_reduce), lanes)
+                        del inputs
                     steps += result.steps
-                    del inputs
                     unit.targets.clear()
         finally:
             bar.close()
         return steps
+
+    def _token_shared(self, index: int, block: nn.Module, unit: _Unit, train: list[int]
+                      ) -> tuple[Callable[[int], Tensor], Sequence[Tensor]] | None:
+        """With several processes, one lane and the whole block to fit, the batches of every
+        step shared out by tokens (:mod:`.token_shares`): ``run(i)`` and ``targets[i]`` bring
+        training batch ``train[i]`` from the process that holds it (collectives, called in the
+        same order on every process) and give this process's token share of the block's output
+        and of its dense output. None where the steps train on the process that holds their
+        batch: one process, several lanes, submodules, or batches of different shapes or of
+        fewer tokens than processes."""
+        sharing = self.sharing
+        if sharing is None or sharing.world < 2 or self.options.lanes != 1 or unit.name != "":
+            return None
+        local = {g: j for j, g in enumerate(self.positions)}
+        shape = {tuple(self.pruned[local[g]].shape) for g in train if g in local}
+        shapes = set().union(*sharing.gather(shape))
+        if len(shapes) != 1 or len(next(iter(shapes))) < 2 or next(iter(shapes))[-2] < sharing.world:
+            return None
+        shape = next(iter(shapes))
+        if not all(sharing.gather((index, shape) in self.inputs.calls)):
+            return None
+        length = shape[-2]
+        device = self.dense[0].device if self.dense else torch.device("cpu")
+        like = torch.empty(shape, dtype=torch.float32, device=device)
+        call = self._call(index, like)
+        call = BlockCall(_cast(call.args, torch.float32), _cast(call.kwargs, torch.float32), call.hidden_as_kwarg)
+        layers = dict(self._active)
+        mine = [g for g in train if g in local]
+        with torch.no_grad():
+            probe = self.pruned[local[mine[0]]].float() if mine else None
+            reach = layer_reach(lambda: run_block(block, probe, call), layers, length) if mine else {}
+        reach = widest([r for r in sharing.gather(reach) if r])
+        share = token_shares(length, sharing.world, token_cost(layers, reach))[sharing.rank]
+
+        def fetch(values: list[Tensor], g: int) -> Tensor:
+            j = local.get(g)
+            t = values[j].float() if j is not None else torch.empty(shape, dtype=torch.float32, device=device)
+            sharing.broadcast(t, sharing.owner(g))
+            return t
+
+        def run(i: int) -> Tensor:
+            h = fetch(self.pruned, train[i])
+            with computing_share(layers, reach, share, length):
+                return run_block(block, h, call)[..., share.start:share.stop, :]
+
+        class Targets(Sequence):
+            def __len__(self) -> int:
+                return len(train)
+
+            def __getitem__(self, i: int) -> Tensor:
+                return fetch(unit.targets, train[i])[..., share.start:share.stop, :]
+
+        return run, Targets()
 
     @staticmethod
     def _improved(before: tuple[float, float | None], after: tuple[float, float | None]) -> bool:
@@ -416,7 +483,8 @@ class ReconstructingStatistics:
         ``"reconstructed"``, or ``"solved"`` when training did not lower the held-out error
         (the training error with a single batch; the solved weights are then restored, and
         the block's outputs recomputed from its pruned inputs, which wait in a
-        :class:`Spill` meanwhile)."""
+        :class:`Spill` meanwhile), and ``token_shares``: how many processes computed each
+        training step together (1: each step on the process holding its sample)."""
         started = time.perf_counter()
         if self.solved is not None:  # the block holds its solved weights until the fit
             self.solved = [run_block(block, h, self._call(index, h)) for h in self.solved]
@@ -455,6 +523,7 @@ class ReconstructingStatistics:
                 "heldout_before": held_before, "heldout_after": held_after,
                 "error_trained": trained[0], "heldout_trained": trained[1],
                 "heldout_batches": len(self.held), "kept": kept, "steps": steps,
+                "token_shares": self._sharers,
                 "seconds": time.perf_counter() - started}
 
     def end_to_end(self, head: Callable[[list[int], list[Tensor]], Iterator[tuple[Tensor, Tensor]]]

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -35,13 +36,15 @@ REACHES = ("token", "causal", "all")
 @dataclass(frozen=True)
 class TokenSharing:
     """The processes that share each step's tokens: this one is ``rank`` of ``world``;
-    ``owner(g)`` is the process that holds training batch ``g``, and ``broadcast(t, src)``
-    overwrites ``t`` on every process with process ``src``'s ``t`` (a collective)."""
+    ``owner(g)`` is the process that holds calibration batch ``g``; ``broadcast(t, src)``
+    overwrites ``t`` on every process with process ``src``'s ``t``, and ``gather(value)``
+    gives every process's ``value``, by rank (both collectives)."""
 
     rank: int
     world: int
     owner: Callable[[int], int]
     broadcast: Callable[[Tensor, int], None]
+    gather: Callable[[Any], list[Any]]
 
 
 def layer_reach(run: Callable[[], Tensor], layers: Mapping[str, nn.Module], length: int) -> dict[str, str]:
@@ -84,16 +87,30 @@ def layer_reach(run: Callable[[], Tensor], layers: Mapping[str, nn.Module], leng
     return reach
 
 
-def token_shares(length: int, world: int, token_cost: float) -> list[range]:
+def widest(reaches: list[Mapping[str, str]]) -> dict[str, str]:
+    """Per layer, the widest of several measurements of its reach (:data:`REACHES`): every
+    process then computes what any of them found needed."""
+    return {name: max((r.get(name, "all") for r in reaches), key=REACHES.index) for name in reaches[0]}
+
+
+def token_cost(layers: Mapping[str, nn.Module], reach: Mapping[str, str]) -> float:
+    """The part of the work on ``layers`` (by weight size) done on each token's own row,
+    among the layers that run on shares (:func:`token_shares`' ``per_token``)."""
+    sizes = {kind: sum(layers[n].weight.numel() for n, k in reach.items() if k == kind) for kind in REACHES}
+    shared = sizes["token"] + sizes["causal"]
+    return sizes["token"] / shared if shared else 1.0
+
+
+def token_shares(length: int, world: int, per_token: float) -> list[range]:
     """Contiguous shares of ``length`` tokens for ``world`` processes, sized so that each
-    computes about the same: share ``[a, b)`` costs ``token_cost * (b - a) + (1 - token_cost)
-    * b``, where ``token_cost`` is the part of the block's layers that act on each token alone
+    computes about the same: share ``[a, b)`` costs ``per_token * (b - a) + (1 - per_token)
+    * b``, where ``per_token`` is the part of the block's layers that act on each token alone
     (the rest, the keys and values, run on every token up to ``b``). Equal costs make the
-    ends a geometric series: ``b_r = C (1 - c^r) / (1 - c)`` with ``c = token_cost``. Every
+    ends a geometric series: ``b_r = C (1 - c^r) / (1 - c)`` with ``c = per_token``. Every
     share holds at least one token when ``length >= world``."""
     if length < world:
         raise ValueError(f"{length} tokens cannot be shared by {world} processes")
-    c = min(max(token_cost, 0.0), 1.0)
+    c = min(max(per_token, 0.0), 1.0)
     ends = [length * (r / world if c >= 1.0 else (1 - c ** r) / (1 - c ** world)) for r in range(world + 1)]
     bounds = [0]
     for r in range(1, world + 1):
