@@ -10,7 +10,8 @@ from transformers import LlamaConfig
 
 from nmprune.cli import main
 from nmprune.config import build_config
-from nmprune.resources import CPU_THREAD_SCALING, cpu_threads, hessian_inputs, plan_run
+from nmprune.resources import CPU_THREAD_SCALING, busiest_token_share, cpu_threads, hessian_inputs, plan_run
+from nmprune.stages.token_shares import token_shares
 
 GIB = 1 << 30
 
@@ -54,6 +55,36 @@ def test_the_plan_scales_with_blocks_ranks_and_settings(tmp_path, monkeypatch):
                     ranks=2)
     assert "reconstruction" not in bare.seconds and bare.block_phase < small.block_phase
     assert bare.seconds["layer_solves"] == pytest.approx(one.seconds["layer_solves"] / 2)
+
+
+EIGHT_B_BLOCK = {"a.q_proj": (4096, 4096), "a.k_proj": (1024, 4096), "a.v_proj": (1024, 4096),
+                 "a.o_proj": (4096, 4096), "m.gate_proj": (14336, 4096), "m.up_proj": (14336, 4096),
+                 "m.down_proj": (4096, 14336)}
+
+
+def test_the_plan_shares_one_lane_block_training_by_tokens_and_lanes_by_batches(tmp_path, monkeypatch):
+    """Whole blocks in one lane: every rank trains on its token share of each step, the
+    busiest share priced as token_shares balances it (keys and values run up to the share's
+    end); several lanes or submodules train a step's batches on the ranks holding them."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    model = str(llama_config_dir(tmp_path / "m", 4))
+    plans = {(r, k, lanes): plan_run(build_config({"model": model, "device": "cpu", "reconstruct": k,
+                                                    "reconstruct_lanes": lanes}), ranks=r)
+             for r in (1, 2, 4) for k in ("block", "submodule") for lanes in (1, 2)}
+    # training alone: the passes before and after it take as long as the two calibration passes
+    training = {key: p.seconds["reconstruction"] - p.seconds["calibration_passes"] for key, p in plans.items()}
+    # 8B shapes: k and v are 2 x 4096 x 1024 of 218M weights a block
+    c = 1 - 2 * 4096 * 1024 / sum(r * d for r, d in EIGHT_B_BLOCK.values())
+    for ranks in (2, 4):
+        share = (1 - c) / (1 - c ** ranks)
+        assert busiest_token_share(EIGHT_B_BLOCK, ranks) == pytest.approx(share)
+        # the same share token_shares gives the busiest rank of a long sample
+        ranges = token_shares(1 << 16, ranks, c)
+        assert max(c * len(r) + (1 - c) * r.stop for r in ranges) / (1 << 16) == pytest.approx(share, rel=1e-3)
+        assert training[(ranks, "block", 1)] == pytest.approx(training[(1, "block", 1)] * share)
+        # submodules (one lane): a step's sample trains on one rank; lanes: one rank each
+        assert training[(ranks, "submodule", 1)] == pytest.approx(training[(1, "submodule", 1)])
+        assert training[(ranks, "block", 2)] == pytest.approx(training[(1, "block", 2)] / 2)
 
 
 def test_the_cpu_plan_follows_the_threads_each_rank_has(tmp_path, monkeypatch):

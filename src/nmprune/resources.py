@@ -34,10 +34,10 @@ parameters and its prunable layers' shapes, as a streamed run does
   the mean otherwise (a window of blocks balances them); and the forward and backward passes from their floating-point
   operations (2 per parameter and token forward, 6 forward and backward) at
   :data:`FLOPS` per device kind (on the CPU scaled to the threads each rank has,
-  :func:`cpu_threads`): the calibration passes spread over the ranks, a
-  reconstruction round's training (one step per lane, :mod:`nmprune.reconstruct`) over as
-  many ranks as the round has batches (one lane, the default: a step's batches, so one
-  sample per step trains on one rank at a time).
+  :func:`cpu_threads`): the calibration passes spread over the ranks; the reconstruction's
+  training of whole blocks in one lane (the default) shared by tokens, at the busiest
+  rank's share (:func:`busiest_token_share`), and otherwise a round's training (one step per
+  lane, :mod:`nmprune.reconstruct`) over as many ranks as the round has batches.
 
 Every figure is an estimate; ``benchmarks/memory.py`` checks the memory ones against
 measured peaks.
@@ -114,6 +114,23 @@ def _skeleton(config: RunConfig, model=None):
                                                     trust_remote_code=False)
     skeleton.tie_weights()
     return skeleton, torch.empty((), dtype=dtype).element_size(), resolved
+
+
+#: layers whose output at one token reaches later tokens (keys and values; fused ones too)
+CAUSAL_LAYERS = ("k_proj", "v_proj", "qkv_proj", "c_attn", "query_key_value", "Wqkv")
+
+
+def busiest_token_share(shapes: dict[str, tuple[int, int]], ranks: int) -> float:
+    """The part of a block's training step the busiest of ``ranks`` computes when the
+    sample is shared by tokens (:func:`nmprune.stages.token_shares.token_shares`): the keys'
+    and values' layers (by name, :data:`CAUSAL_LAYERS`; the run measures them) run on every
+    token up to the end of a share, the other layers on the share alone."""
+    if ranks < 2:
+        return 1.0
+    sizes = [(r * d, name.rsplit(".", 1)[-1] in CAUSAL_LAYERS) for name, (r, d) in shapes.items()]
+    total = sum(size for size, _ in sizes)
+    c = 1.0 - sum(size for size, causal in sizes if causal) / total if total else 1.0
+    return 1.0 / ranks if c >= 1.0 else (1 - c) / (1 - c ** ranks)
 
 
 def hessian_inputs(shapes: dict[str, tuple[int, int]]) -> list[int]:
@@ -216,11 +233,16 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None, mo
     forward = 2.0 * sum(block_params) * tokens
     seconds = {"layer_solves": solve, "calibration_passes": passes * forward / rate / ranks}
     if recon:
-        # the passes before and after training are data-parallel; a training round runs the
-        # batches of every lane's step on the ranks that hold them, so ranks beyond the
-        # round's batches wait (one lane per rank: every rank trains)
-        batches = fit.lanes * fit.batches_per_step
-        training = 3 * s.reconstruct_epochs * forward * -(-batches // ranks) / batches
+        # the passes before and after training are data-parallel. Whole blocks in one lane:
+        # every step's sample is shared by tokens, the busiest rank's share of the work
+        # (nmprune.stages.token_shares). Otherwise a training round runs the batches of every
+        # lane's step on the ranks that hold them, so ranks beyond the round's batches wait
+        if s.reconstruct == "block" and fit.lanes == 1:
+            share = busiest_token_share(shapes, ranks)
+        else:
+            batches = fit.lanes * fit.batches_per_step
+            share = -(-batches // ranks) / batches
+        training = 3 * s.reconstruct_epochs * forward * share
         seconds["reconstruction"] = (training + 2 * forward / ranks) / rate
     if config.eval:
         seconds["evaluation"] = 2 * len(config.eval) * 2.0 * params * (config.eval_max_tokens or tokens) / rate
