@@ -141,7 +141,7 @@ class KeptEntries:
         flat = dense.detach().reshape(-1)
         out = into if into is not None else torch.zeros(self.count, dtype=dense.dtype, device=dense.device)
         for whole, kept, mask in self._slices():
-            out[kept] += flat[whole][mask]
+            out[kept] += torch.masked_select(flat[whole], mask)
         return out
 
     def scatter(self, values: Tensor, weight: Tensor) -> None:
