@@ -249,9 +249,8 @@ def markdown(r: dict) -> str:
                   "at the cost model / 50 and passes at 60 TFLOP/s, both from an H200 in "
                   "benchmarks/results/gpu.md, measured with the float64 torch prox before the Triton "
                   "kernel, which no GPU has run yet); the ranks solve shares of every layer's rows, "
-                  "one block at a time; a reconstruction step of one sample trains on one rank at a "
-                  "time (the default of one lane; `--reconstruct-lanes` would share it, at a cost in "
-                  "quality), so only the passes before and after it are shared. Estimates, not "
+                  "one block at a time; every reconstruction step of one sample is shared by tokens "
+                  "(the busiest rank's share: keys and values run up to its end). Estimates, not "
                   "measurements: no multi-GPU run has been made.", "",
                   "| model | GPUs | CPU peak / rank | device peak / rank | layer solves | calibration passes "
                   "| reconstruction | reading blocks | total |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
