@@ -77,6 +77,23 @@ def tiny_dir(tmp_path_factory):
     return base, model_dir, text, yaml_file
 
 
+def test_global_distillation_from_the_command_line_and_its_refusal_on_a_streamed_model(tiny_dir, tmp_path, capsys):
+    """``--distill-epochs`` runs the pass after the last block and reports it; a streamed run
+    (``--offload``) refuses it before any work, with one message."""
+    base, model_dir, text, yaml_file = tiny_dir
+    out = tmp_path / "distilled"
+    assert main(["prune", "--config", str(yaml_file), "--out", str(out), "--quiet", "--reconstruct", "block",
+                 "--nsamples", "16", "--distill-epochs", "2", "--distill-lr", "1e-2"]) == 0
+    assert "global distillation (2 epoch(s), 14 steps" in capsys.readouterr().out
+    record = json.loads((out / "nmprune_report.json").read_text())["distillation"]
+    assert record["kept"] in ("distilled", "solved") and record["heldout_batches"] == 1
+    refused = tmp_path / "refused"
+    assert main(["prune", "--config", str(yaml_file), "--quiet", "--offload", "--distill-epochs", "1",
+                 "--out", str(refused)]) != 0
+    assert not refused.exists() and not refused.with_name("refused.checkpoint").exists()
+    assert "--distill-epochs cannot run on a streamed model" in capsys.readouterr().err
+
+
 def test_prune_with_reconstruction_reports_each_block_before_and_after(tiny_dir, tmp_path, capsys):
     base, model_dir, text, yaml_file = tiny_dir
     out = tmp_path / "pruned"

@@ -108,7 +108,10 @@ class PruneSettings:
     the batches split into ``reconstruct_lanes`` lanes whose gradients of a round are computed at
     the same weights (:mod:`nmprune.reconstruct`; 1: every step's gradient at the latest weights).
     The result depends on the lanes, never on the number of ranks; with one lane per rank every
-    rank trains, at a cost in quality (docs/distributed.md).
+    rank trains, at a cost in quality (docs/distributed.md). ``distill_epochs`` (0: none) passes
+    of global distillation follow the last block: the kept weights of every pruned layer train
+    towards the dense model's next-token distribution at ``distill_lr`` (relative to each
+    weight's RMS; :mod:`nmprune.stages.distillation`), for models held whole in memory.
     """
 
     method: str = "prox"
@@ -130,6 +133,8 @@ class PruneSettings:
     reconstruct_lr: float = 1.5e-2
     reconstruct_batch_size: int | None = None
     reconstruct_lanes: int = 1
+    distill_epochs: int = 0
+    distill_lr: float = 1e-3
 
     def __post_init__(self) -> None:
         if isinstance(self.pattern, int) and not isinstance(self.pattern, bool):
@@ -160,6 +165,14 @@ class PruneSettings:
                              f"got {self.reconstruct_batch_size}")
         if self.reconstruct_lanes < 1:
             raise ValueError(f"reconstruct_lanes must be a positive integer, got {self.reconstruct_lanes}")
+        if self.distill_epochs < 0:
+            raise ValueError(f"distill_epochs must be 0 (no global distillation) or more, got {self.distill_epochs}")
+        if self.distill_lr <= 0:
+            raise ValueError(f"distill_lr must be a positive number, got {self.distill_lr!r}")
+        if self.distill_epochs and self.reconstruct == "none":
+            raise ValueError("distill_epochs needs reconstruction (reconstruct: block or submodule): the "
+                             "global distillation learns from the dense model's outputs that reconstruction "
+                             "carries to the last block")
 
     def planner(self) -> Planner:
         """The layer plans of these settings, parsed and validated on first use and kept
@@ -175,6 +188,11 @@ class PruneSettings:
         step = self.reconstruct_batch_size or self.batch_size
         return FitOptions(self.reconstruct_epochs, self.reconstruct_lr, step // self.batch_size, self.seed,
                           self.reconstruct_lanes)
+
+    def distill_options(self) -> FitOptions:
+        """How the global distillation pass trains (:mod:`nmprune.stages.distillation`): one
+        calibration batch a step, in one lane."""
+        return FitOptions(self.distill_epochs, self.distill_lr, 1, self.seed)
 
     def fingerprint(self) -> str:
         """A stable hash of the settings (checkpoints only resume under the same one)."""

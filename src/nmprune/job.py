@@ -196,6 +196,11 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
                                               model_config)
         if downstream.tasks:
             model.whole_model("--eval-tasks")  # refused when streamed
+        if config.prune.distill_epochs and model.streamed:
+            raise ValueError("--distill-epochs cannot run on a streamed model (--offload, a model larger "
+                             "than memory, or several ranks on a safetensors model): the global "
+                             "distillation trains the whole model at once, so it needs every weight in "
+                             "memory; prune without it, or with offload: false where the model fits")
         if tokenizer is None:
             raise ValueError(f"{source} has no tokenizer; nmprune needs one for calibration and "
                              "evaluation text (save one next to the model)")
@@ -299,6 +304,7 @@ def _prune_and_save(config: RunConfig, model: BlockSource, tokenizer, source, ck
                     "layers_skipped": len(prune_report.layers) - len(layers),
                     "mean_loss_vs_wanda": sum(ratios) / len(ratios) if ratios else None},
         "reconstruction": _reconstruction_summary(config, prune_report.blocks, prune_report.end_to_end),
+        "distillation": prune_report.distillation,
         "resumed_from_block": prune_report.resumed_from_block,
         "ranks": prune_report.ranks, "per_rank": prune_report.per_rank,
         "seconds": {**timings, "pipeline": prune_report.seconds},
@@ -400,6 +406,11 @@ def reconstruction_table(report: dict[str, Any]) -> str:
                          "text; --reconstruct none may serve this model better")
     elif check:
         lines.append(f"\nend-to-end check not made: {check['why']}")
+    distilled = report.get("distillation")
+    if distilled:
+        lines.append(f"global distillation ({distilled['epochs']} epoch(s), {distilled['steps']} steps, "
+                     f"{distilled['seconds']:.0f} s): held-out KL from dense {_error(distilled['heldout_before'])} "
+                     f"-> {_error(distilled['heldout_trained'])}, kept: {distilled['kept']}")
     return "\n".join(lines)
 
 

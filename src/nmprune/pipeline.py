@@ -35,6 +35,8 @@ from .models import evaluating, set_weight_matrix, weight_matrix
 from .progress import bar as progress_bar
 from .progress import stage as say
 from .stages.plan import LayerPlan
+from .distill import DISTILL_TOPK
+from .stages.distillation import distill, teacher
 from .stages.reconstruction import ReconstructingStatistics
 from .stages.sink import BlockSink, ModelSink
 from .stages.source import BlockSource, ModelBlocks
@@ -53,6 +55,7 @@ class PruneReport:
     blocks: list[dict[str, Any]] = field(default_factory=list)
     per_rank: list[dict[str, Any]] = field(default_factory=list)
     end_to_end: dict[str, Any] | None = None
+    distillation: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -172,6 +175,10 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
                 template = stage.inputs.output_template
                 report.end_to_end = stage.end_to_end(lambda js, finals: source.head_logits(
                     template, [batches[j] for j in js], finals, executor.device))
+            if settings.distill_epochs:
+                with executor.phase("global distillation"):
+                    report.distillation = _distill(source, plans, stage, batches, settings, executor, shown,
+                                                   scratch)
     mine = [(r["name"], share) for r in report.layers[len(resumed[0]):] if not r["skipped"]
             and (share := _my_share(r, executor.rank)) is not None]
     solve = sum(share["seconds"] for _, share in mine)
@@ -300,6 +307,27 @@ def _my_share(record: dict[str, Any], rank: int) -> dict[str, Any] | None:
     if record.get("shares"):
         return next((s for s in record["shares"] if s["rank"] == rank), None)
     return record if record["rank"] == rank else None
+
+
+def _distill(source: BlockSource, plans: dict[str, LayerPlan | None], stage: ReconstructingStatistics,
+             batches: list[Tensor], settings: PruneSettings, executor: Executor, progress: bool,
+             scratch: str | os.PathLike | None) -> dict[str, Any]:
+    """The global distillation pass (:mod:`nmprune.stages.distillation`) on the whole model,
+    which visits the compute device meanwhile, towards the dense distribution of the dense
+    stream ``stage`` carried to the last block (freed once read)."""
+    model = source.whole_model("distill_epochs")
+    say(f"global distillation: {settings.distill_epochs} epoch(s) over every pruned layer", progress)
+    template = stage.inputs.output_template
+    teachers = teacher(source.head_logits(template, batches, stage.dense, executor.device), DISTILL_TOPK)
+    stage.dense = []
+    weights = [m.weight for i in range(len(source)) for name, m in source.layers(i).items()
+               if plans.get(name) is not None]
+    model.to(executor.device)
+    try:
+        return distill(model, weights, batches, teachers, stage.positions, stage.total, settings.distill_options(),
+                       executor.all_reduce, executor.device, progress, scratch)
+    finally:
+        model.to("cpu")
 
 
 def _statistics_stage(inputs: BlockInputs, settings: PruneSettings, executor: Executor,

@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -225,6 +226,12 @@ def channel_weights(targets: Sequence[Tensor],
     return (1.0 / mean.clamp(min=1e-6 * float(mean.mean()) + 1e-30)).float()
 
 
+def _finite(target: Any) -> bool:
+    """Whether a target (a tensor, or an object holding tensors) is all finite."""
+    parts = [target] if isinstance(target, Tensor) else [v for v in vars(target).values() if isinstance(v, Tensor)]
+    return all(all_finite(t) for t in parts)
+
+
 def _not_finite(loss: float, epoch: int, step: int, steps_taken: int, targets: Sequence[Tensor],
                 lr: float, all_reduce: Callable[[Sequence[Tensor]], None]) -> tuple[str, bool]:
     """Why a reconstruction loss is not finite, and whether the model itself is to blame (a
@@ -233,8 +240,7 @@ def _not_finite(loss: float, epoch: int, step: int, steps_taken: int, targets: S
     any step, were not finite already (weights or activations beyond their dtype's range).
     Every process reads each of its targets (a collective for shared ones) and they agree."""
     where = f"in epoch {epoch + 1}, step {step + 1}"
-    broken = torch.tensor([float(sum(not all_finite(targets[j]) for j in range(len(targets))))],
-                          dtype=torch.float64)
+    broken = torch.tensor([float(sum(not _finite(targets[j]) for j in range(len(targets))))], dtype=torch.float64)
     all_reduce([broken])
     if float(broken) > 0:
         return (f"the dense model's outputs hold NaN or Inf ({where}, before training could cause "
@@ -253,7 +259,8 @@ def fit_masked(run: Callable[[int], Tensor], targets: Sequence[Tensor], weights:
                on_step: Callable[[], None] | None = None,
                entries: Sequence[KeptEntries] | None = None,
                channel_weight: Tensor | None = None,
-               lanes: Sequence[int] | None = None) -> FitResult:
+               lanes: Sequence[int] | None = None,
+               loss: Callable[[Tensor, Any], tuple[Tensor, int]] | None = None) -> FitResult:
     """Lower ``sum_b ||(run(b) - targets[b]) * sqrt(channel_weight)||^2 / count`` over the
     nonzero entries of ``weights``.
 
@@ -271,7 +278,9 @@ def fit_masked(run: Callable[[int], Tensor], targets: Sequence[Tensor], weights:
     The errors are accumulated in float32. ``on_step()`` runs after every step (a progress
     bar); ``entries`` are the weights' :class:`KeptEntries` when the caller holds them
     already. ``channel_weight`` (one factor per output channel, the last dimension; default
-    all 1) weighs each channel's squared error (:func:`channel_weights`). Raises
+    all 1) weighs each channel's squared error (:func:`channel_weights`). ``loss(out, target)``,
+    when given, replaces the squared error: it returns a batch's summed loss (differentiable)
+    and the count it is a sum over, and ``targets`` may then hold anything it reads. Raises
     :class:`ReconstructionDiverged` (the weights then hold an unfinished step and must be
     discarded) when a step's loss is not finite.
 
@@ -319,12 +328,16 @@ def fit_masked(run: Callable[[int], Tensor], targets: Sequence[Tensor], weights:
             j = local.get(g)
             if j is None:
                 continue
-            diff = run(j).float() - targets[j].float()
-            squared = diff.square() if channel_weight is None else diff.square() * channel_weight
-            loss = squared.sum()
-            loss.backward()
-            error += torch.stack([loss.detach().double(), torch.tensor(float(diff.numel()),
-                                                                       dtype=torch.float64, device=device)])
+            out = run(j)
+            if loss is None:
+                diff = out.float() - targets[j].float()
+                squared = diff.square() if channel_weight is None else diff.square() * channel_weight
+                total, count = squared.sum(), diff.numel()
+            else:
+                total, count = loss(out, targets[j])
+            total.backward()
+            error += torch.stack([total.detach().double(), torch.tensor(float(count), dtype=torch.float64,
+                                                                        device=device)])
         return error
 
     handles = []

@@ -90,7 +90,7 @@ def _cast(value: Any, dtype: torch.dtype) -> Any:
 
 
 @contextmanager
-def _training(block: nn.Module) -> Iterator[None]:
+def float32_training(block: nn.Module) -> Iterator[None]:
     """Gradients on for the body, but off for every parameter of ``block`` (``fit_masked``
     turns them on for the weights it trains); every
     floating parameter of ``block`` is float32 meanwhile (the same tensor objects) and returns
@@ -384,7 +384,7 @@ class ReconstructingStatistics:
         dense_sum = [x.float() for x in self._dense_in] if self._additive else []
         options = replace(self.options, seed=self.options.seed + index)
         try:
-            with _training(block):
+            with float32_training(block):
                 for k, unit in enumerate(self._units):
                     trained = self._weights(unit)
                     kept = [where[id(w)] for w in trained]

@@ -1,0 +1,101 @@
+"""The optional global distillation stage: once every block is pruned (and reconstructed),
+train the kept weights of every pruned layer of the whole model, the masks held, towards the
+dense model's next-token distribution on the calibration set (:mod:`nmprune.distill`;
+docs/methods.md "Global distillation").
+
+The dense distribution comes from the dense hidden states the reconstruction carries to the
+last block, through the model's head (:func:`teacher`): no second model is held. Training is
+:func:`~nmprune.reconstruct.fit_masked` on the whole model with the top-k KL divergence as its
+loss, one sample a step, data-parallel over processes like the reconstruction. The batches
+that reconstruction holds out (:func:`~nmprune.stages.reconstruction.held_out_batches`) are
+held out here too: the trained weights are kept only if they lower the divergence there;
+otherwise every pruned layer gets its weights from before the pass back.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..checks import NonFiniteModel
+from ..distill import TeacherTopK, teacher_topk, topk_kl
+from ..progress import bar as progress_bar
+from ..reconstruct import FitOptions, KeptEntries, ReconstructionDiverged, epoch_steps, fit_masked
+from .reconstruction import Spill, float32_training, held_out_batches
+
+
+def teacher(logits: Iterable[tuple[Tensor, Tensor]], k: int) -> list[TeacherTopK]:
+    """The dense model's ``k`` most likely tokens per position of each batch, from its
+    ``(ids, logits)`` (one batch at a time: only ``k`` entries a position are kept)."""
+    return [teacher_topk(batch_logits, k) for _, batch_logits in logits]
+
+
+def _divergence(model: nn.Module, batches: Sequence[Tensor], teachers: Sequence[TeacherTopK],
+                which: Sequence[int], all_reduce: Callable[[Sequence[Tensor]], None], device: torch.device) -> float:
+    """The mean top-k KL divergence per position over this process's batches ``which`` and
+    every other process's (no gradient)."""
+    sums = torch.zeros(2, dtype=torch.float64, device=device)
+    with torch.no_grad():
+        for j in which:
+            kl, count = topk_kl(model(batches[j].to(device)).logits, teachers[j].to(device))
+            sums += torch.tensor([float(kl), float(count)], dtype=torch.float64, device=device)
+    all_reduce([sums])
+    return float(sums[0] / sums[1]) if sums[1] > 0 else float("nan")
+
+
+def distill(model: nn.Module, weights: Sequence[Tensor], batches: Sequence[Tensor], teachers: Sequence[TeacherTopK],
+            positions: Sequence[int], total: int, options: FitOptions,
+            all_reduce: Callable[[Sequence[Tensor]], None], device: torch.device, progress: bool = False,
+            scratch: str | os.PathLike | None = None) -> dict[str, Any]:
+    """Train the kept entries of ``weights`` (every pruned layer of ``model``, on ``device``)
+    so that ``model``'s next-token distribution on this process's calibration ``batches``
+    (token ids; ``positions``: their indices among all processes' ``total``) approaches
+    ``teachers``'; keep the result only if it lowers the divergence on the held-out batches.
+    Returns the record: held-out divergence before and after (``heldout_before``,
+    ``heldout_after``, ``heldout_trained``: what training reached), training divergence of
+    the first and last epoch, steps, ``kept`` (``"distilled"`` or ``"solved"``) and seconds."""
+    started = time.perf_counter()
+    held = held_out_batches(total)
+    held_local = [j for j, g in enumerate(positions) if g in held]
+    train = [j for j, g in enumerate(positions) if g not in held]
+    order = {g: r for r, g in enumerate(g for g in range(total) if g not in held)}
+    before = _divergence(model, batches, teachers, held_local, all_reduce, device) if held else None
+    where = [KeptEntries(w) for w in weights]
+    saved = Spill(scratch)
+    try:
+        for w, entries in zip(weights, where):
+            saved.append(entries.gather(w))
+        steps = options.epochs * epoch_steps([0] * len(order), options.batches_per_step)
+        bar = progress_bar(total=steps, desc="distilling the whole model", enabled=progress, nested=True)
+        try:
+            with float32_training(model):
+                result = fit_masked(lambda i: model(batches[train[i]].to(device)).logits,
+                                    [teachers[j].to(device) for j in train], weights,
+                                    [order[positions[j]] for j in train], len(order), options, all_reduce,
+                                    bar.update, where, loss=topk_kl)
+        except (ReconstructionDiverged, NonFiniteModel) as e:
+            raise type(e)(f"global distillation: {e}") from e
+        finally:
+            bar.close()
+        after = _divergence(model, batches, teachers, held_local, all_reduce, device) if held else None
+        if after is not None and not after < float("inf"):
+            raise ReconstructionDiverged(f"global distillation: the held-out divergence is {after}; lower "
+                                         f"the learning rate (now {options.lr:g})")
+        improved = after < before if after is not None else result.last_epoch_mse < result.first_epoch_mse
+        kept = "distilled" if improved else "solved"
+        if not improved:
+            with torch.no_grad():
+                for i, (w, entries) in enumerate(zip(weights, where)):
+                    entries.scatter(saved[i], w.zero_())
+    finally:
+        saved.close()
+    return {"epochs": options.epochs, "lr": options.lr, "steps": result.steps, "heldout_batches": len(held),
+            "heldout_before": before, "heldout_trained": after,
+            "heldout_after": after if kept == "distilled" else before,
+            "first_epoch_kl": result.first_epoch_mse, "last_epoch_kl": result.last_epoch_mse,
+            "kept": kept, "seconds": time.perf_counter() - started}

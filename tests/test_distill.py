@@ -1,0 +1,134 @@
+"""Global distillation (nmprune.distill, nmprune.stages.distillation): the top-k divergence
+against a float64 KL over the whole vocabulary, and the pass on tiny models of several
+families -- masks held, only pruned layers moved, kept only when the held-out divergence falls,
+the weights from before restored otherwise -- and its settings refused before any work."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from test_models_tiny import tiny_model, token_batch
+
+from nmprune.config import PruneSettings
+from nmprune.distill import TeacherTopK, teacher_topk, topk_kl
+from nmprune.models import find_blocks, find_linears
+from nmprune.pipeline import prune_model
+from nmprune.reconstruct import FitResult
+
+SETTINGS = dict(method="wanda", refine=None, pattern="2:4", batch_size=2, reconstruct="block",
+                reconstruct_batch_size=2, reconstruct_epochs=2, reconstruct_lr=5e-2)
+
+
+def _full_kl(teacher: torch.Tensor, student: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) per position over the whole vocabulary, in float64."""
+    logp, logq = torch.log_softmax(teacher.double(), -1), torch.log_softmax(student.double(), -1)
+    return (logp.exp() * (logp - logq)).sum(-1)
+
+
+def _coarse_kl(teacher: torch.Tensor, student: torch.Tensor, k: int) -> torch.Tensor:
+    """KL of the two distributions coarsened to the teacher's top k tokens plus the rest, float64."""
+    logp, logq = torch.log_softmax(teacher.double(), -1), torch.log_softmax(student.double(), -1)
+    top = logp.topk(k, -1).indices
+    p, q = logp.exp().gather(-1, top), logq.exp().gather(-1, top)
+    # with every token among the top k the rest is empty (up to rounding)
+    bins_p = torch.cat([p, (1 - p.sum(-1, keepdim=True)).clamp(min=0)], -1)
+    bins_q = torch.cat([q, (1 - q.sum(-1, keepdim=True)).clamp(min=1e-300)], -1)
+    return (torch.xlogy(bins_p, bins_p) - bins_p * bins_q.log()).sum(-1)
+
+
+@pytest.mark.parametrize("k", [1, 5, 40])
+def test_topk_kl_is_the_kl_of_the_coarsened_distributions_and_exact_with_the_whole_vocabulary(k):
+    g = torch.Generator().manual_seed(0)
+    teacher, student = torch.randn(2, 7, 40, generator=g) * 3, torch.randn(2, 7, 40, generator=g) * 3
+    kl, count = topk_kl(student, teacher_topk(teacher, k))
+    assert count == 14
+    assert float(kl) == pytest.approx(float(_coarse_kl(teacher, student, k).sum()), rel=1e-4, abs=1e-5)
+    assert float(kl) <= float(_full_kl(teacher, student).sum()) + 1e-4  # coarsening never adds divergence
+    if k == 40:
+        assert float(kl) == pytest.approx(float(_full_kl(teacher, student).sum()), rel=1e-4)
+    same, _ = topk_kl(teacher, teacher_topk(teacher, k))
+    assert abs(float(same)) < 1e-4
+
+
+def test_topk_kl_gradient_is_finite_where_the_top_tokens_hold_all_the_mass():
+    teacher = torch.full((1, 3, 10), -1e4)
+    teacher[..., 0] = 10.0  # one certain token: the rest holds no mass at all
+    student = torch.randn(1, 3, 10, requires_grad=True)
+    kl, _ = topk_kl(student, teacher_topk(teacher, 3))
+    kl.backward()
+    assert torch.isfinite(kl) and torch.isfinite(student.grad).all()
+    # the student learns to put its mass on the certain token
+    assert (student.grad[..., 0] < 0).all()
+
+
+def test_teacher_topk_refuses_no_tokens():
+    with pytest.raises(ValueError, match="at least one token"):
+        teacher_topk(torch.zeros(1, 2, 5), 0)
+
+
+def _pruned(model) -> dict[str, torch.Tensor]:
+    return {f"{i}.{n}": m.weight.detach().clone() for i, b in enumerate(find_blocks(model)[1])
+            for n, m in find_linears(b).items()}
+
+
+def _kl_to(dense, model, ids) -> float:
+    with torch.no_grad():
+        return float(_full_kl(dense(ids).logits, model(ids).logits).mean())
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "opt"])
+def test_distillation_holds_the_masks_and_brings_the_model_closer_to_the_dense_one(family):
+    dense = tiny_model(family, layers=2)
+    calib = token_batch(16, 16)
+    reconstructed, distilled = copy.deepcopy(dense), copy.deepcopy(dense)
+    prune_model(reconstructed, calibration=calib, device="cpu", progress=False, **SETTINGS)
+    report = prune_model(distilled, calibration=calib, device="cpu", progress=False, distill_epochs=3,
+                         distill_lr=1e-2, **SETTINGS)
+    record = report.distillation
+    assert record["epochs"] == 3 and record["steps"] == 3 * 7 and record["heldout_batches"] == 1  # 8 batches of 2, 1 held out
+    assert record["kept"] == "distilled" and record["heldout_after"] < record["heldout_before"]
+    before, after = _pruned(reconstructed), _pruned(distilled)
+    assert sum(not torch.equal(before[n], after[n]) for n in before) == len(before)  # every layer trained
+    for n, w in after.items():
+        assert torch.equal(w[before[n] == 0], torch.zeros_like(w[before[n] == 0])), n  # masks held
+    pruned_names = {f"{n}.weight" for b in find_blocks(distilled)[1] for n, m in distilled.named_modules()
+                    if any(m is x for x in find_linears(b).values())}
+    for (n, p), (_, q) in zip(distilled.named_parameters(), reconstructed.named_parameters()):
+        if n not in pruned_names:
+            assert torch.equal(p, q), n  # only the pruned layers move
+    assert _kl_to(dense, distilled, calib) < _kl_to(dense, reconstructed, calib)
+
+
+def test_a_distillation_that_made_the_model_worse_gets_the_weights_from_before_back(monkeypatch):
+    import nmprune.stages.distillation as stage
+
+    def worsen(run, targets, weights, *args, **kwargs) -> FitResult:
+        with torch.no_grad():
+            for w in weights:
+                w.mul_(torch.where(w != 0, 3.0, 0.0))
+        return FitResult(steps=1, first_epoch_mse=1.0, last_epoch_mse=1.0, seconds=0.0)
+
+    dense = tiny_model("llama", layers=2)
+    calib = token_batch(16, 16)
+    plain, restored = copy.deepcopy(dense), copy.deepcopy(dense)
+    prune_model(plain, calibration=calib, device="cpu", progress=False, **SETTINGS)
+    monkeypatch.setattr(stage, "fit_masked", worsen)
+    report = prune_model(restored, calibration=calib, device="cpu", progress=False, distill_epochs=1, **SETTINGS)
+    assert report.distillation["kept"] == "solved"
+    assert report.distillation["heldout_trained"] > report.distillation["heldout_before"]
+    assert report.distillation["heldout_after"] == report.distillation["heldout_before"]
+    for (n, p), q in zip(restored.named_parameters(), plain.parameters()):
+        assert torch.equal(p, q), n
+
+
+@pytest.mark.parametrize("bad,message", [
+    (dict(distill_epochs=-1), "distill_epochs must be 0"),
+    (dict(distill_lr=0.0), "distill_lr must be a positive number"),
+    (dict(distill_lr=float("nan")), "distill_lr. must be a finite number"),
+    (dict(distill_epochs=1, reconstruct="none"), "distill_epochs needs reconstruction"),
+])
+def test_bad_distillation_settings_are_refused(bad, message):
+    with pytest.raises(ValueError, match=message):
+        PruneSettings(**bad)
