@@ -12,7 +12,7 @@ import torch
 from test_models_tiny import tiny_model, token_batch
 
 from nmprune.config import PruneSettings
-from nmprune.distill import TeacherTopK, teacher_topk, topk_kl
+from nmprune.distill import teacher_topk, topk_kl
 from nmprune.models import find_blocks, find_linears
 from nmprune.pipeline import prune_model
 from nmprune.reconstruct import FitResult

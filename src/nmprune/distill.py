@@ -23,8 +23,8 @@ import torch
 from torch import Tensor
 
 
-#: the dense model's most likely tokens kept per position: 64 of SmolLM2's 49,152 hold 0.95 of
-#: the probability on average (wiki calibration text)
+#: the dense model's most likely tokens kept per position: 64 of SmolLM2's 49,152 hold 0.92 of
+#: the probability on average (64 x 512 tokens of wiki calibration text)
 DISTILL_TOPK = 64
 
 
