@@ -94,6 +94,19 @@ def test_global_distillation_from_the_command_line_and_its_refusal_on_a_streamed
     assert "--distill-epochs cannot run on a streamed model" in capsys.readouterr().err
 
 
+def test_a_distillation_pass_that_would_not_fit_is_refused_before_any_weight_is_read(tiny_dir, tmp_path,
+                                                                                   capsys, monkeypatch):
+    import nmprune.streaming.fit as fit
+
+    base, model_dir, text, yaml_file = tiny_dir
+    monkeypatch.setattr(fit, "available_memory", lambda: 1 << 20)  # a machine with 1 MiB to spare
+    out = tmp_path / "o"
+    assert main(["prune", "--config", str(yaml_file), "--quiet", "--distill-epochs", "1", "--out", str(out)]) != 0
+    err = capsys.readouterr().err
+    assert "the global distillation pass needs about" in err and "GiB are available" in err, err
+    assert not out.exists()
+
+
 def test_prune_with_reconstruction_reports_each_block_before_and_after(tiny_dir, tmp_path, capsys):
     base, model_dir, text, yaml_file = tiny_dir
     out = tmp_path / "pruned"

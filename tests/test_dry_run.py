@@ -132,3 +132,15 @@ def test_a_device_too_small_for_one_block_is_refused_up_front(tmp_path, capsys):
     assert "nmprune: error: one block's phase needs about" in err and "the device has 4.0 GiB" in err
     assert main(args + ["--ranks", "0"]) == 2
     assert "--ranks must be a number of ranks from 1" in capsys.readouterr().err
+
+
+def test_the_plan_prices_the_global_distillation_pass(tmp_path):
+    """The pass holds the whole model in float32 with its optimiser state: with it the peak is
+    at least that, and its time is the whole model's forward and backward per epoch."""
+    model = str(llama_config_dir(tmp_path / "m", 4, sharded=False))
+    base = plan_run(build_config({"model": model, "device": "cpu"}), ranks=1)
+    one, two = (plan_run(build_config({"model": model, "device": "cpu", "distill_epochs": e}), ranks=1)
+                for e in (1, 2))
+    assert "distillation" not in base.seconds
+    assert two.seconds["distillation"] == pytest.approx(2 * one.seconds["distillation"])
+    assert one.cpu_peak_per_rank >= base.cpu_peak_per_rank and one.cpu_peak_per_rank > 4 * one.parameters

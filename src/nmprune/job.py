@@ -107,6 +107,22 @@ def _run_label(config: RunConfig) -> str:
 
 # ----------------------------------------------------------------------------- prune run
 
+def _check_distill_fits(config: RunConfig, world: int, resolved, model_config) -> None:
+    """Refuse, before any weight is read, a global distillation pass that would not fit the
+    compute device (the CPU: the memory available to this process)."""
+    import torch
+
+    from .devices import default_device
+    from .resources import check_distill_fits, plan_run
+    from .streaming.fit import available_memory
+
+    needs = plan_run(config, world, model=(resolved, model_config))
+    device = default_device(config.device)
+    available = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
+                 else available_memory())
+    check_distill_fits(needs, available)
+
+
 def check_run(config: RunConfig, writes: bool = True, device_here: bool = True):
     """Everything a prune run judges before it reads a weight, in the run's order: the
     settings and the folders it will write (:func:`nmprune.validate.check_prune_inputs`, on
@@ -182,6 +198,8 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
         resolved, model_config, downstream = check_run(config, writes=main_rank)
         digest = model_digest(resolved)
         offload = ranks_offload(config.offload, ranks.world, resolved)
+        if config.prune.distill_epochs:
+            _check_distill_fits(config, ranks.world, resolved, model_config)
     # every rank the same job, before any of them loads
     ranks.agree({"settings": config.identity(), "model files": digest})
     timings: dict[str, float] = {}

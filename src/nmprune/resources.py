@@ -116,6 +116,29 @@ def _skeleton(config: RunConfig, model=None):
     return skeleton, torch.empty((), dtype=dtype).element_size(), resolved
 
 
+def distill_bytes(params: int, pruned: int, kept: float, blocks: int, batch_tokens: int, hidden_size: int,
+                  intermediate: int, vocab: int) -> int:
+    """Memory of the global distillation pass (:mod:`nmprune.stages.distillation`) on its
+    device: the whole model in float32, per pruned weight a mask bit and 12 bytes per kept
+    entry (compact gradient and AdamW's two moments) and the solved values kept aside (4 per
+    kept entry), autograd's activations of one batch through every block, and its logits
+    four times over (logits, log-probabilities and their gradients)."""
+    return int(4 * params + pruned * (1 / 8 + 16 * kept)
+               + blocks * batch_tokens * (16 * hidden_size + 4 * intermediate) * 4
+               + 4 * batch_tokens * vocab * 4)
+
+
+def check_distill_fits(needs: "RunNeeds", available: int) -> None:
+    """Refuse, before any work, a global distillation pass whose memory exceeds what the
+    device (or this machine, on the CPU) has."""
+    peak = needs.device_peak_per_rank if needs.device_peak_per_rank is not None else needs.cpu_peak_per_rank
+    if peak > available:
+        raise ValueError(f"the global distillation pass needs about {peak / GIB:.1f} GiB (the whole model in "
+                         f"float32 with its optimiser state and one batch's activations) and "
+                         f"{available / GIB:.1f} GiB are available: prune without --distill-epochs, or on a "
+                         "device with more memory")
+
+
 #: layers whose output at one token reaches later tokens (keys and values; fused ones too)
 CAUSAL_LAYERS = ("k_proj", "v_proj", "qkv_proj", "c_attn", "query_key_value", "Wqkv")
 
@@ -208,12 +231,15 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None, mo
                 + 4 * max(r * d for r, d in shapes.values())
                 + batch_tokens * (16 * hidden_size + 4 * intermediate) * 4) if recon else 0
     block_phase = block + hessians + solver + hidden + activations + training
+    distilled_weights = sum(r * d for n, (r, d) in shapes.items() if plans[n] is not None)
+    distilling = distill_bytes(params, distilled_weights, kept, len(source), batch_tokens, hidden_size, intermediate,
+                               model.config.vocab_size) if s.distill_epochs else 0
     whole = 0 if streamed else params * itemsize
     if device == "cuda":
         cpu_peak = PROCESS_BYTES + whole + outside * itemsize + block
-        device_peak = block_phase
+        device_peak = max(block_phase, distilling)
     else:
-        cpu_peak = PROCESS_BYTES + whole + max(outside * itemsize + hidden, block_phase)
+        cpu_peak = PROCESS_BYTES + whole + max(outside * itemsize + hidden, block_phase, distilling)
         device_peak = None
     costs = [[job_cost(*b[n], p.method.name, p.refiner.name if p.refiner else None)
               for n in b if (p := plans[n]) is not None] for b in per_block]
@@ -244,6 +270,8 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None, mo
             share = -(-batches // ranks) / batches
         training = 3 * s.reconstruct_epochs * forward * share
         seconds["reconstruction"] = (training + 2 * forward / ranks) / rate
+    if s.distill_epochs:  # the whole model forward and backward on every batch, each epoch
+        seconds["distillation"] = 3 * s.distill_epochs * 2.0 * params * tokens / rate / ranks
     if config.eval:
         seconds["evaluation"] = 2 * len(config.eval) * 2.0 * params * (config.eval_max_tokens or tokens) / rate
     pruned_weights = sum(r * d for r, d in shapes.values()) * itemsize
