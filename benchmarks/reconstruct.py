@@ -42,6 +42,7 @@ MODELS = {"smollm2": (lambda: None, "SmolLM2-135M-Instruct", "reconstruct"),
           "gemma3": (lambda: __import__("nmprune.models").models.installed_gemma3(), "Gemma-3-270M",
                      "reconstruct_gemma3")}
 ROWS_DIR = RESULTS / "reconstruct"
+TITLE = "SmolLM2"  # the model of the sweep's table (main() sets both)
 METHODS = {"wanda": ("wanda", None), "sparsegpt": ("sparsegpt", None), "prox+exact": ("prox", "exact")}
 GRANULARITIES = ("none", "submodule", "block")
 EVAL = ("wiki", "austen")
@@ -175,7 +176,7 @@ def variant_name(variant: dict[str, Any]) -> str:
 def sweep(bench: Bench, rows: list[tuple[str, str]], variants: list[dict[str, Any]], fit: dict[str, Any],
           dense: dict[str, Any]) -> None:
     """Each row with each variant of its settings (perplexities only; rows already written are
-    skipped), into ``reconstruct/sweep/`` and the table ``reconstruct_sweep.md``, next to
+    skipped), into ``reconstruct/sweep/`` and the table ``reconstruct_sweep.md`` (Gemma-3: ``reconstruct_gemma3_sweep.md``), next to
     the grid's row of the same method and granularity (the defaults)."""
     folder = ROWS_DIR / "sweep"
     folder.mkdir(parents=True, exist_ok=True)
@@ -192,7 +193,7 @@ def sweep(bench: Bench, rows: list[tuple[str, str]], variants: list[dict[str, An
         if row_path(method, granularity).exists():
             records.append({**json.loads(row_path(method, granularity).read_text()), "variant": {}})
     records.sort(key=lambda r: (r["row"], variant_name(r["variant"])))
-    lines = ["# Reconstruction settings on SmolLM2 (2:4)", "",
+    lines = [f"# Reconstruction settings on {TITLE} (2:4)", "",
              f"Calibration and settings as `benchmarks/results/reconstruct.md` except the ones named; "
              f"{records[0]['machine']['model']} ({records[0]['machine']['llvm_target']}). Dense wiki "
              f"{dense['perplexity']['wiki']:.2f}. Rows of the sweep may share the CPU with other work (each "
@@ -203,8 +204,8 @@ def sweep(bench: Bench, rows: list[tuple[str, str]], variants: list[dict[str, An
     lines += [f"| {r['row']} | {variant_name(r['variant']) or '(defaults)'} | {r['perplexity']['wiki']:.2f} | "
               f"{r['perplexity']['wiki'] / dense['perplexity']['wiki']:.3f} | {r['perplexity']['austen']:.2f} | "
               f"{r['prune_seconds']:.0f} |" for r in records]
-    (RESULTS / "reconstruct_sweep.md").write_text("\n".join(lines) + "\n")
-    (RESULTS / "reconstruct_sweep.json").write_text(json.dumps(
+    (RESULTS / f"{ROWS_DIR.name}_sweep.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"{ROWS_DIR.name}_sweep.json").write_text(json.dumps(
         [{k: r[k] for k in ("row", "variant", "perplexity", "prune_seconds", "settings")} for r in records],
         indent=1, default=str) + "\n")
 
@@ -303,7 +304,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=None, help="reconstruction batch size in samples")
     parser.add_argument("--sweep", action="append", default=None, metavar="KEY=VALUE,...",
                         help="run --rows with these settings changed instead (perplexities only), into "
-                             "reconstruct_sweep.{md,json}; repeat for more variants")
+                             "reconstruct[_gemma3]_sweep.{md,json}; repeat for more variants")
     args = parser.parse_args()
     import torch
 
@@ -315,8 +316,8 @@ def main() -> None:
            "reconstruct_batch_size": args.batch or d.reconstruct_batch_size or d.batch_size}
     wanted = [tuple(r.split(":")) for r in args.rows.split(",")]
     spec, title, stem = MODELS[args.model]
-    global ROWS_DIR
-    ROWS_DIR = RESULTS / stem
+    global ROWS_DIR, TITLE
+    ROWS_DIR, TITLE = RESULTS / stem, title
     ROWS_DIR.mkdir(parents=True, exist_ok=True)
     bench = Bench(args.tasks_limit, spec())
     dense_path = ROWS_DIR / "dense.json"
