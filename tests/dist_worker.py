@@ -7,7 +7,8 @@ MODE ``run`` prunes a tiny model of FAMILY and rank 0 saves the state dict and t
 under OUT; ``fail`` also keeps a checkpoint in OUT/ckpt and raises on rank 1 after block 1;
 ``resume`` continues from the checkpoint in OUT/ckpt (made by any number of ranks).
 RECONSTRUCT (``submodule`` or ``block``) adds local reconstruction with :data:`RECONSTRUCT`
-(``block:2``: in two lanes instead of the default one);
+(``block:2``: in two lanes instead of the default one; ``block:1:distill`` adds the global
+distillation pass with :data:`DISTILL`);
 ``prox`` instead prunes with :data:`PROX`, whole layers to each rank (the tiny layers are too
 small to split), and ``rows`` does the same but lets the ranks split layers of any size
 (:data:`nmprune.distributed.MIN_SHARE_ROWS` lowered to 1), so they solve shares of every
@@ -32,6 +33,7 @@ from nmprune.pipeline import prune_model  # noqa: E402
 
 SETTINGS = dict(method="sparsegpt", refine="exact", pattern="2:4", batch_size=2, reconstruct="none")
 RECONSTRUCT = dict(reconstruct_batch_size=2, reconstruct_epochs=5, reconstruct_lr=1.8e-2)
+DISTILL = dict(distill_epochs=2, distill_lr=1e-2)
 PROX = dict(SETTINGS, method="prox", hessian_inputs="pruned")  # its rows read totals over the layer
 
 
@@ -39,10 +41,12 @@ def settings(family: str, extra: str) -> dict:
     """The prune_model settings of a worker started with ``extra`` (module docstring)."""
     if extra in ("prox", "rows"):
         return PROX
-    granularity, _, lanes = extra.partition(":")
+    granularity, _, rest = extra.partition(":")
+    lanes, _, distill = rest.partition(":")
     return dict(SETTINGS, hessian_inputs="pruned" if family == "opt" else "dense",
                 **(dict(reconstruct=granularity, **RECONSTRUCT) if extra != "none" else {}),
-                **(dict(reconstruct_lanes=int(lanes)) if lanes else {}))
+                **(dict(reconstruct_lanes=int(lanes)) if lanes else {}),
+                **(DISTILL if distill else {}))
 
 
 def build(family: str):

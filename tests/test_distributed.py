@@ -225,6 +225,27 @@ def test_reconstruction_on_two_ranks_matches_one_process_with_as_many_lanes(fami
         assert float((state_one[k] - state_two[k]).norm()) <= 1e-3 * float(state_one[k].norm()), k
 
 
+def test_global_distillation_on_two_ranks_matches_one_process(tmp_path):
+    """The pass after the last block, data-parallel over two in-memory ranks: the steps of one
+    process, up to float summation order, and the same decision to keep them."""
+    run = worker_run("llama", "run", tmp_path / "two", tmp_path, "block:1:distill")
+    assert run.returncode == 0, run.stderr[-3000:]
+    sys.path.insert(0, str(WORKER.parent))
+    from dist_worker import DISTILL, RECONSTRUCT, SETTINGS, build
+
+    model = build("llama")
+    one = prune_model(model, calibration=token_batch(8, 16), device="cpu", progress=False,
+                      **{**SETTINGS, "reconstruct": "block", **RECONSTRUCT, **DISTILL}).to_dict()
+    two = json.loads((tmp_path / "two" / "report.json").read_text())
+    a, b = one["distillation"], two["distillation"]
+    assert a["kept"] == b["kept"] and a["steps"] == b["steps"] == 2 * 3  # 4 batches of 2, one held out
+    assert b["heldout_before"] == pytest.approx(a["heldout_before"], rel=1e-3)
+    assert b["heldout_trained"] == pytest.approx(a["heldout_trained"], rel=1e-3)
+    state_one, state_two = model.state_dict(), torch.load(tmp_path / "two" / "state.pt")
+    for k in state_one:
+        assert float((state_one[k] - state_two[k]).norm()) <= 1e-3 * float(state_one[k].norm()), k
+
+
 def test_failing_rank_ends_the_job_with_its_error_and_resumes_on_one_rank(tmp_path):
     out = tmp_path / "failed"
     run = worker_run("llama", "fail", out, tmp_path)
