@@ -107,6 +107,29 @@ def test_a_distillation_pass_that_would_not_fit_is_refused_before_any_weight_is_
     assert not out.exists()
 
 
+def test_sigterm_stops_a_run_with_one_line_and_the_same_command_resumes(tiny_dir, tmp_path, capsys, monkeypatch):
+    """What torchrun sends every rank once one fails: the run ends as after Ctrl-C (exit
+    143, one line, the checkpoint kept), and the same command resumes."""
+    import os
+    import signal
+
+    import nmprune.job as job
+
+    base, model_dir, text, yaml_file = tiny_dir
+    out = tmp_path / "o"
+    args = ["prune", "--config", str(yaml_file), "--quiet", "--out", str(out)]
+    real = job.run
+    monkeypatch.setattr(job, "run", lambda config, **kw: real(
+        config, **kw, on_block_done=lambda i: i == 0 and os.kill(os.getpid(), signal.SIGTERM)))
+    assert main(args) == 143
+    assert "nmprune: error: stopped by SIGTERM" in capsys.readouterr().err
+    assert not out.exists() and out.with_name("o.checkpoint").is_dir()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is the process's again
+    monkeypatch.setattr(job, "run", real)
+    assert main(args) == 0
+    assert json.loads((out / "nmprune_report.json").read_text())["resumed_from_block"] >= 1
+
+
 def test_prune_with_reconstruction_reports_each_block_before_and_after(tiny_dir, tmp_path, capsys):
     base, model_dir, text, yaml_file = tiny_dir
     out = tmp_path / "pruned"

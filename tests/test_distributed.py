@@ -371,8 +371,10 @@ def test_streamed_ranks_killed_mid_run_resume_to_the_uninterrupted_model(tiny_di
     for out, ranks in [(tmp_path / "two", 2), (tmp_path / "one", 1)]:
         killed = torchrun([str(script), *args, "--out", str(out)], tmp_path)
         assert killed.returncode != 0 and not out.exists()
-        # the survivor says so in one line of ours, with no traceback of nmprune's
-        assert killed.stderr.count("nmprune: error: lost contact with another rank during") == 1, killed.stderr
+        # the survivor says so in one line of ours, with no traceback of nmprune's: it lost its
+        # peer in a collective, or torchrun's agent, which saw rank 1 die, stopped it first (SIGTERM)
+        assert (killed.stderr.count("nmprune: error: lost contact with another rank during")
+                + killed.stderr.count("nmprune: error: stopped by SIGTERM")) == 1, killed.stderr
         assert "rerun the same torchrun command" in killed.stderr
         assert "nmprune/" not in killed.stderr.replace(str(tmp_path), ""), killed.stderr[-3000:]
         assert Path(f"{out}.checkpoint").is_dir()  # what rank 0 finished before it was stopped

@@ -12,6 +12,7 @@ import argparse
 import errno
 import math
 import re
+import signal
 import sys
 from typing import Any
 
@@ -25,6 +26,16 @@ from .stages.reconstruction import GRANULARITIES, RECONSTRUCTION_TEXT
 IO_FAILURES = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS})
 #: The exit code after Ctrl-C (SIGINT), as shells report a process it ended: 128 + 2.
 INTERRUPTED = 130
+#: The exit code after SIGTERM (torchrun stops every rank with it once one fails): 128 + 15.
+TERMINATED = 143
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM during ``nmprune prune``: stopped like Ctrl-C, the checkpoint kept."""
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise Terminated()
 
 
 def os_error(error: SafetensorError) -> OSError | None:
@@ -274,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     failure: BaseException | None = None
-    code = 0
+    code, previous = 0, None
     try:
         if args.command == "methods":
             print(_methods_text())
@@ -283,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
             from .memory import prefer_mmap
 
             prefer_mmap()  # keeps the resident set flat over a long run (nmprune/memory.py)
+            # torchrun stops the other ranks with SIGTERM once one fails: end as after Ctrl-C
+            previous = signal.signal(signal.SIGTERM, _terminate)
             check_plan_flags(args)
             config = config_from_args(args)
             if args.dry_run:
@@ -316,12 +329,20 @@ def main(argv: list[str] | None = None) -> int:
     except RankError as e:  # another rank's error: its code when it was the user's input
         print(f"nmprune: error: {e}", file=sys.stderr)
         failure, code = e, 2 if e.user_error else 1
-    except KeyboardInterrupt as e:  # Ctrl-C: the checkpoint holds every finished block
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the checkpoint holds every finished block
         resume = "; rerun the same command to resume from the checkpoint (finished blocks are kept)" \
             if args.command == "prune" and not args.dry_run else ""
-        print(f"nmprune: interrupted{resume}", file=sys.stderr)
-        failure, code = e, INTERRUPTED
+        if isinstance(e, Terminated):
+            print("nmprune: error: stopped by SIGTERM (torchrun stops every rank once one fails: see its "
+                  f"report for the root cause){resume.replace('same command', 'same torchrun command')}",
+                  file=sys.stderr)
+            failure, code = e, TERMINATED
+        else:
+            print(f"nmprune: interrupted{resume}", file=sys.stderr)
+            failure, code = e, INTERRUPTED
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
         teardown(failure)  # a bug's traceback goes on after it
     return code
 
