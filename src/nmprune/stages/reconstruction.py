@@ -389,25 +389,22 @@ class ReconstructingStatistics:
                     trained = self._weights(unit)
                     kept = [where[id(w)] for w in trained]
                     shared = self._token_shared(index, block, unit, list(rank))
-                    if shared is not None:
-                        run, targets = shared
+                    inputs: list[tuple[tuple, dict]] = []
+                    if shared is not None:  # every process computes every batch, a share of its tokens
+                        (run, targets), mine = shared, range(len(rank))
                         self._sharers = self.sharing.world
-                        result = fit_masked(run, targets, trained, range(len(rank)), len(rank), options,
-                                            self.all_reduce, bar.update, kept,
-                                            channel_weights(unit.targets, self.all_reduce), lanes)
                     else:
                         inputs, earlier = self._unit_inputs(index, block, unit, torch.float32,
                                                             self._units[:k] if self._additive else ())
                         if self._additive:
                             self._residual_targets(k, earlier, dense_sum)
                         del earlier
-                        result = fit_masked(lambda i: block_hidden(unit.module(*inputs[train[i]][0],
-                                                                               **inputs[train[i]][1])),
-                                            [unit.targets[j] for j in train], trained,
-                                            [rank[self.positions[j]] for j in train], len(rank), options,
-                                            self.all_reduce, bar.update, kept,
-                                            channel_weights(unit.targets, self.all_reduce), lanes)
-                        del inputs
+                        run = lambda i: block_hidden(unit.module(*inputs[train[i]][0],  # noqa: E731
+                                                                 **inputs[train[i]][1]))
+                        targets, mine = [unit.targets[j] for j in train], [rank[self.positions[j]] for j in train]
+                    result = fit_masked(run, targets, trained, mine, len(rank), options, self.all_reduce,
+                                        bar.update, kept, channel_weights(unit.targets, self.all_reduce), lanes)
+                    del inputs, run, targets
                     steps += result.steps
                     unit.targets.clear()
         finally:
