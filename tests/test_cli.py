@@ -92,6 +92,16 @@ def test_global_distillation_from_the_command_line_and_its_refusal_on_a_streamed
                  "--out", str(refused)]) != 0
     assert not refused.exists() and not refused.with_name("refused.checkpoint").exists()
     assert "--distill-epochs cannot run on a streamed model" in capsys.readouterr().err
+    # the default, auto, skips it on the streamed model with one line, and says so in the report
+    skipped = tmp_path / "skipped"
+    assert main(["prune", "--config", str(yaml_file), "--offload", "--reconstruct", "block", "--out",
+                 str(skipped)]) == 0
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if "skipping the global distillation" in line]
+    assert len(lines) == 1 and "the weights stream block by block" in lines[0], captured.err
+    assert json.loads((skipped / "nmprune_report.json").read_text())["distillation"]["skipped"].startswith(
+        "the weights stream")
+    assert "global distillation skipped: the weights stream" in captured.out
 
 
 def test_a_distillation_pass_that_would_not_fit_is_refused_before_any_weight_is_read(tiny_dir, tmp_path,
@@ -105,6 +115,12 @@ def test_a_distillation_pass_that_would_not_fit_is_refused_before_any_weight_is_
     err = capsys.readouterr().err
     assert "the global distillation pass needs about" in err and "GiB are available" in err, err
     assert not out.exists()
+    # auto (the default) prunes without the pass, and says why in one line and in the report
+    assert main(["prune", "--config", str(yaml_file), "--quiet", "--reconstruct", "block", "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert err.count("skipping the global distillation (distill_epochs: auto): the global distillation pass "
+                     "needs about") == 1, err
+    assert "GiB are available" in json.loads((out / "nmprune_report.json").read_text())["distillation"]["skipped"]
 
 
 def test_sigterm_stops_a_run_with_one_line_and_the_same_command_resumes(tiny_dir, tmp_path, capsys, monkeypatch):
@@ -276,6 +292,6 @@ def test_a_run_says_each_stage_and_writes_a_clean_log(tiny_dir, tmp_path):
     stages = [line.split(":")[1].split()[0] + " " + line.split(":")[1].split()[1]
               for line in run.stderr.splitlines() if line.startswith("nmprune: ")]
     assert stages == ["loading " + str(model_dir).split()[0], "tokenising the", "evaluating the",
-                      "pruning block", "capturing the", "evaluating the", "saving the"], stages
+                      "pruning block", "capturing the", "global distillation", "evaluating the", "saving the"], stages
     assert "dense perplexity on " + str(text) in run.stderr and "pruned perplexity on " + str(text) in run.stderr
     assert "\x1b[" not in run.stderr

@@ -83,7 +83,7 @@ def test_distillation_holds_the_masks_and_brings_the_model_closer_to_the_dense_o
     dense = tiny_model(family, layers=2)
     calib = token_batch(16, 16)
     reconstructed, distilled = copy.deepcopy(dense), copy.deepcopy(dense)
-    prune_model(reconstructed, calibration=calib, device="cpu", progress=False, **SETTINGS)
+    prune_model(reconstructed, calibration=calib, device="cpu", progress=False, distill_epochs=0, **SETTINGS)
     report = prune_model(distilled, calibration=calib, device="cpu", progress=False, distill_epochs=3,
                          distill_lr=1e-2, **SETTINGS)
     record = report.distillation
@@ -113,7 +113,7 @@ def test_a_distillation_that_made_the_model_worse_gets_the_weights_from_before_b
     dense = tiny_model("llama", layers=2)
     calib = token_batch(16, 16)
     plain, restored = copy.deepcopy(dense), copy.deepcopy(dense)
-    prune_model(plain, calibration=calib, device="cpu", progress=False, **SETTINGS)
+    prune_model(plain, calibration=calib, device="cpu", progress=False, distill_epochs=0, **SETTINGS)
     monkeypatch.setattr(stage, "fit_masked", worsen)
     report = prune_model(restored, calibration=calib, device="cpu", progress=False, distill_epochs=1, **SETTINGS)
     assert report.distillation["kept"] == "solved"
@@ -124,7 +124,9 @@ def test_a_distillation_that_made_the_model_worse_gets_the_weights_from_before_b
 
 
 @pytest.mark.parametrize("bad,message", [
-    (dict(distill_epochs=-1), "distill_epochs must be 0"),
+    (dict(distill_epochs=-1), "distill_epochs must be 'auto', 0"),
+    (dict(distill_epochs="always"), "distill_epochs must be 'auto', 0"),
+    (dict(distill_epochs=True), "setting 'distill_epochs' must be an integer or a string"),
     (dict(distill_lr=0.0), "distill_lr must be a positive number"),
     (dict(distill_lr=float("nan")), "distill_lr. must be a finite number"),
     (dict(distill_epochs=1, reconstruct="none"), "distill_epochs needs reconstruction"),
@@ -132,3 +134,18 @@ def test_a_distillation_that_made_the_model_worse_gets_the_weights_from_before_b
 def test_bad_distillation_settings_are_refused(bad, message):
     with pytest.raises(ValueError, match=message):
         PruneSettings(**bad)
+
+
+def test_auto_distills_one_epoch_in_memory_and_none_without_reconstruction():
+    """``distill_epochs: auto`` (the default) makes one epoch for a model held whole that
+    reconstructs, none without reconstruction (the pass needs its dense stream)."""
+    assert PruneSettings().distill_epochs == "auto"
+    assert PruneSettings().distill_passes(whole=True) == 1 and PruneSettings().distill_passes(whole=False) == 0
+    assert PruneSettings(reconstruct="none").distill_passes(whole=True) == 0
+    assert PruneSettings(distill_epochs=2).distill_passes(whole=False) == 2
+    calib = token_batch(16, 16)
+    report = prune_model(tiny_model("llama", layers=2), calibration=calib, device="cpu", progress=False, **SETTINGS)
+    assert report.distillation is not None and report.distillation["epochs"] == 1
+    plain = prune_model(tiny_model("llama", layers=2), calibration=calib, device="cpu", progress=False,
+                        **{**SETTINGS, "reconstruct": "none"})
+    assert plain.distillation is None

@@ -10,7 +10,8 @@ from transformers import LlamaConfig
 
 from nmprune.cli import main
 from nmprune.config import build_config
-from nmprune.resources import CPU_THREAD_SCALING, busiest_token_share, cpu_threads, hessian_inputs, plan_run
+from nmprune.resources import (CPU_THREAD_SCALING, GIB, busiest_token_share, cpu_threads, hessian_inputs,
+                               plan_run)
 from nmprune.stages.token_shares import token_shares
 
 GIB = 1 << 30
@@ -138,9 +139,32 @@ def test_the_plan_prices_the_global_distillation_pass(tmp_path):
     """The pass holds the whole model in float32 with its optimiser state: with it the peak is
     at least that, and its time is the whole model's forward and backward per epoch."""
     model = str(llama_config_dir(tmp_path / "m", 4, sharded=False))
-    base = plan_run(build_config({"model": model, "device": "cpu"}), ranks=1)
+    base = plan_run(build_config({"model": model, "device": "cpu", "distill_epochs": 0}), ranks=1)
     one, two = (plan_run(build_config({"model": model, "device": "cpu", "distill_epochs": e}), ranks=1)
                 for e in (1, 2))
     assert "distillation" not in base.seconds
+    # the default, auto: one epoch on a model loaded whole, none on a streamed one
+    auto = plan_run(build_config({"model": model, "device": "cpu"}), ranks=1, streamed=False)
+    assert auto.distill_epochs == 1 and auto.seconds["distillation"] == pytest.approx(one.seconds["distillation"])
+    streamed = plan_run(build_config({"model": model, "device": "cpu"}), ranks=1, streamed=True)
+    assert streamed.distill_epochs == 0 and "distillation" not in streamed.seconds
     assert two.seconds["distillation"] == pytest.approx(2 * one.seconds["distillation"])
     assert one.cpu_peak_per_rank >= base.cpu_peak_per_rank and one.cpu_peak_per_rank > 4 * one.parameters
+
+
+def test_the_plan_skips_the_auto_distillation_where_the_device_cannot_hold_it(tmp_path, capsys):
+    """With ``distill_epochs: auto`` on a device that holds a block's phase but not the whole
+    model's training, the plan is the run's: no distillation, and one line saying why; asked
+    for explicitly, the same device is refused."""
+    model = llama_config_dir(tmp_path / "llama", blocks=2)
+    args = ["prune", "--dry-run", "--model", str(model), "--out", str(tmp_path / "o"), "--device", "cuda"]
+    roomy = plan_run(build_config({"model": str(model), "device": "cuda"}), ranks=1)
+    block = plan_run(build_config({"model": str(model), "device": "cuda", "distill_epochs": 0}), ranks=1)
+    assert roomy.distill_peak_per_rank > block.device_peak_per_rank  # the pass is the peak
+    between = f"{(roomy.distill_peak_per_rank + block.device_peak_per_rank) / 2 / GIB:.3f}"
+    assert main(args + ["--device-memory", between]) == 0
+    out = capsys.readouterr().out
+    assert "| global distillation | none |" in out and "is skipped: the global distillation pass needs" in out
+    assert main(args + ["--device-memory", f"{roomy.distill_peak_per_rank * 1.01 / GIB:.3f}"]) == 0
+    assert "| global distillation | 1 epoch(s) |" in capsys.readouterr().out
+    assert main(args + ["--device-memory", between, "--distill-epochs", "1"]) == 2

@@ -1,5 +1,5 @@
 """``kill -9`` at several points of ``nmprune prune`` (during calibration, mid-block, between
-a block's checkpoint files, during the final save), each followed by the same command again,
+a block's checkpoint files, after the global distillation trained, during the final save), each followed by the same command again,
 which resumes and is killed at the next point: the weights finally saved are bit-identical
 to an uninterrupted run's, and a killed save never leaves a directory a loader would take
 for a model. (One chain of kills, not one rerun per point: every process start costs
@@ -50,6 +50,7 @@ KILLS = [
     ("calibration of block 0", "nmprune.stages.statistics", "run_block", 2, "before", 0),
     ("mid-block 1 (3 of 7 layers pruned)", "nmprune.stages.executor", "run_job", 7 + 3, "after", 1),
     ("between block 2's files", "nmprune.checkpoint", "_save_tensors", 3, "after", 2),
+    ("the global distillation, trained", "nmprune.stages.distillation", "fit_masked", 1, "after", 3),
     ("final save, after the weights", "transformers.tokenization_utils_base",
      "PreTrainedTokenizerBase.save_pretrained", 1, "before", 3),
 ]
@@ -89,6 +90,7 @@ def test_kill_9_then_rerun_is_bit_identical(run, tmp_path):
     assert main([*args, "--out", str(out)]) == 0
     report = json.loads((out / "nmprune_report.json").read_text())
     assert report["resumed_from_block"] == 3
+    assert report["distillation"]["epochs"] == 1  # the default's pass, made again from the checkpoint
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # checkpoint and staging gone
     weights = load_file(str(out / "model.safetensors"))
     assert weights.keys() == reference.keys()

@@ -18,7 +18,8 @@ from nmprune.models import find_blocks, find_linears, weight_matrix
 from nmprune.pipeline import prune_model
 from nmprune.reconstruct import FitOptions, KeptEntries, ReconstructionDiverged, epoch_steps, fit_masked, lane_of
 
-FIT = dict(reconstruct_batch_size=2, reconstruct_epochs=3, reconstruct_lr=5e-2)
+# distill_epochs 0: these tests judge the blocks' reconstruction, without the global pass after it
+FIT = dict(reconstruct_batch_size=2, reconstruct_epochs=3, reconstruct_lr=5e-2, distill_epochs=0)
 SOLVE = dict(method="wanda", refine=None, pattern="2:4", batch_size=2)
 
 

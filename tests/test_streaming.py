@@ -174,8 +174,9 @@ def test_streamed_pruning_is_bit_identical_to_in_memory(family, hessian_inputs, 
     """Same pruned weights and the same perplexity (dense and pruned, block by block) as
     the in-memory path; the output reloads, exactly 2:4 in every pruned layer."""
     path = _save(tmp_path / "in", family, layers=2)
+    # distill_epochs 0: the global pass needs the whole model, so the streamed run makes none
     settings = dict(calibration=token_batch(4, 12), method="sparsegpt", refine=None, batch_size=3,
-                    hessian_inputs=hessian_inputs)
+                    hessian_inputs=hessian_inputs, distill_epochs=0)
     model, _, _ = load_model(path, tokenizer=False)
     ids = _stream()
     assert streaming_perplexity(StreamingModel(path), ids, seqlen=16, batch_size=2, progress=False) == \
@@ -200,7 +201,8 @@ def test_streamed_reconstruction_is_bit_identical_to_in_memory(family, granulari
     memory, still exactly 2:4."""
     path = _save(tmp_path / "in", family, layers=2)
     settings = dict(calibration=token_batch(4, 12), method="wanda", refine=None, batch_size=2,
-                    reconstruct=granularity, reconstruct_batch_size=2, reconstruct_epochs=2, reconstruct_lr=5e-2)
+                    reconstruct=granularity, reconstruct_batch_size=2, reconstruct_epochs=2, reconstruct_lr=5e-2,
+                    distill_epochs=0)
     model, _, _ = load_model(path, tokenizer=False)
     dense = {k: v.clone() for k, v in model.state_dict().items()}
     report = prune_model(model, progress=False, **settings)
@@ -228,7 +230,7 @@ def cli_model(tmp_path_factory):
     model_dir = save_tiny_model_dir(base / "model", "llama", layers=3, text=text.read_text())
     args = ["--model", str(model_dir), "--method", "wanda", "--refine", "none", "--calib", str(text),
             "--nsamples", "4", "--seqlen", "16", "--eval", str(text), "--eval-seqlen", "16",
-            "--eval-max-tokens", "256", "--quiet"]
+            "--eval-max-tokens", "256", "--quiet", "--distill-epochs", "0"]  # streamed runs make none
     return base, model_dir, text, args
 
 

@@ -14,12 +14,13 @@ import math
 import re
 import signal
 import sys
+from dataclasses import replace
 from typing import Any
 
 from safetensors import SafetensorError
 
 from . import __version__
-from .config import RunConfig, build_config, load_yaml
+from .config import AUTO, RunConfig, build_config, load_yaml
 from .stages.reconstruction import GRANULARITIES, RECONSTRUCTION_TEXT
 
 #: Errors of the machine rather than of the input (a full disk, a failing device): exit code 1.
@@ -147,11 +148,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "every rank trains; the result depends on the lanes, not on the ranks; more "
                         "lanes cost quality: 2 lanes took SmolLM2 from 24.17 to 24.80 wiki perplexity, "
                         "8 made it worse than no reconstruction (default 1)")
-    p.add_argument("--distill-epochs", dest="distill_epochs", type=int,
+    p.add_argument("--distill-epochs", dest="distill_epochs", type=_epochs_or_auto, metavar="{auto,N}",
                    help="after the last block, passes of global distillation: the kept weights of every "
                         "pruned layer train towards the dense model's next-token distribution on the "
                         "calibration set (KL divergence, masks held); for models held whole in memory; "
-                        "needs reconstruction (default 0: none)")
+                        "needs reconstruction. auto (default): one epoch where the model is held whole "
+                        "and the pass fits in memory, else skipped with one line; N: N epochs, refused "
+                        "where it cannot run; 0: none")
     p.add_argument("--distill-lr", dest="distill_lr", type=float,
                    help="AdamW learning rate of the global distillation, relative to each weight's RMS, "
                         "decayed linearly to 0 (default 0.001)")
@@ -193,6 +196,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("methods", help="list the pruning methods and refiners with their options")
     return parser
+
+
+def _epochs_or_auto(text: str) -> int | str:
+    """``auto`` or a whole number (:class:`~nmprune.config.PruneSettings` judges its range)."""
+    if text == AUTO:
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto or a whole number of epochs, got {text!r}") from None
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
@@ -265,7 +278,7 @@ def _dry_run(config: RunConfig, ranks: int | None, device_memory: float | None) 
     import torch
 
     from .job import check_run
-    from .resources import GIB, check_device_fits, needs_table, plan_run
+    from .resources import GIB, check_device_fits, distill_shortfall, needs_table, plan_run
 
     resolved, model_config, _ = check_run(config, device_here=False)
     ranks = ranks if ranks is not None else int(os.environ.get("WORLD_SIZE", "1"))
@@ -276,8 +289,14 @@ def _dry_run(config: RunConfig, ranks: int | None, device_memory: float | None) 
         device_bytes = torch.cuda.get_device_properties(0).total_memory
     else:
         device_bytes = None
+    auto = config.prune.distill_epochs == AUTO and device_bytes is not None
+    skipped = distill_shortfall(needs, device_bytes) if auto else None
+    if skipped is not None:  # the run skips it (nmprune.job)
+        config = replace(config, prune=replace(config.prune, distill_epochs=0))
+        needs = plan_run(config, ranks, model=(resolved, model_config))
     check_device_fits(needs, device_bytes)
-    return needs_table(needs)
+    return needs_table(needs) + (f"\n\nThe global distillation (distill_epochs: auto) is skipped: {skipped}."
+                                 if skipped is not None else "")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,6 +21,12 @@ from .stages.plan import Planner
 from .stages.reconstruction import GRANULARITIES
 
 HESSIAN_INPUTS = ("dense", "pruned")
+#: ``distill_epochs`` left to the run (:meth:`PruneSettings.distill_passes`)
+AUTO = "auto"
+#: the epochs of global distillation ``"auto"`` makes where it runs: one lowered SmolLM2's wiki
+#: perplexity from 1.90x to 1.76x dense and Gemma-3-270M's from 1.62x to 1.55x
+#: (benchmarks/results/reconstruct_sweep.md, reconstruct_gemma3_sweep.md)
+AUTO_DISTILL_EPOCHS = 1
 HESSIAN_DTYPES = ("float32", "float64")
 
 # a value's type as an error message names it ("got 'no' (a string)")
@@ -108,10 +114,13 @@ class PruneSettings:
     the batches split into ``reconstruct_lanes`` lanes whose gradients of a round are computed at
     the same weights (:mod:`nmprune.reconstruct`; 1: every step's gradient at the latest weights).
     The result depends on the lanes, never on the number of ranks; with one lane per rank every
-    rank trains, at a cost in quality (docs/distributed.md). ``distill_epochs`` (0: none) passes
-    of global distillation follow the last block: the kept weights of every pruned layer train
+    rank trains, at a cost in quality (docs/distributed.md). ``distill_epochs`` passes of
+    global distillation follow the last block: the kept weights of every pruned layer train
     towards the dense model's next-token distribution at ``distill_lr`` (relative to each
-    weight's RMS; :mod:`nmprune.stages.distillation`), for models held whole in memory.
+    weight's RMS; :mod:`nmprune.stages.distillation`), for models held whole in memory. 0: none;
+    ``"auto"`` (the default): :data:`AUTO_DISTILL_EPOCHS` where the run holds the model whole, it
+    reconstructs and the pass fits in memory, else none (:meth:`distill_passes`); a number of
+    epochs is required (a run that cannot distill is refused).
     """
 
     method: str = "prox"
@@ -133,7 +142,7 @@ class PruneSettings:
     reconstruct_lr: float = 1.5e-2
     reconstruct_batch_size: int | None = None
     reconstruct_lanes: int = 1
-    distill_epochs: int = 0
+    distill_epochs: int | str = AUTO
     distill_lr: float = 1e-3
 
     def __post_init__(self) -> None:
@@ -165,11 +174,13 @@ class PruneSettings:
                              f"got {self.reconstruct_batch_size}")
         if self.reconstruct_lanes < 1:
             raise ValueError(f"reconstruct_lanes must be a positive integer, got {self.reconstruct_lanes}")
-        if self.distill_epochs < 0:
-            raise ValueError(f"distill_epochs must be 0 (no global distillation) or more, got {self.distill_epochs}")
+        if isinstance(self.distill_epochs, str) and self.distill_epochs != AUTO or \
+                isinstance(self.distill_epochs, int) and self.distill_epochs < 0:
+            raise ValueError(f"distill_epochs must be 'auto', 0 (no global distillation) or a positive "
+                             f"integer, got {self.distill_epochs!r}")
         if self.distill_lr <= 0:
             raise ValueError(f"distill_lr must be a positive number, got {self.distill_lr!r}")
-        if self.distill_epochs and self.reconstruct == "none":
+        if self.distill_epochs != AUTO and self.distill_epochs and self.reconstruct == "none":
             raise ValueError("distill_epochs needs reconstruction (reconstruct: block or submodule): the "
                              "global distillation learns from the dense model's outputs that reconstruction "
                              "carries to the last block")
@@ -189,10 +200,18 @@ class PruneSettings:
         return FitOptions(self.reconstruct_epochs, self.reconstruct_lr, step // self.batch_size, self.seed,
                           self.reconstruct_lanes)
 
-    def distill_options(self) -> FitOptions:
-        """How the global distillation pass trains (:mod:`nmprune.stages.distillation`): one
-        calibration batch a step, in one lane."""
-        return FitOptions(self.distill_epochs, self.distill_lr, 1, self.seed)
+    def distill_passes(self, whole: bool = True) -> int:
+        """The epochs of global distillation a run makes: ``distill_epochs`` when it is a
+        number; with ``"auto"``, :data:`AUTO_DISTILL_EPOCHS` for a run that reconstructs and
+        holds the model ``whole`` (the caller also judges that the pass fits), else 0."""
+        if self.distill_epochs != AUTO:
+            return self.distill_epochs
+        return AUTO_DISTILL_EPOCHS if whole and self.reconstruct != "none" else 0
+
+    def distill_options(self, epochs: int) -> FitOptions:
+        """How ``epochs`` of the global distillation pass train
+        (:mod:`nmprune.stages.distillation`): one calibration batch a step, in one lane."""
+        return FitOptions(epochs, self.distill_lr, 1, self.seed)
 
     def fingerprint(self) -> str:
         """A stable hash of the settings (checkpoints only resume under the same one)."""

@@ -270,6 +270,12 @@ class OneProcess:
         resolved when first used: after the run's checks have judged the setting."""
         return default_device(self.asked)
 
+    def check(self, phase: str, error: BaseException | None = None, payload: Any = None) -> list[Any]:
+        """This process's ``error`` raised, else its ``payload`` as the only rank's."""
+        if error is not None:
+            raise error
+        return [payload]
+
     def agree(self, digests: dict[str, str]) -> None:
         """One process agrees with itself."""
 

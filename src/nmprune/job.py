@@ -11,12 +11,13 @@ import json
 import platform
 import sys
 import time
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import __version__
-from .config import RunConfig, to_dict
+from .config import AUTO, RunConfig, to_dict
 
 if TYPE_CHECKING:
     from .stages.source import BlockSource
@@ -107,20 +108,34 @@ def _run_label(config: RunConfig) -> str:
 
 # ----------------------------------------------------------------------------- prune run
 
-def _check_distill_fits(config: RunConfig, world: int, resolved, model_config) -> None:
-    """Refuse, before any weight is read, a global distillation pass that would not fit the
-    compute device (the CPU: the memory available to this process)."""
+def _distill_shortfall(config: RunConfig, world: int, resolved, model_config) -> str | None:
+    """Why the run's global distillation pass would not fit the compute device (the CPU: the
+    memory available to this process), judged before any weight is read; None where it fits
+    or the run makes none."""
     import torch
 
     from .devices import default_device
-    from .resources import check_distill_fits, plan_run
+    from .resources import distill_shortfall, plan_run
     from .streaming.fit import available_memory
 
     needs = plan_run(config, world, model=(resolved, model_config))
     device = default_device(config.device)
     available = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
                  else available_memory())
-    check_distill_fits(needs, available)
+    return distill_shortfall(needs, available)
+
+
+def _auto_distillation(settings, streamed: bool, shortfall: str | None, ranks) -> tuple[Any, str | None]:
+    """The settings :func:`prune_model` runs with, and why the global distillation of
+    ``distill_epochs: auto`` is skipped (None where it runs or was not asked for): on a
+    ``streamed`` model or where the pass does not fit (``shortfall``) on any rank. Explicit
+    epochs were refused before for either reason."""
+    if settings.distill_epochs != AUTO or not settings.distill_passes(whole=True):
+        return settings, None
+    why = ("the weights stream block by block, and the pass trains the whole model at once" if streamed
+           else shortfall)
+    why = next((w for w in ranks.check("judging the global distillation", payload=why) if w), None)
+    return (settings, None) if why is None else (replace(settings, distill_epochs=0), why)
 
 
 def check_run(config: RunConfig, writes: bool = True, device_here: bool = True):
@@ -198,8 +213,10 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
         resolved, model_config, downstream = check_run(config, writes=main_rank)
         digest = model_digest(resolved)
         offload = ranks_offload(config.offload, ranks.world, resolved)
-        if config.prune.distill_epochs:
-            _check_distill_fits(config, ranks.world, resolved, model_config)
+        shortfall = (_distill_shortfall(config, ranks.world, resolved, model_config)
+                     if config.prune.distill_epochs else None)
+        if shortfall is not None and config.prune.distill_epochs != AUTO:
+            raise ValueError(f"{shortfall}: prune without --distill-epochs, or on a device with more memory")
     # every rank the same job, before any of them loads
     ranks.agree({"settings": config.identity(), "model files": digest})
     timings: dict[str, float] = {}
@@ -214,7 +231,7 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
                                               model_config)
         if downstream.tasks:
             model.whole_model("--eval-tasks")  # refused when streamed
-        if config.prune.distill_epochs and model.streamed:
+        if config.prune.distill_epochs not in (0, AUTO) and model.streamed:
             raise ValueError("--distill-epochs cannot run on a streamed model (--offload, a model larger "
                              "than memory, or several ranks on a safetensors model): the global "
                              "distillation trains the whole model at once, so it needs every weight in "
@@ -241,6 +258,10 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
         except ValueError as e:
             raise ValueError(f"--calib {p.calib}: {e}") from e
         release_memory()  # the tokenised corpora, before the evaluation's activations
+    settings, distill_skipped = _auto_distillation(config.prune, model.streamed, shortfall, ranks)
+    if distill_skipped is not None and main_rank:
+        print(f"nmprune: skipping the global distillation (distill_epochs: auto): {distill_skipped}",
+              file=sys.stderr)
     ckpt = None
     try:
         with phase("opening the checkpoint"):
@@ -249,8 +270,8 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
                 remove_partial_save(out)  # what a save killed in an earlier run left
                 ckpt = Checkpoint.open(ckpt_dir, config.identity(), restart=config.restart)
                 ckpt.bind("model files", digest)
-        return _prune_and_save(config, model, tokenizer, source, ckpt, calibration, cache, timings,
-                               t0, progress, on_block_done, ranks, ckpt_dir)
+        return _prune_and_save(config, settings, distill_skipped, model, tokenizer, source, ckpt, calibration,
+                               cache, timings, t0, progress, on_block_done, ranks, ckpt_dir)
     except ValueError as e:
         # refused before any progress, or the model itself overflows (its corrected weights
         # are another model): leave no checkpoint of this run
@@ -261,12 +282,13 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
         lock.release()
 
 
-def _prune_and_save(config: RunConfig, model: BlockSource, tokenizer, source, ckpt, calibration, cache,
-                    timings: dict[str, float], t0: float, progress: bool, on_block_done,
-                    ranks, ckpt_dir: Path) -> dict[str, Any]:
-    """:func:`run` after loading: dense perplexity and accuracy, pruning, pruned
-    perplexity and accuracy, save (``ckpt`` is None on ranks other than 0, which return
-    the pruning report once pruning is done)."""
+def _prune_and_save(config: RunConfig, settings, distill_skipped: str | None, model: BlockSource, tokenizer,
+                    source, ckpt, calibration, cache, timings: dict[str, float], t0: float, progress: bool,
+                    on_block_done, ranks, ckpt_dir: Path) -> dict[str, Any]:
+    """:func:`run` after loading: dense perplexity and accuracy, pruning with ``settings``
+    (``config.prune`` with the run's choice of global distillation; ``distill_skipped``: why
+    ``auto`` made none), pruned perplexity and accuracy, save (``ckpt`` is None on ranks other
+    than 0, which return the pruning report once pruning is done)."""
     from .downstream import evaluate_tasks
     from .pipeline import prune_model
     from .progress import stage
@@ -286,7 +308,7 @@ def _prune_and_save(config: RunConfig, model: BlockSource, tokenizer, source, ck
     sink = model.output(out, writes=main_rank)
     say(f"pruning block by block: {_run_label(config)}")
     try:
-        prune_report = prune_model(None, tokenizer, config.prune, calibration=calibration, device=device,
+        prune_report = prune_model(None, tokenizer, settings, calibration=calibration, device=device,
                                    checkpoint=ckpt, progress=progress, on_block_done=on_block_done,
                                    source=model, sink=sink, scratch=ckpt_dir)
         pruned_model = sink.finish(tokenizer) if main_rank else model
@@ -322,7 +344,7 @@ def _prune_and_save(config: RunConfig, model: BlockSource, tokenizer, source, ck
                     "layers_skipped": len(prune_report.layers) - len(layers),
                     "mean_loss_vs_wanda": sum(ratios) / len(ratios) if ratios else None},
         "reconstruction": _reconstruction_summary(config, prune_report.blocks, prune_report.end_to_end),
-        "distillation": prune_report.distillation,
+        "distillation": prune_report.distillation if distill_skipped is None else {"skipped": distill_skipped},
         "resumed_from_block": prune_report.resumed_from_block,
         "ranks": prune_report.ranks, "per_rank": prune_report.per_rank,
         "seconds": {**timings, "pipeline": prune_report.seconds},
@@ -425,7 +447,9 @@ def reconstruction_table(report: dict[str, Any]) -> str:
     elif check:
         lines.append(f"\nend-to-end check not made: {check['why']}")
     distilled = report.get("distillation")
-    if distilled:
+    if distilled and "skipped" in distilled:
+        lines.append(f"global distillation skipped: {distilled['skipped']}")
+    elif distilled:
         lines.append(f"global distillation ({distilled['epochs']} epoch(s), {distilled['steps']} steps, "
                      f"{distilled['seconds']:.0f} s): held-out KL from dense {_error(distilled['heldout_before'])} "
                      f"-> {_error(distilled['heldout_trained'])}, kept: {distilled['kept']}")

@@ -175,10 +175,11 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
                 template = stage.inputs.output_template
                 report.end_to_end = stage.end_to_end(lambda js, finals: source.head_logits(
                     template, [batches[j] for j in js], finals, executor.device))
-            if settings.distill_epochs:
+            epochs = settings.distill_passes(whole=not source.streamed)
+            if epochs:
                 with executor.phase("global distillation"):
-                    report.distillation = _distill(source, plans, stage, batches, settings, executor, shown,
-                                                   scratch)
+                    report.distillation = _distill(source, plans, stage, batches, epochs, settings, executor,
+                                                   shown, scratch)
     mine = [(r["name"], share) for r in report.layers[len(resumed[0]):] if not r["skipped"]
             and (share := _my_share(r, executor.rank)) is not None]
     solve = sum(share["seconds"] for _, share in mine)
@@ -310,13 +311,13 @@ def _my_share(record: dict[str, Any], rank: int) -> dict[str, Any] | None:
 
 
 def _distill(source: BlockSource, plans: dict[str, LayerPlan | None], stage: ReconstructingStatistics,
-             batches: list[Tensor], settings: PruneSettings, executor: Executor, progress: bool,
+             batches: list[Tensor], epochs: int, settings: PruneSettings, executor: Executor, progress: bool,
              scratch: str | os.PathLike | None) -> dict[str, Any]:
-    """The global distillation pass (:mod:`nmprune.stages.distillation`) on the whole model,
-    which visits the compute device meanwhile, towards the dense distribution of the dense
-    stream ``stage`` carried to the last block (freed once read)."""
+    """``epochs`` of the global distillation pass (:mod:`nmprune.stages.distillation`) on the
+    whole model, which visits the compute device meanwhile, towards the dense distribution of
+    the dense stream ``stage`` carried to the last block (freed once read)."""
     model = source.whole_model("distill_epochs")
-    say(f"global distillation: {settings.distill_epochs} epoch(s) over every pruned layer", progress)
+    say(f"global distillation: {epochs} epoch(s) over every pruned layer", progress)
     template = stage.inputs.output_template
     teachers = teacher(source.head_logits(template, batches, stage.dense, executor.device), DISTILL_TOPK)
     stage.dense = []
@@ -324,7 +325,7 @@ def _distill(source: BlockSource, plans: dict[str, LayerPlan | None], stage: Rec
                if plans.get(name) is not None]
     model.to(executor.device)
     try:
-        return distill(model, weights, batches, teachers, stage.positions, stage.total, settings.distill_options(),
+        return distill(model, weights, batches, teachers, stage.positions, stage.total, settings.distill_options(epochs),
                        executor.all_reduce, executor.device, progress, scratch)
     finally:
         model.to("cpu")

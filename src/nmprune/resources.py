@@ -86,6 +86,9 @@ class RunNeeds:
     output_disk: int
     checkpoint_disk: int
     seconds: dict[str, float]
+    distill_epochs: int = 0
+    #: the peak on the device (the CPU's on the CPU) while the global distillation pass runs
+    distill_peak_per_rank: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -128,15 +131,14 @@ def distill_bytes(params: int, pruned: int, kept: float, blocks: int, batch_toke
                + 4 * batch_tokens * vocab * 4)
 
 
-def check_distill_fits(needs: "RunNeeds", available: int) -> None:
-    """Refuse, before any work, a global distillation pass whose memory exceeds what the
-    device (or this machine, on the CPU) has."""
-    peak = needs.device_peak_per_rank if needs.device_peak_per_rank is not None else needs.cpu_peak_per_rank
-    if peak > available:
-        raise ValueError(f"the global distillation pass needs about {peak / GIB:.1f} GiB (the whole model in "
-                         f"float32 with its optimiser state and one batch's activations) and "
-                         f"{available / GIB:.1f} GiB are available: prune without --distill-epochs, or on a "
-                         "device with more memory")
+def distill_shortfall(needs: "RunNeeds", available: int) -> str | None:
+    """Why the run's global distillation pass does not fit ``available`` bytes of the device
+    (of this machine, on the CPU), or None where it fits or there is none."""
+    peak = needs.distill_peak_per_rank
+    if not needs.distill_epochs or peak <= available:
+        return None
+    return (f"the global distillation pass needs about {peak / GIB:.1f} GiB (the whole model in float32 with "
+            f"its optimiser state and one batch's activations) and {available / GIB:.1f} GiB are available")
 
 
 #: layers whose output at one token reaches later tokens (keys and values; fused ones too)
@@ -232,8 +234,9 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None, mo
                 + batch_tokens * (16 * hidden_size + 4 * intermediate) * 4) if recon else 0
     block_phase = block + hessians + solver + hidden + activations + training
     distilled_weights = sum(r * d for n, (r, d) in shapes.items() if plans[n] is not None)
+    epochs = s.distill_passes(whole=not streamed)
     distilling = distill_bytes(params, distilled_weights, kept, len(source), batch_tokens, hidden_size, intermediate,
-                               model.config.vocab_size) if s.distill_epochs else 0
+                               model.config.vocab_size) if epochs else 0
     whole = 0 if streamed else params * itemsize
     if device == "cuda":
         cpu_peak = PROCESS_BYTES + whole + outside * itemsize + block
@@ -270,8 +273,8 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None, mo
             share = -(-batches // ranks) / batches
         training = 3 * s.reconstruct_epochs * forward * share
         seconds["reconstruction"] = (training + 2 * forward / ranks) / rate
-    if s.distill_epochs:  # the whole model forward and backward on every batch, each epoch
-        seconds["distillation"] = 3 * s.distill_epochs * 2.0 * params * tokens / rate / ranks
+    if epochs:  # the whole model forward and backward on every batch, each epoch
+        seconds["distillation"] = 3 * epochs * 2.0 * params * tokens / rate / ranks
     if config.eval:
         seconds["evaluation"] = 2 * len(config.eval) * 2.0 * params * (config.eval_max_tokens or tokens) / rate
     pruned_weights = sum(r * d for r, d in shapes.values()) * itemsize
@@ -279,7 +282,8 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None, mo
                     cpu_peak_per_rank=cpu_peak, device_peak_per_rank=device_peak, block_phase=block_phase,
                     output_disk=params * itemsize,
                     checkpoint_disk=pruned_weights + tokens * hidden_size * itemsize * (2 if recon else 1),
-                    seconds=seconds)
+                    seconds=seconds, distill_epochs=epochs,
+                    distill_peak_per_rank=distilling if device == "cuda" else PROCESS_BYTES + whole + distilling)
 
 
 def check_device_fits(needs: RunNeeds, device_bytes: int | None) -> None:
@@ -301,6 +305,7 @@ def needs_table(needs: RunNeeds) -> str:
             ("peak CPU memory per rank", f"{needs.cpu_peak_per_rank / GIB:.2f} GiB")]
     if needs.device_peak_per_rank is not None:
         rows.append(("peak device memory per rank", f"{needs.device_peak_per_rank / GIB:.2f} GiB"))
+    rows.append(("global distillation", f"{needs.distill_epochs} epoch(s)" if needs.distill_epochs else "none"))
     rows += [("disk: output", f"{needs.output_disk / GIB:.2f} GiB"),
              ("disk: checkpoint (deleted at the end)", f"{needs.checkpoint_disk / GIB:.2f} GiB")]
     rows += [(f"time: {k.replace('_', ' ')}", f"{v / 60:.1f} min") for k, v in needs.seconds.items()]
