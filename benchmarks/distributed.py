@@ -273,7 +273,8 @@ def dry_run_seconds(model: Path, ranks: int) -> float:
     from nmprune.config import build_config
     from nmprune.resources import plan_run
 
-    config = build_config({"model": str(model), "calib": str(model / "text.txt"), "device": "cpu", "eval": []})
+    config = build_config({"model": str(model), "calib": str(model / "text.txt"), "device": "cpu", "eval": [],
+                           "distill_epochs": 0})
     saved = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"
     try:
@@ -294,8 +295,10 @@ def scaling() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp) / "llama"
         subprocess.run([sys.executable, "-c", BUILD.format(**SCALING_MODEL), str(model)], check=True)
+        # --distill-epochs 0: two ranks stream the safetensors model, where the global pass is
+        # skipped, and one rank holds it whole; both then do the same work
         args = ["-m", "nmprune", "prune", "--quiet", "--model", str(model), "--calib", str(model / "text.txt"),
-                "--no-eval"]
+                "--no-eval", "--distill-epochs", "0"]
         cmds = {1: [sys.executable, *args], 2: [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                 "--nproc-per-node", "2", *args]}
         walls: dict[int, list[float]] = {1: [], 2: []}

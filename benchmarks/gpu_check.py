@@ -139,7 +139,8 @@ def pipeline(device: torch.device, model_dir: Path, work: Path, settings: dict) 
     for i, (where, dtype, offload) in enumerate(runs):
         if where != "cpu" and device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        config = nmprune.build_config({"method": "wanda", "refine": "exact", **settings},
+        # distill_epochs 0: a streamed run skips the global pass that a model held whole makes
+        config = nmprune.build_config({"method": "wanda", "refine": "exact", "distill_epochs": 0, **settings},
                                       {"model": str(model_dir), "out": str(work / f"run{i}"),
                                        "device": where, "dtype": dtype, "offload": offload})
         start = time.perf_counter()

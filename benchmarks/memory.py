@@ -148,6 +148,9 @@ def checkpoint_bytes(path: Path) -> int:
 
 #: further ``nmprune prune`` flags for every run (``--prune-args``)
 EXTRA_PRUNE_ARGS: list[str] = []
+#: streamed and in-memory runs compared on the same work: the global distillation pass, which
+#: only a model held whole makes (``distill_epochs: auto``), is off in both
+NO_DISTILLATION = ["--distill-epochs", "0"]
 
 
 def prune_cmd(model: Path, out: Path, method: str, offload: bool | None = True) -> list[str]:
@@ -158,7 +161,7 @@ def prune_cmd(model: Path, out: Path, method: str, offload: bool | None = True) 
             "--out", str(out), "--method", method,
             "--refine", "none", "--nsamples", "8", "--seqlen", "128", "--eval-seqlen", "128",
             "--eval-max-tokens", "2048", "--quiet", *(["--offload"] if offload is True else []),
-            *EXTRA_PRUNE_ARGS]
+            *NO_DISTILLATION, *EXTRA_PRUNE_ARGS]
 
 
 def plan_lines() -> list[str]:
@@ -191,7 +194,7 @@ def smollm2_runs(bare: dict) -> list[dict]:
     for offload in (True, False):
         out = WORK / f"smollm2-out-{offload}"
         cmd = ["nmprune", "prune", "--model", str(model), "--out", str(out), "--method", "wanda",
-               "--refine", "none", "--quiet", *(["--offload"] if offload else [])]
+               "--refine", "none", "--quiet", *(["--offload"] if offload else []), *NO_DISTILLATION]
         r = measured(cmd)
         if r["rc"] != 0:
             raise RuntimeError(f"{r['cmd']} failed:\n{r['stderr_tail']}")

@@ -143,7 +143,7 @@ def run_row(bench: Bench, method: str, granularity: str, fit: dict[str, Any], ta
             "mean_block_error_after": sum(b["error_after"] for b in blocks) / len(blocks) if blocks else None,
             "mean_block_heldout_before": mean(b.get("heldout_before") for b in blocks),
             "mean_block_heldout_after": mean(b.get("heldout_after") for b in blocks),
-            "end_to_end": report.end_to_end,
+            "end_to_end": report.end_to_end, "distillation": report.distillation,
             "blocks": blocks, "machine": cpu_description(), "load_average": os.getloadavg(),
             "commit": bench.commit}
 
@@ -198,12 +198,13 @@ def sweep(bench: Bench, rows: list[tuple[str, str]], variants: list[dict[str, An
              f"{records[0]['machine']['model']} ({records[0]['machine']['llvm_target']}). Dense wiki "
              f"{dense['perplexity']['wiki']:.2f}. Rows of the sweep may share the CPU with other work (each "
              "row's JSON holds the load average): compare their perplexities, and their times only with "
-             "rows run alone.", "",
-             "| row | changed from the defaults | wiki | x dense | austen | prune s |",
-             "|---|---|---:|---:|---:|---:|"]
+             "rows run alone. The defaults are those of each row's code (`distill_epochs: auto`, one epoch "
+             "of global distillation after reconstruction, from 58dd905 on).", "",
+             "| row | changed from the defaults | wiki | x dense | austen | prune s | code |",
+             "|---|---|---:|---:|---:|---:|---|"]
     lines += [f"| {r['row']} | {variant_name(r['variant']) or '(defaults)'} | {r['perplexity']['wiki']:.2f} | "
               f"{r['perplexity']['wiki'] / dense['perplexity']['wiki']:.3f} | {r['perplexity']['austen']:.2f} | "
-              f"{r['prune_seconds']:.0f} |" for r in records]
+              f"{r['prune_seconds']:.0f} | {r.get('commit') or 'not recorded'} |" for r in records]
     (RESULTS / f"{ROWS_DIR.name}_sweep.md").write_text("\n".join(lines) + "\n")
     (RESULTS / f"{ROWS_DIR.name}_sweep.json").write_text(json.dumps(
         [{k: r[k] for k in ("row", "variant", "perplexity", "prune_seconds", "settings")} for r in records],
@@ -260,11 +261,13 @@ def summarise(bench_info: dict[str, Any], dense: dict[str, Any], rows: list[dict
         f"Peak RSS includes the "
         f"benchmark's copy of the dense weights ({bench_info['dense_copy_bytes'] / mib:.0f} MiB). "
         "Main job = load + dense and pruned wiki evaluation + pruning, the stages `nmprune prune` runs.", "",
+        "Global distillation: the held-out KL from the dense model before -> after the pass, in rows of "
+        "code where the default (`distill_epochs: auto`) makes one epoch after reconstruction.", "",
         "| row | samples / step | wiki ppl | x dense | austen ppl | mean acc % | block error before -> after "
-        "| prune s | main job min | vs prox+exact/none | peak RSS MiB | code |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| global distillation | prune s | main job min | vs prox+exact/none | peak RSS MiB | code |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         f"| dense | | {dense['perplexity']['wiki']:.2f} | 1.00 | {dense['perplexity']['austen']:.2f} "
-        f"| {acc(dense)} | | | | | | |"]
+        f"| {acc(dense)} | | | | | | | |"]
     for r in rows:
         if r.get("mean_block_heldout_before") is not None:
             err = f"{r['mean_block_heldout_before']:.4f} -> {r['mean_block_heldout_after']:.4f} (held out)"
@@ -273,10 +276,13 @@ def summarise(bench_info: dict[str, Any], dense: dict[str, Any], rows: list[dict
         else:
             err = ""
         vs = f"{r['wall_vs_default']:.2f}x" if r["wall_vs_default"] else ""
+        distilled = r.get("distillation")
+        kl = (f"{distilled['epochs']} epoch: {distilled['heldout_before']:.3f} -> {distilled['heldout_after']:.3f}"
+              if distilled else "none")
         step = r["settings"]["reconstruct_batch_size"] if r["reconstruct"] != "none" else ""
         lines.append(f"| {r['row']} | {step} | {r['perplexity']['wiki']:.2f} | "
                      f"{r['perplexity']['wiki'] / dense['perplexity']['wiki']:.2f} | "
-                     f"{r['perplexity']['austen']:.2f} | {acc(r)} | {err} | "
+                     f"{r['perplexity']['austen']:.2f} | {acc(r)} | {err} | {kl} | "
                      f"{r['prune_seconds']:.0f} | {r['main_job_seconds'] / 60:.1f} | {vs} | "
                      f"{r['peak_rss_bytes'] / mib:.0f} | {r.get('commit', 'not recorded')} |")
     notes = [f"- {r['row']}: {r['note']}" for r in rows if r.get("note")]
