@@ -16,7 +16,8 @@ from nmprune.checkpoint import Checkpoint
 from nmprune.config import PruneSettings
 from nmprune.models import find_blocks, find_linears, weight_matrix
 from nmprune.pipeline import prune_model
-from nmprune.reconstruct import FitOptions, KeptEntries, ReconstructionDiverged, epoch_steps, fit_masked, lane_of
+from nmprune.reconstruct import (BF16_MIN_WIDTH, FitOptions, KeptEntries, ReconstructionDiverged, epoch_steps,
+                                 fit_masked, lane_of, training_dtype)
 
 # distill_epochs 0: these tests judge the blocks' reconstruction, without the global pass after it
 FIT = dict(reconstruct_batch_size=2, reconstruct_epochs=3, reconstruct_lr=5e-2, distill_epochs=0)
@@ -463,3 +464,56 @@ def test_precomputed_hessians_cannot_be_reconstructed():
     hessians = collect_hessians(model, token_batch(4, 16), device="cpu", progress=False)
     with pytest.raises(ValueError, match="reconstruct='none'"):
         prune_model(model, hessians=hessians, reconstruct="block", **SOLVE)
+
+
+def test_train_precision_auto_follows_the_hardware_and_the_width(monkeypatch):
+    """``auto`` computes in bfloat16 only where the device does so natively and the submodel
+    is at least ``BF16_MIN_WIDTH`` wide (the tests' tiny models train in float32 everywhere)."""
+    wide, narrow = torch.zeros(BF16_MIN_WIDTH, BF16_MIN_WIDTH), torch.zeros(BF16_MIN_WIDTH - 1, 4 * BF16_MIN_WIDTH)
+    for bf16, amx, expected in ((False, False, None), (True, False, torch.bfloat16), (False, True, torch.bfloat16)):
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=bf16: v)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v)
+        assert training_dtype("auto", [wide]) is expected
+        assert training_dtype("auto", [narrow]) is None  # its narrow side decides
+        assert training_dtype("auto", [narrow, wide]) is expected  # the widest weight decides
+        assert training_dtype("full", [wide]) is None
+        assert training_dtype("bfloat16", [narrow]) is torch.bfloat16
+
+
+def test_fit_masked_in_bfloat16_computes_under_autocast_and_keeps_float32_weights():
+    """With ``precision="bfloat16"`` the products run in bfloat16 (the submodel sees its
+    inputs cast by autocast), the weights and their zeros stay float32 and exact, and training
+    still lowers the error to within a few percent of float32 training."""
+    torch.manual_seed(0)
+    d_in, d_out, n = 16, 6, 8
+    dense = torch.randn(d_out, d_in)
+    xs = [torch.randn(32, d_in) for _ in range(n)]
+    targets = [x @ dense.T for x in xs]
+    start = dense.clone()
+    start[:, ::2] = 0
+    results, weights, seen = {}, {}, []
+    for precision in ("full", "bfloat16"):
+        w = start.clone()
+
+        def run(j, w=w):
+            out = torch.nn.functional.linear(xs[j], w)
+            seen.append(out.dtype)
+            return out
+
+        results[precision] = fit_masked(run, targets, [w], list(range(n)), n,
+                                        FitOptions(epochs=100, lr=3e-2, batches_per_step=2, precision=precision))
+        weights[precision] = w
+    assert set(seen[:len(seen) // 2]) == {torch.float32} and set(seen[len(seen) // 2:]) == {torch.bfloat16}
+    assert results["full"].dtype == "float32" and results["bfloat16"].dtype == "bfloat16"
+    for w in weights.values():
+        assert w.dtype == torch.float32 and torch.equal(w != 0, start != 0)
+    assert not torch.equal(weights["full"], weights["bfloat16"])
+    first, full, low = results["full"].first_epoch_mse, results["full"].last_epoch_mse, results["bfloat16"].last_epoch_mse
+    assert full < first and abs(low - full) <= 0.05 * (first - full), (first, full, low)
+
+
+def test_bad_train_precision_is_refused():
+    with pytest.raises(ValueError, match="train_precision must be one of auto, full, bfloat16"):
+        PruneSettings(train_precision="half")
+    with pytest.raises(ValueError, match="train_precision must be one of"):
+        FitOptions(epochs=1, lr=1e-3, batches_per_step=1, precision="fp8")

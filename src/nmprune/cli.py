@@ -21,6 +21,7 @@ from safetensors import SafetensorError
 
 from . import __version__
 from .config import AUTO, RunConfig, build_config, load_yaml
+from .reconstruct import TRAIN_PRECISIONS
 from .stages.reconstruction import GRANULARITIES, RECONSTRUCTION_TEXT
 
 #: Errors of the machine rather than of the input (a full disk, a failing device): exit code 1.
@@ -155,6 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "needs reconstruction. auto (default): one epoch where the model is held whole "
                         "and the pass fits in memory, else skipped with one line; N: N epochs, refused "
                         "where it cannot run; 0: none")
+    p.add_argument("--train-precision", dest="train_precision", choices=TRAIN_PRECISIONS,
+                   help="the dtype of the reconstruction's and the distillation's forward and backward "
+                        "passes (weights, optimiser and loss stay float32): auto (default) computes in "
+                        "bfloat16 where the device does so natively (CUDA; CPUs with AVX512-BF16 or AMX) "
+                        "and the blocks are at least 256 wide, full keeps float32, bfloat16 always")
     p.add_argument("--distill-lr", dest="distill_lr", type=float,
                    help="AdamW learning rate of the global distillation, relative to each weight's RMS, "
                         "decayed linearly to 0 (default 0.001)")
@@ -215,7 +221,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         "model", "gguf_file", "dtype", "device", "out", "method", "refine", "pattern", "calib",
         "nsamples", "seqlen", "seed", "batch_size", "hessian_inputs", "hessian_dtype", "damp", "strict",
         "reconstruct", "reconstruct_epochs", "reconstruct_lr", "reconstruct_batch_size", "reconstruct_lanes",
-        "distill_epochs", "distill_lr", "eval_seqlen", "checkpoint_dir", "restart", "allow_pickle", "eval_tasks", "eval_num_fewshot",
+        "distill_epochs", "distill_lr", "train_precision", "eval_seqlen", "checkpoint_dir", "restart", "allow_pickle", "eval_tasks", "eval_num_fewshot",
         "eval_limit", "eval_batch_size", "eval_include_path", "offload")}
     if args.option:
         flags["options"] = dict(parse_option(o) for o in args.option)

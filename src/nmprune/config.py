@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
-from .reconstruct import FitOptions
+from .reconstruct import TRAIN_PRECISIONS, FitOptions
 from .stages.plan import Planner
 from .stages.reconstruction import GRANULARITIES
 
@@ -120,7 +120,9 @@ class PruneSettings:
     weight's RMS; :mod:`nmprune.stages.distillation`), for models held whole in memory. 0: none;
     ``"auto"`` (the default): :data:`AUTO_DISTILL_EPOCHS` where the run holds the model whole, it
     reconstructs and the pass fits in memory, else none (:meth:`distill_passes`); a number of
-    epochs is required (a run that cannot distill is refused).
+    epochs is required (a run that cannot distill is refused). ``train_precision`` says in which
+    dtype both train (:func:`nmprune.reconstruct.training_dtype`: ``auto`` is bfloat16 products
+    where the device computes them natively and the blocks are wide enough to gain).
     """
 
     method: str = "prox"
@@ -144,6 +146,7 @@ class PruneSettings:
     reconstruct_lanes: int = 1
     distill_epochs: int | str = AUTO
     distill_lr: float = 1e-3
+    train_precision: str = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.pattern, int) and not isinstance(self.pattern, bool):
@@ -178,6 +181,9 @@ class PruneSettings:
                 isinstance(self.distill_epochs, int) and self.distill_epochs < 0:
             raise ValueError(f"distill_epochs must be 'auto', 0 (no global distillation) or a positive "
                              f"integer, got {self.distill_epochs!r}")
+        if self.train_precision not in TRAIN_PRECISIONS:
+            raise ValueError(f"train_precision must be one of {', '.join(TRAIN_PRECISIONS)}, "
+                             f"got {self.train_precision!r}")
         if self.distill_lr <= 0:
             raise ValueError(f"distill_lr must be a positive number, got {self.distill_lr!r}")
         if self.distill_epochs != AUTO and self.distill_epochs and self.reconstruct == "none":
@@ -198,7 +204,7 @@ class PruneSettings:
         """How each reconstruction trains (:func:`nmprune.reconstruct.fit_masked`)."""
         step = self.reconstruct_batch_size or self.batch_size
         return FitOptions(self.reconstruct_epochs, self.reconstruct_lr, step // self.batch_size, self.seed,
-                          self.reconstruct_lanes)
+                          self.reconstruct_lanes, self.train_precision)
 
     def distill_passes(self, whole: bool = True) -> int:
         """The epochs of global distillation a run makes: ``distill_epochs`` when it is a
@@ -211,7 +217,7 @@ class PruneSettings:
     def distill_options(self, epochs: int) -> FitOptions:
         """How ``epochs`` of the global distillation pass train
         (:mod:`nmprune.stages.distillation`): one calibration batch a step, in one lane."""
-        return FitOptions(epochs, self.distill_lr, 1, self.seed)
+        return FitOptions(epochs, self.distill_lr, 1, self.seed, precision=self.train_precision)
 
     def fingerprint(self) -> str:
         """A stable hash of the settings (checkpoints only resume under the same one)."""

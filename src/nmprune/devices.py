@@ -1,4 +1,4 @@
-"""The one place that decides the default compute device."""
+"""The one place that decides the default compute device, and whether it computes bfloat16 fast."""
 
 from __future__ import annotations
 
@@ -14,3 +14,13 @@ def default_device(spec: str | torch.device | None = None) -> torch.device:
     if spec:
         return torch.device(spec)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def fast_bfloat16(device: torch.device) -> bool:
+    """Whether ``device`` multiplies bfloat16 matrices natively: a CUDA device with bfloat16
+    support, or a CPU with AVX512-BF16 or AMX (elsewhere torch emulates it, slower than float32)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return False

@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from .checks import NonFiniteModel, all_finite
+from .devices import fast_bfloat16
 
 
 class ReconstructionDiverged(ValueError):
@@ -52,13 +53,15 @@ class FitOptions:
     fresh order each (drawn from ``seed``), ``batches_per_step`` batches per AdamW step,
     learning rate ``lr`` (relative to each weight's scale, :class:`CompactAdamW`) decayed
     linearly to zero over all steps, the batches split into ``lanes`` lanes whose gradients
-    of a round are computed at the same weights (module docstring; :func:`lane_of`)."""
+    of a round are computed at the same weights (module docstring; :func:`lane_of`), the
+    forward and backward passes in the dtype of ``precision`` (:func:`training_dtype`)."""
 
     epochs: int
     lr: float
     batches_per_step: int
     seed: int = 0
     lanes: int = 1
+    precision: str = "full"
 
     def __post_init__(self) -> None:
         if self.epochs < 1:
@@ -69,6 +72,29 @@ class FitOptions:
             raise ValueError(f"batches_per_step must be at least 1, got {self.batches_per_step}")
         if self.lanes < 1:
             raise ValueError(f"reconstruction needs at least one lane, got {self.lanes}")
+        if self.precision not in TRAIN_PRECISIONS:
+            raise ValueError(f"train_precision must be one of {', '.join(TRAIN_PRECISIONS)}, got {self.precision!r}")
+
+
+#: ``auto``: bfloat16 where the device computes it natively and the submodel is wide enough to
+#: gain (:func:`training_dtype`); ``full``: the weights' own dtype (float32); ``bfloat16``: always
+TRAIN_PRECISIONS = ("auto", "full", "bfloat16")
+#: narrower submodels gain little from bfloat16: one Llama block's forward and backward on a
+#: 512-token sample took 1.1x less time at hidden size 64, 1.3x at 128, 1.8x at 256 and 2.1x at
+#: 576 (AMD EPYC znver5, AVX512-BF16, 2 threads)
+BF16_MIN_WIDTH = 256
+
+
+def training_dtype(precision: str, weights: Sequence[Tensor]) -> torch.dtype | None:
+    """The dtype :func:`fit_masked` runs the forward and backward passes in under autocast
+    (None: the weights' own, no autocast) for ``precision`` (:data:`TRAIN_PRECISIONS`). The
+    weights, their AdamW state and the loss stay float32: only the products are bfloat16, whose
+    8-bit mantissa leaves a gradient about 1% off, noise beside a one-sample step's."""
+    if precision == "bfloat16":
+        return torch.bfloat16
+    if precision == "full" or not weights or max(min(w.shape) for w in weights) < BF16_MIN_WIDTH:
+        return None
+    return torch.bfloat16 if fast_bfloat16(weights[0].device) else None
 
 
 def lane_of(index: int, total: int, lanes: int) -> int:
@@ -97,6 +123,7 @@ class FitResult:
     first_epoch_mse: float
     last_epoch_mse: float
     seconds: float
+    dtype: str = "float32"
 
 
 class KeptEntries:
@@ -310,6 +337,7 @@ def fit_masked(run: Callable[[int], Tensor], targets: Sequence[Tensor], weights:
     into = [optimiser.grads]  # where the hooks move the gradients
     flags = [w.requires_grad for w in weights]
     device = weights[0].device
+    low = training_dtype(options.precision, weights)
 
     def compact(i: int, where: KeptEntries) -> Callable[[Tensor], None]:
         def hook(w: Tensor) -> None:
@@ -328,7 +356,8 @@ def fit_masked(run: Callable[[int], Tensor], targets: Sequence[Tensor], weights:
             j = local.get(g)
             if j is None:
                 continue
-            out = run(j)
+            with torch.autocast(device.type, dtype=low or torch.bfloat16, enabled=low is not None):
+                out = run(j)
             if loss is None:
                 diff = out.float() - targets[j].float()
                 squared = diff.square() if channel_weight is None else diff.square() * channel_weight
@@ -384,4 +413,5 @@ def fit_masked(run: Callable[[int], Tensor], targets: Sequence[Tensor], weights:
         for w, flag in zip(weights, flags):
             w.grad = None
             w.requires_grad_(flag)
-    return FitResult(all_steps, epoch_mse[0], epoch_mse[-1], time.perf_counter() - started)
+    return FitResult(all_steps, epoch_mse[0], epoch_mse[-1], time.perf_counter() - started,
+                     str(low or weights[0].dtype).removeprefix("torch."))

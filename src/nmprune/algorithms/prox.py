@@ -59,6 +59,7 @@ from typing import Annotated, Callable, Literal
 import torch
 from torch import Tensor
 
+from ..devices import fast_bfloat16
 from ..linalg import column_scale, gd_step_size, rescale
 from ..pattern import NMPattern, count_dense_cells, from_cells, to_cells, topn_mask
 from ..prox import prox_2of4, prox_l0, prox_l1, prox_l2, prox_nm
@@ -164,12 +165,7 @@ def gradient_dtype(precision: str, w: Tensor) -> torch.dtype | None:
         return torch.bfloat16
     if precision == "full" or w.dtype != torch.float32 or w.shape[0] < BF16_MIN_ROWS:
         return None
-    if w.device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else None
-    if w.device.type == "cpu":
-        fast = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-        return torch.bfloat16 if fast else None
-    return None
+    return torch.bfloat16 if fast_bfloat16(w.device) else None
 
 
 def _exact_prox(pattern: NMPattern, solver: str) -> CellProx:

@@ -98,4 +98,4 @@ def distill(model: nn.Module, weights: Sequence[Tensor], batches: Sequence[Tenso
             "heldout_before": before, "heldout_trained": after,
             "heldout_after": after if kept == "distilled" else before,
             "first_epoch_kl": result.first_epoch_mse, "last_epoch_kl": result.last_epoch_mse,
-            "kept": kept, "seconds": time.perf_counter() - started}
+            "kept": kept, "train_dtype": result.dtype, "seconds": time.perf_counter() - started}

@@ -211,6 +211,7 @@ class ReconstructingStatistics:
         self._additive = False
         self._weight = torch.ones(())
         self._sharers = 1  # the processes that computed each training step of the last block
+        self._dtype = "float32"  # the dtype the last block's training computed in
 
     @property
     def hidden(self) -> list[list[Tensor]]:
@@ -406,6 +407,7 @@ class ReconstructingStatistics:
                                         bar.update, kept, channel_weights(unit.targets, self.all_reduce), lanes)
                     del inputs, run, targets
                     steps += result.steps
+                    self._dtype = result.dtype
                     unit.targets.clear()
         finally:
             bar.close()
@@ -481,7 +483,8 @@ class ReconstructingStatistics:
         (the training error with a single batch; the solved weights are then restored, and
         the block's outputs recomputed from its pruned inputs, which wait in a
         :class:`Spill` meanwhile), and ``token_shares``: how many processes computed each
-        training step together (1: each step on the process holding its sample)."""
+        training step together (1: each step on the process holding its sample), and
+        ``train_dtype``: the dtype training computed in (:func:`~nmprune.reconstruct.training_dtype`)."""
         started = time.perf_counter()
         if self.solved is not None:  # the block holds its solved weights until the fit
             self.solved = [run_block(block, h, self._call(index, h)) for h in self.solved]
@@ -520,7 +523,7 @@ class ReconstructingStatistics:
                 "heldout_before": held_before, "heldout_after": held_after,
                 "error_trained": trained[0], "heldout_trained": trained[1],
                 "heldout_batches": len(self.held), "kept": kept, "steps": steps,
-                "token_shares": self._sharers,
+                "token_shares": self._sharers, "train_dtype": self._dtype,
                 "seconds": time.perf_counter() - started}
 
     def end_to_end(self, head: Callable[[list[int], list[Tensor]], Iterator[tuple[Tensor, Tensor]]]
