@@ -21,13 +21,13 @@ from .stages.plan import Planner
 from .stages.reconstruction import GRANULARITIES
 
 HESSIAN_INPUTS = ("dense", "pruned")
+HESSIAN_DTYPES = ("float32", "float64")
 #: ``distill_epochs`` left to the run (:meth:`PruneSettings.distill_passes`)
 AUTO = "auto"
 #: the epochs of global distillation ``"auto"`` makes where it runs: one lowered SmolLM2's wiki
 #: perplexity from 1.90x to 1.76x dense and Gemma-3-270M's from 1.62x to 1.55x
 #: (benchmarks/results/reconstruct_sweep.md, reconstruct_gemma3_sweep.md)
 AUTO_DISTILL_EPOCHS = 1
-HESSIAN_DTYPES = ("float32", "float64")
 
 # a value's type as an error message names it ("got 'no' (a string)")
 _KINDS: dict[type, str] = {bool: "a boolean", int: "an integer", float: "a float", str: "a string",

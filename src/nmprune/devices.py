@@ -24,3 +24,19 @@ def fast_bfloat16(device: torch.device) -> bool:
     if device.type == "cpu":
         return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
     return False
+
+
+#: the settings that choose bfloat16 products (:func:`low_precision`): ``auto``, ``full``, ``bfloat16``
+PRECISIONS = ("auto", "full", "bfloat16")
+
+
+def low_precision(precision: str, device: torch.device, worthwhile: bool) -> torch.dtype | None:
+    """The dtype of the products a ``precision`` setting (:data:`PRECISIONS`) asks for, None for
+    the working dtype: ``bfloat16`` always; ``full`` never; ``auto`` where the work is
+    ``worthwhile`` in bfloat16 (the caller's judgement of its size) and the device computes it
+    natively (:func:`fast_bfloat16`)."""
+    if precision == "bfloat16":
+        return torch.bfloat16
+    if precision == "full" or not worthwhile:
+        return None
+    return torch.bfloat16 if fast_bfloat16(device) else None

@@ -214,7 +214,7 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
         digest = model_digest(resolved)
         offload = ranks_offload(config.offload, ranks.world, resolved)
         shortfall = (_distill_shortfall(config, ranks.world, resolved, model_config)
-                     if config.prune.distill_epochs else None)
+                     if config.prune.distill_passes() else None)
         if shortfall is not None and config.prune.distill_epochs != AUTO:
             raise ValueError(f"{shortfall}: prune without --distill-epochs, or on a device with more memory")
     # every rank the same job, before any of them loads

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from .checks import NonFiniteModel, all_finite
-from .devices import fast_bfloat16
+from .devices import PRECISIONS, low_precision
 
 
 class ReconstructionDiverged(ValueError):
@@ -78,7 +78,7 @@ class FitOptions:
 
 #: ``auto``: bfloat16 where the device computes it natively and the submodel is wide enough to
 #: gain (:func:`training_dtype`); ``full``: the weights' own dtype (float32); ``bfloat16``: always
-TRAIN_PRECISIONS = ("auto", "full", "bfloat16")
+TRAIN_PRECISIONS = PRECISIONS
 #: narrower submodels gain little from bfloat16: one Llama block's forward and backward on a
 #: 512-token sample took 1.1x less time at hidden size 64, 1.3x at 128, 1.8x at 256 and 2.1x at
 #: 576 (AMD EPYC znver5, AVX512-BF16, 2 threads)
@@ -90,11 +90,8 @@ def training_dtype(precision: str, weights: Sequence[Tensor]) -> torch.dtype | N
     (None: the weights' own, no autocast) for ``precision`` (:data:`TRAIN_PRECISIONS`). The
     weights, their AdamW state and the loss stay float32: only the products are bfloat16, whose
     8-bit mantissa leaves a gradient about 1% off, noise beside a one-sample step's."""
-    if precision == "bfloat16":
-        return torch.bfloat16
-    if precision == "full" or not weights or max(min(w.shape) for w in weights) < BF16_MIN_WIDTH:
-        return None
-    return torch.bfloat16 if fast_bfloat16(weights[0].device) else None
+    wide = bool(weights) and max(min(w.shape) for w in weights) >= BF16_MIN_WIDTH
+    return low_precision(precision, weights[0].device if weights else torch.device("cpu"), wide)
 
 
 def lane_of(index: int, total: int, lanes: int) -> int:

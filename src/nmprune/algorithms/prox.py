@@ -59,7 +59,7 @@ from typing import Annotated, Callable, Literal
 import torch
 from torch import Tensor
 
-from ..devices import fast_bfloat16
+from ..devices import PRECISIONS, low_precision
 from ..linalg import column_scale, gd_step_size, rescale
 from ..pattern import NMPattern, count_dense_cells, from_cells, to_cells, topn_mask
 from ..prox import prox_2of4, prox_l0, prox_l1, prox_l2, prox_nm
@@ -154,18 +154,14 @@ def auto_shrink_momentum(h: Tensor, eta: float) -> float:
     return min(1.0, SHRINK_MOMENTUM_GAIN * mean_eig * 2.0 * eta)
 
 
-GRADIENT_PRECISIONS = ("auto", "full", "bfloat16")
+GRADIENT_PRECISIONS = PRECISIONS
 # fewer rows are not faster in bfloat16 (docs/methods.md#the-proximal-loop-srcnmprunealgorithmsproxpy)
 BF16_MIN_ROWS = 64
 
 
 def gradient_dtype(precision: str, w: Tensor) -> torch.dtype | None:
     """The dtype of the gradient product for ``gradient_precision`` (None: the working dtype)."""
-    if precision == "bfloat16":
-        return torch.bfloat16
-    if precision == "full" or w.dtype != torch.float32 or w.shape[0] < BF16_MIN_ROWS:
-        return None
-    return torch.bfloat16 if fast_bfloat16(w.device) else None
+    return low_precision(precision, w.device, w.dtype == torch.float32 and w.shape[0] >= BF16_MIN_ROWS)
 
 
 def _exact_prox(pattern: NMPattern, solver: str) -> CellProx:

@@ -210,8 +210,6 @@ class ReconstructingStatistics:
         self._dense_in: list[Tensor] = []
         self._additive = False
         self._weight = torch.ones(())
-        self._sharers = 1  # the processes that computed each training step of the last block
-        self._dtype = "float32"  # the dtype the last block's training computed in
 
     @property
     def hidden(self) -> list[list[Tensor]]:
@@ -370,10 +368,12 @@ class ReconstructingStatistics:
             return "block output"
         return "residual stream" if self._additive else "submodule output"
 
-    def _fit(self, index: int, block: nn.Module, where: Mapping[int, KeptEntries]) -> int:
+    def _fit(self, index: int, block: nn.Module, where: Mapping[int, KeptEntries]) -> dict[str, Any]:
         """Train the kept weights of each submodel of block ``index`` in turn on its targets
-        (``where``: each weight's kept entries, by ``id``). Returns the optimiser steps taken."""
-        steps, self._sharers = 0, 1
+        (``where``: each weight's kept entries, by ``id``). Returns what the block's record says
+        of the training: the optimiser ``steps`` taken, how many processes computed each step
+        (``token_shares``) and the ``train_dtype``."""
+        done = {"steps": 0, "token_shares": 1, "train_dtype": "float32"}
         # this process's training batches, their ranks among all processes' training batches,
         # and the lane of each of those (lanes are shares of all batches, as the ranks')
         rank = {g: r for r, g in enumerate(g for g in range(self.total) if g not in self.held)}
@@ -393,7 +393,7 @@ class ReconstructingStatistics:
                     inputs: list[tuple[tuple, dict]] = []
                     if shared is not None:  # every process computes every batch, a share of its tokens
                         (run, targets), mine = shared, range(len(rank))
-                        self._sharers = self.sharing.world
+                        done["token_shares"] = self.sharing.world
                     else:
                         inputs, earlier = self._unit_inputs(index, block, unit, torch.float32,
                                                             self._units[:k] if self._additive else ())
@@ -406,12 +406,12 @@ class ReconstructingStatistics:
                     result = fit_masked(run, targets, trained, mine, len(rank), options, self.all_reduce,
                                         bar.update, kept, channel_weights(unit.targets, self.all_reduce), lanes)
                     del inputs, run, targets
-                    steps += result.steps
-                    self._dtype = result.dtype
+                    done["steps"] += result.steps
+                    done["train_dtype"] = result.dtype
                     unit.targets.clear()
         finally:
             bar.close()
-        return steps
+        return done
 
     def _token_shared(self, index: int, block: nn.Module, unit: _Unit, train: list[int]
                       ) -> tuple[Callable[[int], Tensor], Sequence[Tensor]] | None:
@@ -497,7 +497,7 @@ class ReconstructingStatistics:
             for w in weights:
                 solved.append(where[id(w)].gather(w))
             try:
-                steps = self._fit(index, block, where)
+                training = self._fit(index, block, where)
                 after, error_after, held_after = self._propagate(index, block, spill=entering)
                 if not error_after < float("inf") or (held_after is not None and not held_after < float("inf")):
                     raise ReconstructionDiverged(f"the reconstructed block's error is {error_after}; "
@@ -522,8 +522,7 @@ class ReconstructingStatistics:
                 "error_before": error_before, "error_after": error_after,
                 "heldout_before": held_before, "heldout_after": held_after,
                 "error_trained": trained[0], "heldout_trained": trained[1],
-                "heldout_batches": len(self.held), "kept": kept, "steps": steps,
-                "token_shares": self._sharers, "train_dtype": self._dtype,
+                "heldout_batches": len(self.held), "kept": kept, **training,
                 "seconds": time.perf_counter() - started}
 
     def end_to_end(self, head: Callable[[list[int], list[Tensor]], Iterator[tuple[Tensor, Tensor]]]
