@@ -51,6 +51,7 @@ from _machine import code_commit, cpu_description  # noqa: E402
 
 from nmprune.distributed import balance_window, makespan  # noqa: E402
 from nmprune.pattern import same_mask_cells  # noqa: E402
+from nmprune.resources import BF16_TRAINING_SPEEDUP  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 A100_FP32_FLOPS = 19.5e12  # NVIDIA A100 datasheet, peak fp32 (non-tensor-core)
@@ -248,7 +249,9 @@ def markdown(r: dict) -> str:
                   "passes' time come from `nmprune prune --dry-run` (nmprune/resources.py: layer solves "
                   "at the cost model / 50 and passes at 60 TFLOP/s, both from an H200 in "
                   "benchmarks/results/gpu.md, measured with the float64 torch prox before the Triton "
-                  "kernel, which no GPU has run yet); the ranks solve shares of every layer's rows, "
+                  "kernel, which no GPU has run yet; the reconstruction's training in bfloat16 at "
+                  f"{BF16_TRAINING_SPEEDUP['cuda']:g}x that rate, an estimate no GPU has checked); "
+                  "the ranks solve shares of every layer's rows, "
                   "one block at a time; every reconstruction step of one sample is shared by tokens "
                   "(the busiest rank's share: keys and values run up to its end). Estimates, not "
                   "measurements: no multi-GPU run has been made.", "",

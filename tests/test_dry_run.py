@@ -10,8 +10,8 @@ from transformers import LlamaConfig
 
 from nmprune.cli import main
 from nmprune.config import build_config
-from nmprune.resources import (CPU_THREAD_SCALING, GIB, busiest_token_share, cpu_threads, hessian_inputs,
-                               plan_run)
+from nmprune.resources import (BF16_TRAINING_SPEEDUP, CPU_THREAD_SCALING, GIB, busiest_token_share, cpu_threads,
+                               hessian_inputs, plan_run)
 from nmprune.stages.token_shares import token_shares
 
 GIB = 1 << 30
@@ -150,6 +150,34 @@ def test_the_plan_prices_the_global_distillation_pass(tmp_path):
     assert streamed.distill_epochs == 0 and "distillation" not in streamed.seconds
     assert two.seconds["distillation"] == pytest.approx(2 * one.seconds["distillation"])
     assert one.cpu_peak_per_rank >= base.cpu_peak_per_rank and one.cpu_peak_per_rank > 4 * one.parameters
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_plan_prices_training_at_the_precision_the_run_trains_in(tmp_path, monkeypatch, device):
+    """bfloat16 training (reconstruction and distillation) is priced BF16_TRAINING_SPEEDUP
+    faster than float32; the calibration passes and the solves are not. ``auto`` trains in
+    bfloat16 where the layers are wide enough and the device has it: this CPU as
+    devices.fast_bfloat16 says, a CUDA device planned from elsewhere always."""
+    monkeypatch.setattr("nmprune.devices.fast_bfloat16", lambda d: d.type == "cpu" and has_bf16)
+    wide, narrow = (str(llama_config_dir(tmp_path / name, 2, hidden=h, intermediate=4 * h, sharded=False))
+                    for name, h in (("wide", 512), ("narrow", 64)))
+
+    def seconds(model: str, precision: str) -> dict[str, float]:
+        return plan_run(build_config({"model": model, "device": device, "train_precision": precision}), ranks=1,
+                        streamed=False).seconds
+
+    full, bf16 = seconds(wide, "full"), seconds(wide, "bfloat16")
+    speedup = BF16_TRAINING_SPEEDUP[device]
+    for key in ("layer_solves", "calibration_passes", "evaluation"):
+        assert bf16[key] == pytest.approx(full[key])
+    training = {k: s["reconstruction"] - s["calibration_passes"] for k, s in (("full", full), ("bf16", bf16))}
+    assert training["bf16"] == pytest.approx(training["full"] / speedup)
+    assert bf16["distillation"] == pytest.approx(full["distillation"] / speedup)
+    for has_bf16 in (True, False):
+        expected = bf16 if device == "cuda" or has_bf16 else full
+        assert seconds(wide, "auto") == pytest.approx(expected)
+    assert seconds(narrow, "auto") == pytest.approx(seconds(narrow, "full"))
+    assert seconds(narrow, "bfloat16")["distillation"] < seconds(narrow, "full")["distillation"]
 
 
 def test_the_plan_skips_the_auto_distillation_where_the_device_cannot_hold_it(tmp_path, capsys):

@@ -37,7 +37,9 @@ parameters and its prunable layers' shapes, as a streamed run does
   :func:`cpu_threads`): the calibration passes spread over the ranks; the reconstruction's
   training of whole blocks in one lane (the default) shared by tokens, at the busiest
   rank's share (:func:`busiest_token_share`), and otherwise a round's training (one step per
-  lane, :mod:`nmprune.reconstruct`) over as many ranks as the round has batches.
+  lane, :mod:`nmprune.reconstruct`) over as many ranks as the round has batches. Training
+  that computes in bfloat16 (:func:`nmprune.reconstruct.training_dtype`) runs
+  :data:`BF16_TRAINING_SPEEDUP` faster.
 
 Every figure is an estimate; ``benchmarks/memory.py`` checks the memory ones against
 measured peaks.
@@ -67,6 +69,13 @@ FLOPS = {"cpu": 9e10, "cuda": 6e13}
 #: threads runs at ``(t / 2) ** CPU_THREAD_SCALING`` of those rates
 CPU_REFERENCE_THREADS = 2
 CPU_THREAD_SCALING = 0.86
+#: how much faster the training passes (reconstruction, distillation) run where they compute in
+#: bfloat16 (``--train-precision``, :func:`nmprune.reconstruct.training_dtype`) than at the
+#: float32 rate of :data:`FLOPS`. CPU: one Llama block's forward and backward, 2.1x at hidden
+#: size 576 and 1.8x at 256 (AMD EPYC znver5, AVX512-BF16, 2 threads). CUDA: an estimate until
+#: ``benchmarks/gpu_check.py`` times it (an H200's bfloat16 tensor cores against the float32
+#: rate measured there)
+BF16_TRAINING_SPEEDUP = {"cpu": 2.0, "cuda": 4.0}
 #: layers that share their input (one Hessian) when they sit side by side in one module
 SHARED_INPUTS = ({"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"}, {"w1", "w3"})
 
@@ -185,6 +194,20 @@ def cpu_threads(ranks: int) -> int:
     return 1 if ranks > 1 else torch.get_num_threads()
 
 
+def _trains_in_bfloat16(precision: str, device: str, wide: bool) -> bool:
+    """Whether training on a ``device`` kind computes in bfloat16, as
+    :func:`nmprune.reconstruct.training_dtype` will decide there (``wide``: the pruned layers
+    are wide enough). A CUDA device planned from a machine without one is taken to have
+    bfloat16 (every one since Ampere)."""
+    import torch
+
+    from .devices import low_precision
+
+    if device == "cuda" and not torch.cuda.is_available():
+        return precision == "bfloat16" or (precision == "auto" and wide)
+    return low_precision(precision, torch.device(device), wide) is not None
+
+
 def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None, model=None) -> RunNeeds:
     """The estimates of the module docstring for ``config`` on ``ranks`` ranks; ``streamed``
     says whether the weights stream (default: as the run decides from ``config.offload``, the
@@ -192,6 +215,7 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None, mo
     ``model``: the model's ``(source, configuration)`` when already read."""
     from .devices import default_device
     from .distributed import busiest_rank_cost, job_cost, splittable
+    from .reconstruct import BF16_MIN_WIDTH
     from .stages.source import DecoderBlocks
     from .streaming.fit import ranks_offload
 
@@ -258,6 +282,8 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None, mo
     else:  # the reference CPU's constants at the threads each rank will have
         speed = (cpu_threads(ranks) / CPU_REFERENCE_THREADS) ** CPU_THREAD_SCALING
         solve, rate = solve / speed, rate * speed
+    wide = max((min(shape) for shape in shapes.values()), default=0) >= BF16_MIN_WIDTH
+    train_rate = rate * (BF16_TRAINING_SPEEDUP[device] if _trains_in_bfloat16(s.train_precision, device, wide) else 1)
     passes = 2 + (1 if s.hessian_inputs == "pruned" else 0)  # statistics and propagation
     forward = 2.0 * sum(block_params) * tokens
     seconds = {"layer_solves": solve, "calibration_passes": passes * forward / rate / ranks}
@@ -272,9 +298,9 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None, mo
             batches = fit.lanes * fit.batches_per_step
             share = -(-batches // ranks) / batches
         training = 3 * s.reconstruct_epochs * forward * share
-        seconds["reconstruction"] = (training + 2 * forward / ranks) / rate
+        seconds["reconstruction"] = training / train_rate + 2 * forward / ranks / rate
     if epochs:  # the whole model forward and backward on every batch, each epoch
-        seconds["distillation"] = 3 * epochs * 2.0 * params * tokens / rate / ranks
+        seconds["distillation"] = 3 * epochs * 2.0 * params * tokens / train_rate / ranks
     if config.eval:
         seconds["evaluation"] = 2 * len(config.eval) * 2.0 * params * (config.eval_max_tokens or tokens) / rate
     pruned_weights = sum(r * d for r, d in shapes.values()) * itemsize
