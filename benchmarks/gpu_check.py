@@ -16,8 +16,9 @@ peak device memory on Llama-3.1-8B-shaped layers. Writes ``benchmarks/results/gp
    device memory of each run.
 4. **One Llama-3.1-8B-shaped block.** ``nmprune.run`` on a random one-block Llama with the
    8B model's block in bfloat16: wanda's layer solves and the block reconstruction stage
-   (:mod:`nmprune.stages.reconstruction`) on 128 x 2048 calibration tokens, their seconds,
-   the block's output error before and after, and the peak device memory.
+   (:mod:`nmprune.stages.reconstruction`) on 128 x 2048 calibration tokens, training in
+   float32 and then in bfloat16 (``--train-precision``): their seconds, the block's output
+   error before and after, and the peak device memory.
 
 0. **The prox kernel.** On each Llama-3.1-8B layer shape: one 2:4 prox of the whole matrix
    (``nmprune.prox.prox_2of4``: the Triton kernel on CUDA where triton is installed, the
@@ -176,27 +177,33 @@ def block_model_dir(folder: Path, tokenizer_dir: Path, scale: int = 1, layers: i
     return path
 
 
-def block_reconstruction(device: torch.device, model_dir: Path, work: Path, settings: dict) -> dict:
+def block_reconstruction(device: torch.device, model_dir: Path, work: Path, settings: dict) -> list[dict]:
     """Part 4: one Llama-3.1-8B-shaped block pruned by wanda and reconstructed (the block
-    granularity, the default) by ``nmprune.run`` on ``device`` in bfloat16: seconds of the
-    layer solves and of the reconstruction, the block's output error before and after, and the
-    peak device memory."""
+    granularity, the default) by ``nmprune.run`` on ``device`` in bfloat16, once for each
+    training precision of :data:`BLOCK_PRECISIONS`: seconds of the layer solves and of the
+    reconstruction (their ratio measures ``resources.BF16_TRAINING_SPEEDUP``), the dtype the
+    training computed in, the block's output error before and after, and the peak device memory."""
     import nmprune
 
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    config = nmprune.build_config({"method": "wanda", "refine": None, "reconstruct": "block", **settings},
-                                  {"model": str(model_dir), "out": str(work / "block"),
-                                   "device": str(device), "dtype": "bfloat16"})
-    report = nmprune.run(config, progress=False)
-    block = report["reconstruction"]["blocks"][0]
-    return {"settings": {k: settings[k] for k in ("nsamples", "seqlen")},
-            "layer_seconds": sum(r["seconds"] for r in report["layers"]),
-            "reconstruction_seconds": block["seconds"], "steps": block["steps"],
-            "error_before": block["error_before"], "error_after": block["error_after"],
-            "heldout_before": block["heldout_before"], "heldout_after": block["heldout_after"], "kept": block["kept"],
-            "prune_seconds": report["seconds"]["prune"],
-            "peak_device_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
+    rows = []
+    for precision in BLOCK_PRECISIONS:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        config = nmprune.build_config({"method": "wanda", "refine": None, "reconstruct": "block", "distill_epochs": 0,
+                                       "train_precision": precision, **settings},
+                                      {"model": str(model_dir), "out": str(work / f"block-{precision}"),
+                                       "device": str(device), "dtype": "bfloat16"})
+        report = nmprune.run(config, progress=False)
+        block = report["reconstruction"]["blocks"][0]
+        rows.append({"settings": {k: settings[k] for k in ("nsamples", "seqlen")}, "train_precision": precision,
+                     "train_dtype": block["train_dtype"],
+                     "layer_seconds": sum(r["seconds"] for r in report["layers"]),
+                     "reconstruction_seconds": block["seconds"], "steps": block["steps"],
+                     "error_before": block["error_before"], "error_after": block["error_after"],
+                     "heldout_before": block["heldout_before"], "heldout_after": block["heldout_after"],
+                     "kept": block["kept"], "prune_seconds": report["seconds"]["prune"],
+                     "peak_device_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None})
+    return rows
 
 
 def _timed(fn, device: torch.device, repeats: int) -> float:
@@ -280,13 +287,17 @@ def report_markdown(result: dict) -> str:
         lines += [f"| {r['method']} | {r['refine'] or '-'} | {r['shape'][0]}x{r['shape'][1]} | "
                   f"{r['seconds_median']:.3f} | {mib(r['peak_device_bytes'])} |" for r in result["speed"]]
     if "block" in result:
-        b = result["block"]
-        lines += ["", "## One Llama-3.1-8B-shaped block: wanda, then block reconstruction (bfloat16)", "",
-                  "| samples x tokens | layer solves s | reconstruction s | steps | error before | "
-                  "error after | kept | peak device MiB |", "|---|---:|---:|---:|---:|---:|---|---:|",
-                  f"| {b['settings']['nsamples']} x {b['settings']['seqlen']} | {b['layer_seconds']:.1f} | "
-                  f"{b['reconstruction_seconds']:.1f} | {b['steps']} | {b['error_before']:.4g} | "
-                  f"{b['error_after']:.4g} | {b['kept']} | {mib(b['peak_device_bytes'])} |"]
+        rows = result["block"]
+        lines += ["", "## One Llama-3.1-8B-shaped block: wanda, then block reconstruction (bfloat16 weights)", "",
+                  "| samples x tokens | training | layer solves s | reconstruction s | steps | error before | "
+                  "error after | kept | peak device MiB |", "|---|---|---:|---:|---:|---:|---:|---|---:|"]
+        lines += [f"| {b['settings']['nsamples']} x {b['settings']['seqlen']} | {b['train_dtype']} | "
+                  f"{b['layer_seconds']:.1f} | {b['reconstruction_seconds']:.1f} | {b['steps']} | "
+                  f"{b['error_before']:.4g} | {b['error_after']:.4g} | {b['kept']} | {mib(b['peak_device_bytes'])} |"
+                  for b in rows]
+        lines += ["", f"Reconstruction in {rows[0]['train_dtype']} over {rows[-1]['train_dtype']}: "
+                  f"{rows[0]['reconstruction_seconds'] / rows[-1]['reconstruction_seconds']:.2f}x the time "
+                  "(resources.BF16_TRAINING_SPEEDUP prices bfloat16 training on this device kind)."]
     return "\n".join(lines) + "\n"
 
 
@@ -298,6 +309,8 @@ def _write(result: dict, out: Path) -> None:
 
 
 PARTS = ("prox", "agreement", "pipeline", "speed", "block")
+#: the block part's training precisions: float32, then bfloat16 products (--train-precision)
+BLOCK_PRECISIONS = ("full", "bfloat16")
 
 
 def main(argv: list[str] | None = None) -> dict:

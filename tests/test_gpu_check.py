@@ -40,14 +40,17 @@ def test_gpu_check_runs_on_the_cpu(tmp_path, monkeypatch):
     assert all(r["perplexity_rel_diff"] == 0 for r in result["pipeline"][:3])  # float32: the same run
     assert all(r["perplexity_rel_diff"] < 0.05 for r in result["pipeline"][3:])  # bfloat16: close
     assert "The whole pipeline (model)" in (tmp_path / "gpu.md").read_text()
-    block = result["block"]  # the 8B-shaped block, scaled down: solved, then reconstructed
-    # one sample per step, one of the four held out, the default number of epochs
+    # the 8B-shaped block, scaled down: solved, then reconstructed in float32 and in bfloat16
+    # products; one sample per step, one of the four held out, the default number of epochs
     from nmprune.config import PruneSettings
 
-    assert block["settings"] == {"nsamples": 4, "seqlen": 16}
-    assert block["steps"] == 3 * PruneSettings().reconstruct_epochs
-    assert block["layer_seconds"] > 0 and block["reconstruction_seconds"] > 0
-    assert 0 < block["heldout_after"] <= block["heldout_before"] and block["kept"] in ("reconstructed", "solved")
+    assert [b["train_dtype"] for b in result["block"]] == ["float32", "bfloat16"]
+    for block in result["block"]:
+        assert block["settings"] == {"nsamples": 4, "seqlen": 16}
+        assert block["steps"] == 3 * PruneSettings().reconstruct_epochs
+        assert block["layer_seconds"] > 0 and block["reconstruction_seconds"] > 0
+        assert 0 < block["heldout_after"] <= block["heldout_before"] and block["kept"] in ("reconstructed", "solved")
+    assert "Reconstruction in float32 over bfloat16" in (tmp_path / "gpu.md").read_text()
     assert list(result["seconds"]) == list(gpu_check.PARTS) and result["failed"] == {}
     # a later run of some parts on the same device keeps the others; a part that fails (here:
     # no tokenizer) is reported with its traceback and the next part still runs
