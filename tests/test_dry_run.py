@@ -10,7 +10,7 @@ from transformers import LlamaConfig
 
 from nmprune.cli import main
 from nmprune.config import build_config
-from nmprune.resources import (BF16_TRAINING_SPEEDUP, CPU_THREAD_SCALING, GIB, busiest_token_share, cpu_threads,
+from nmprune.resources import (BF16_TRAINING_SPEEDUP, CPU_THREAD_SCALING, busiest_token_share, cpu_threads,
                                hessian_inputs, plan_run)
 from nmprune.stages.token_shares import token_shares
 
