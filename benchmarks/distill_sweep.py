@@ -9,8 +9,9 @@ through the blocks. A row's ``nsamples`` may exceed the run's calibration set: t
 text is drawn again with that many windows (the first ones are not the same windows), which
 measures what more distillation data alone would give.
 
-Rows are written to ``benchmarks/results/distill_sweep/ROW.json`` when done and skipped by a
-later run (``--force`` redoes them); the summary is ``benchmarks/results/distill_sweep.{json,md}``.
+Rows are written to ``benchmarks/results/distill_sweep/BASE/ROW.json`` (BASE: the base run's
+folder name) when done and skipped by a later run (``--force`` redoes them); the summary of
+every base's rows is ``benchmarks/results/distill_sweep.{json,md}``.
 
     flock /tmp/nmprune-bench.lock python benchmarks/distill_sweep.py --base runs/d0 \\
         --rows lr=1e-3 --rows lr=2e-3 --rows lr=1e-3,nsamples=128
@@ -77,17 +78,19 @@ def run_row(base: str, row: dict[str, Any], precision: str) -> dict[str, Any]:
     return {"row": row, "distillation": record, "teacher_seconds": teacher_seconds, "perplexity": ppl}
 
 
-def markdown(rows: list[dict[str, Any]], base: dict[str, float], machine: dict[str, str]) -> str:
+def markdown(bases: dict[str, dict[str, Any]], rows: list[dict[str, Any]], machine: dict[str, str]) -> str:
     lines = ["# Global distillation levers on SmolLM2 (issue 45)", "",
-             f"Base: the default run with `--distill-epochs 0` (wiki {base['wiki']:.2f}, Austen "
-             f"{base['austen']:.2f}); CPU {machine.get('model', '?')} ({machine.get('llvm_target', '?')}).", "",
-             "| lr | epochs | samples | top-k | wiki | Austen | held-out KL before -> after | kept | pass s | code |",
-             "|---:|---:|---:|---:|---:|---:|---|---|---:|---|"]
+             "Each base is the default run with `--distill-epochs 0` (and the settings its name says); "
+             f"CPU {machine.get('model', '?')} ({machine.get('llvm_target', '?')}).", "",
+             "| base | base wiki | base Austen |", "|---|---:|---:|"]
+    lines += [f"| {name} | {b['wiki']:.2f} | {b['austen']:.2f} |" for name, b in bases.items()]
+    lines += ["", "| base | lr | epochs | samples | top-k | wiki | Austen | held-out KL before -> after | kept | "
+              "teacher s | pass s | code |", "|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---|"]
     for r in rows:
         s, d, p = r["row"], r["distillation"], r["perplexity"]
-        lines.append(f"| {s['lr']:g} | {s['epochs']} | {s['nsamples']} | {s['topk']} | {p['wiki']:.2f} | "
+        lines.append(f"| {r['base']} | {s['lr']:g} | {s['epochs']} | {s['nsamples']} | {s['topk']} | {p['wiki']:.2f} | "
                      f"{p['austen']:.2f} | {d['heldout_before']:.4f} -> {d['heldout_trained']:.4f} | {d['kept']} | "
-                     f"{d['seconds']:.0f} | {r['commit']} |")
+                     f"{r['teacher_seconds']:.0f} | {d['seconds']:.0f} | {r['commit']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -100,28 +103,30 @@ def main() -> None:
     args = parser.parse_args()
     from nmprune.job import evaluate, open_model
 
-    ROWS_DIR.mkdir(parents=True, exist_ok=True)
+    name = Path(args.base).name
+    folder = ROWS_DIR / name
+    folder.mkdir(parents=True, exist_ok=True)
     machine = cpu_description()
-    base_file = ROWS_DIR / "base.json"
+    base_file = folder / "base.json"
     if not base_file.exists() or args.force:
         model, tokenizer, _ = open_model(args.base, None, "float32", False)
         base_file.write_text(json.dumps(evaluate(model, tokenizer, list(EVAL), EVAL_SEQLEN, EVAL_TOKENS, "cpu",
                                                  progress=False)))
-    base = json.loads(base_file.read_text())
     for spec in args.rows:
         row = parse_row(spec)
-        path = ROWS_DIR / f"{row_name(row)}.json"
+        path = folder / f"{row_name(row)}.json"
         if path.exists() and not args.force:
             continue
         result = run_row(args.base, row, args.precision)
-        result.update(commit=code_commit(), cpu=machine)
+        result.update(base=name, commit=code_commit(), cpu=machine)
         path.write_text(json.dumps(result, indent=1))
         print(row_name(row), result["perplexity"], flush=True)
-    rows = [json.loads(p.read_text()) for p in sorted(ROWS_DIR.glob("*=*.json"))]
-    rows.sort(key=lambda r: [r["row"][k] for k in DEFAULTS])
-    (RESULTS / "distill_sweep.json").write_text(json.dumps({"base": base, "cpu": machine, "rows": rows}, indent=1))
-    (RESULTS / "distill_sweep.md").write_text(markdown(rows, base, machine))
-    print(markdown(rows, base, machine))
+    bases = {p.name: json.loads((p / "base.json").read_text()) for p in sorted(ROWS_DIR.iterdir()) if p.is_dir()}
+    rows = [json.loads(p.read_text()) for p in sorted(ROWS_DIR.glob("*/*=*.json"))]
+    rows.sort(key=lambda r: [r["base"], *(r["row"][k] for k in DEFAULTS)])
+    (RESULTS / "distill_sweep.json").write_text(json.dumps({"bases": bases, "cpu": machine, "rows": rows}, indent=1))
+    (RESULTS / "distill_sweep.md").write_text(markdown(bases, rows, machine))
+    print(markdown(bases, rows, machine))
 
 
 if __name__ == "__main__":
