@@ -78,15 +78,16 @@ def tiny_dir(tmp_path_factory):
 
 
 def test_global_distillation_from_the_command_line_and_its_refusal_on_a_streamed_model(tiny_dir, tmp_path, capsys):
-    """``--distill-epochs`` runs the pass after the last block and reports it; a streamed run
-    (``--offload``) refuses it before any work, with one message."""
+    """``--distill-epochs`` runs the pass after the last block and reports it, on the run's
+    windows and ``--distill-nsamples`` minus those of its own (batches of 2: 8 and 4, one of
+    each held out); a streamed run (``--offload``) refuses it before any work, with one message."""
     base, model_dir, text, yaml_file = tiny_dir
     out = tmp_path / "distilled"
     assert main(["prune", "--config", str(yaml_file), "--out", str(out), "--quiet", "--reconstruct", "block",
-                 "--nsamples", "16", "--distill-epochs", "2", "--distill-lr", "1e-2"]) == 0
-    assert "global distillation (2 epoch(s), 14 steps" in capsys.readouterr().out
+                 "--nsamples", "16", "--distill-epochs", "2", "--distill-lr", "1e-2", "--distill-nsamples", "24"]) == 0
+    assert "global distillation (2 epoch(s), 20 steps" in capsys.readouterr().out
     record = json.loads((out / "nmprune_report.json").read_text())["distillation"]
-    assert record["kept"] in ("distilled", "solved") and record["heldout_batches"] == 1
+    assert record["kept"] in ("distilled", "solved") and record["heldout_batches"] == 2 and record["batches"] == 12
     refused = tmp_path / "refused"
     assert main(["prune", "--config", str(yaml_file), "--quiet", "--offload", "--distill-epochs", "1",
                  "--out", str(refused)]) != 0
@@ -102,6 +103,17 @@ def test_global_distillation_from_the_command_line_and_its_refusal_on_a_streamed
     assert json.loads((skipped / "nmprune_report.json").read_text())["distillation"]["skipped"].startswith(
         "the weights stream")
     assert "global distillation skipped: the weights stream" in captured.out
+
+
+def test_a_text_too_short_for_the_distillations_own_windows_is_refused_before_anything_is_written(
+        tiny_dir, tmp_path, capsys):
+    base, model_dir, text, yaml_file = tiny_dir
+    out = tmp_path / "short"
+    assert main(["prune", "--config", str(yaml_file), "--out", str(out), "--quiet", "--reconstruct", "block",
+                 "--distill-epochs", "1", "--distill-nsamples", "100000"]) == 2
+    err = capsys.readouterr().err
+    assert "the global distillation's 99996 windows of its own (--distill-nsamples)" in err, err
+    assert not out.exists() and not out.with_name("short.checkpoint").exists()
 
 
 def test_a_distillation_pass_that_would_not_fit_is_refused_before_any_weight_is_read(tiny_dir, tmp_path,
@@ -292,6 +304,7 @@ def test_a_run_says_each_stage_and_writes_a_clean_log(tiny_dir, tmp_path):
     stages = [line.split(":")[1].split()[0] + " " + line.split(":")[1].split()[1]
               for line in run.stderr.splitlines() if line.startswith("nmprune: ")]
     assert stages == ["loading " + str(model_dir).split()[0], "tokenising the", "evaluating the",
-                      "pruning block", "capturing the", "global distillation", "evaluating the", "saving the"], stages
+                      "pruning block", "computing the", "capturing the", "global distillation", "evaluating the",
+                      "saving the"], stages
     assert "dense perplexity on " + str(text) in run.stderr and "pruned perplexity on " + str(text) in run.stderr
     assert "\x1b[" not in run.stderr

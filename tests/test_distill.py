@@ -130,6 +130,8 @@ def test_a_distillation_that_made_the_model_worse_gets_the_weights_from_before_b
     (dict(distill_lr=0.0), "distill_lr must be a positive number"),
     (dict(distill_lr=float("nan")), "distill_lr. must be a finite number"),
     (dict(distill_epochs=1, reconstruct="none"), "distill_epochs needs reconstruction"),
+    (dict(nsamples=64, distill_nsamples=32), "distill_nsamples must be 'auto' .* of at least nsamples"),
+    (dict(distill_nsamples="more"), "distill_nsamples must be 'auto'"),
 ])
 def test_bad_distillation_settings_are_refused(bad, message):
     with pytest.raises(ValueError, match=message):
@@ -149,3 +151,49 @@ def test_auto_distills_one_epoch_in_memory_and_none_without_reconstruction():
     plain = prune_model(tiny_model("llama", layers=2), calibration=calib, device="cpu", progress=False,
                         **{**SETTINGS, "reconstruct": "none"})
     assert plain.distillation is None
+
+
+def test_the_pass_also_trains_on_windows_of_its_own_with_the_dense_models_distribution():
+    """``distill_calibration`` windows join the run's: their dense distribution is the dense
+    model's, taken before any block is pruned, and an eighth of them is held out besides the
+    reconstruction's held-out batches (16 + 8 windows in batches of 2: 8 + 4, held out 1 + 1)."""
+    import nmprune.pipeline as pipeline
+
+    dense = tiny_model("llama", layers=2)
+    calib, own = token_batch(16, 16), token_batch(8, 16, seed=2)
+    with torch.no_grad():
+        expected = [teacher_topk(dense(b).logits, 64) for b in own.split(2)]
+    seen = {}
+
+    def spy(model, weights, batches, teachers, positions, total, held, *args, **kwargs):
+        seen.update(batches=batches, teachers=teachers, positions=positions, total=total, held=held)
+        return distill(model, weights, batches, teachers, positions, total, held, *args, **kwargs)
+
+    distill = pipeline.distill
+    model = copy.deepcopy(dense)
+    try:
+        pipeline.distill = spy
+        report = prune_model(model, calibration=calib, distill_calibration=own, device="cpu", progress=False,
+                             distill_epochs=1, distill_lr=1e-2, **SETTINGS)
+    finally:
+        pipeline.distill = distill
+    assert seen["total"] == 12 and seen["positions"] == list(range(12)) and seen["held"] == {7, 11}
+    for t, e, b in zip(seen["teachers"][8:], expected, own.split(2)):
+        assert torch.equal(t.logp, e.logp) and torch.equal(t.ids, e.ids)
+    assert all(torch.equal(a, b) for a, b in zip(seen["batches"][8:], own.split(2)))
+    record = report.distillation
+    assert record["batches"] == 12 and record["heldout_batches"] == 2 and record["steps"] == 10
+    with pytest.raises(ValueError, match="distill_calibration token ids must lie in"):
+        prune_model(copy.deepcopy(dense), calibration=calib, distill_calibration=own + 10**6, device="cpu",
+                    progress=False, distill_epochs=1, **SETTINGS)
+
+
+def test_auto_draws_as_many_windows_again_for_the_pass_apart_from_the_runs():
+    """``distill_nsamples: auto``: twice the run's windows; a number says the total; the
+    pass's own windows are none where they would add nothing."""
+    from nmprune.pipeline import distill_windows
+
+    assert PruneSettings(nsamples=64).distill_extra_windows() == 64
+    assert PruneSettings(nsamples=64, distill_nsamples=96).distill_extra_windows() == 32
+    assert PruneSettings(nsamples=64, distill_nsamples=64).distill_extra_windows() == 0
+    assert distill_windows(None, PruneSettings(nsamples=4, distill_nsamples=4)) is None

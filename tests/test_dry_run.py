@@ -137,18 +137,31 @@ def test_a_device_too_small_for_one_block_is_refused_up_front(tmp_path, capsys):
 
 def test_the_plan_prices_the_global_distillation_pass(tmp_path):
     """The pass holds the whole model in float32 with its optimiser state: with it the peak is
-    at least that, and its time is the whole model's forward and backward per epoch."""
+    at least that, and its time is the whole model's forward and backward on every window per
+    epoch, after one forward pass of the dense model over the pass's own windows."""
     model = str(llama_config_dir(tmp_path / "m", 4, sharded=False))
-    base = plan_run(build_config({"model": model, "device": "cpu", "distill_epochs": 0}), ranks=1)
-    one, two = (plan_run(build_config({"model": model, "device": "cpu", "distill_epochs": e}), ranks=1)
-                for e in (1, 2))
+
+    def plan(**settings):  # training and the forward pass at one rate
+        return plan_run(build_config({"model": model, "device": "cpu", "train_precision": "full", **settings}),
+                        ranks=1)
+
+    base = plan(distill_epochs=0)
+    one, two = (plan(distill_epochs=e) for e in (1, 2))
+    # only the run's own windows (distill_nsamples = nsamples): no forward pass before, half the tokens
+    bare_one, bare_two = (plan(distill_epochs=e, distill_nsamples=64) for e in (1, 2))
+    assert one.distill_windows == 128 and bare_one.distill_windows == 64
+    assert bare_two.seconds["distillation"] == pytest.approx(2 * bare_one.seconds["distillation"])
+    epoch = two.seconds["distillation"] - one.seconds["distillation"]
+    assert epoch == pytest.approx(2 * bare_one.seconds["distillation"])
+    assert one.seconds["distillation"] - epoch == pytest.approx(bare_one.seconds["distillation"] / 3)
+    assert one.distill_peak_per_rank > bare_one.distill_peak_per_rank
     assert "distillation" not in base.seconds
     # the default, auto: one epoch on a model loaded whole, none on a streamed one
-    auto = plan_run(build_config({"model": model, "device": "cpu"}), ranks=1, streamed=False)
+    auto = plan_run(build_config({"model": model, "device": "cpu", "train_precision": "full"}), ranks=1,
+                    streamed=False)
     assert auto.distill_epochs == 1 and auto.seconds["distillation"] == pytest.approx(one.seconds["distillation"])
     streamed = plan_run(build_config({"model": model, "device": "cpu"}), ranks=1, streamed=True)
     assert streamed.distill_epochs == 0 and "distillation" not in streamed.seconds
-    assert two.seconds["distillation"] == pytest.approx(2 * one.seconds["distillation"])
     assert one.cpu_peak_per_rank >= base.cpu_peak_per_rank and one.cpu_peak_per_rank > 4 * one.parameters
 
 
@@ -163,8 +176,9 @@ def test_the_plan_prices_training_at_the_precision_the_run_trains_in(tmp_path, m
                     for name, h in (("wide", 512), ("narrow", 64)))
 
     def seconds(model: str, precision: str) -> dict[str, float]:
-        return plan_run(build_config({"model": model, "device": device, "train_precision": precision}), ranks=1,
-                        streamed=False).seconds
+        # no windows of the distillation's own: its time is all training
+        return plan_run(build_config({"model": model, "device": device, "train_precision": precision,
+                                      "distill_nsamples": 64}), ranks=1, streamed=False).seconds
 
     full, bf16 = seconds(wide, "full"), seconds(wide, "bfloat16")
     speedup = BF16_TRAINING_SPEEDUP[device]
@@ -194,5 +208,5 @@ def test_the_plan_skips_the_auto_distillation_where_the_device_cannot_hold_it(tm
     out = capsys.readouterr().out
     assert "| global distillation | none |" in out and "is skipped: the global distillation pass needs" in out
     assert main(args + ["--device-memory", f"{roomy.distill_peak_per_rank * 1.01 / GIB:.3f}"]) == 0
-    assert "| global distillation | 1 epoch(s) |" in capsys.readouterr().out
+    assert "| global distillation | 1 epoch(s) on 128 windows |" in capsys.readouterr().out
     assert main(args + ["--device-memory", between, "--distill-epochs", "1"]) == 2

@@ -5,6 +5,8 @@ A checkpoint directory holds
 * ``block_NNNN.safetensors``: the pruned weights of each finished block;
 * ``hidden_NNNN.safetensors``: the hidden states entering the next block (dense or
   pruned activations, whichever the run propagates), one tensor per calibration batch;
+* ``teachers.safetensors``: the dense model's next-token distribution on the global
+  distillation's own calibration windows, computed before the first block is pruned;
 * ``.nmprune``: the marker that it is an nmprune checkpoint (:mod:`nmprune.output`);
   nothing else is ever deleted or replaced;
 * ``manifest.json``: the run's identity hash, the number of finished blocks, the
@@ -37,7 +39,8 @@ from .output import check_owned, mark, marker, remove_owned
 FORMAT = 3  # 3: the hidden states as streams (stream{k}_batch_{j}), not side by side
 MANIFEST = "manifest.json"
 #: The only file names a manifest may list (nothing outside the directory is ever touched).
-_FILE_NAME = re.compile(r"(block|hidden)_\d{4}\.safetensors")
+_FILE_NAME = re.compile(r"((block|hidden)_\d{4}|teachers)\.safetensors")
+TEACHERS = "teachers.safetensors"
 #: What a checkpoint directory may hold besides its marker (temporary names included).
 _OWN_ENTRY = re.compile(rf"({_FILE_NAME.pattern}|{re.escape(MANIFEST)})(\.tmp)?")
 KIND = "checkpoint"
@@ -299,6 +302,18 @@ class Checkpoint:
         for key in sorted(tensors):
             streams.setdefault(int(key[len("stream"):key.index("_")]), []).append(tensors[key])
         return [streams[k] for k in sorted(streams)]
+
+    def save_teachers(self, tensors: dict[str, Tensor]) -> None:
+        """Durably record the distillation's dense distribution (computed once, before the
+        first block is pruned: a resumed run no longer has the dense model)."""
+        files = dict(self.manifest["files"])
+        files[TEACHERS] = self._save(TEACHERS, tensors)
+        self.manifest["files"] = files
+        self._write_manifest()
+
+    def teachers(self) -> dict[str, Tensor] | None:
+        """What :meth:`save_teachers` recorded, None where nothing was."""
+        return self._load(TEACHERS) if TEACHERS in self.manifest["files"] else None
 
     def remove(self) -> None:
         """Delete the files this checkpoint wrote, and its directory if nmprune made it

@@ -28,6 +28,14 @@ AUTO = "auto"
 #: perplexity from 1.90x to 1.76x dense and Gemma-3-270M's from 1.62x to 1.55x
 #: (benchmarks/results/reconstruct_sweep.md, reconstruct_gemma3_sweep.md)
 AUTO_DISTILL_EPOCHS = 1
+#: ``distill_nsamples: auto`` trains the global distillation on this many times the run's
+#: ``nsamples`` calibration windows (the run's own and as many more drawn for it): 128 windows
+#: instead of 64 lowered SmolLM2's wiki perplexity from 22.37 to 20.39 and Austen's from 100.1
+#: to 95.0 (benchmarks/results/distill_sweep.md)
+AUTO_DISTILL_WINDOWS = 2
+#: the extra windows of the global distillation are drawn with the run's seed plus this, apart
+#: from the run's own (which stay the same windows with or without the pass)
+DISTILL_SEED_OFFSET = 1
 
 # a value's type as an error message names it ("got 'no' (a string)")
 _KINDS: dict[type, str] = {bool: "a boolean", int: "an integer", float: "a float", str: "a string",
@@ -120,7 +128,10 @@ class PruneSettings:
     weight's RMS; :mod:`nmprune.stages.distillation`), for models held whole in memory. 0: none;
     ``"auto"`` (the default): :data:`AUTO_DISTILL_EPOCHS` where the run holds the model whole, it
     reconstructs and the pass fits in memory, else none (:meth:`distill_passes`); a number of
-    epochs is required (a run that cannot distill is refused). ``train_precision`` says in which
+    epochs is required (a run that cannot distill is refused). The pass trains on
+    ``distill_nsamples`` calibration windows: the run's ``nsamples`` and the rest drawn for it
+    alone (:meth:`distill_extra_windows`; ``"auto"``: :data:`AUTO_DISTILL_WINDOWS` times
+    ``nsamples``). ``train_precision`` says in which
     dtype both train (:func:`nmprune.reconstruct.training_dtype`: ``auto`` is bfloat16 products
     where the device computes them natively and the blocks are wide enough to gain).
     """
@@ -146,6 +157,7 @@ class PruneSettings:
     reconstruct_lanes: int = 1
     distill_epochs: int | str = AUTO
     distill_lr: float = 1e-3
+    distill_nsamples: int | str = AUTO
     train_precision: str = "auto"
 
     def __post_init__(self) -> None:
@@ -181,6 +193,12 @@ class PruneSettings:
                 isinstance(self.distill_epochs, int) and self.distill_epochs < 0:
             raise ValueError(f"distill_epochs must be 'auto', 0 (no global distillation) or a positive "
                              f"integer, got {self.distill_epochs!r}")
+        if isinstance(self.distill_nsamples, str) and self.distill_nsamples != AUTO or \
+                isinstance(self.distill_nsamples, int) and self.distill_nsamples < self.nsamples:
+            raise ValueError(f"distill_nsamples must be 'auto' ({AUTO_DISTILL_WINDOWS} x nsamples) or an integer "
+                             f"of at least nsamples ({self.nsamples}): the global distillation trains on the "
+                             f"run's calibration windows and distill_nsamples - nsamples more; got "
+                             f"{self.distill_nsamples!r}")
         if self.train_precision not in TRAIN_PRECISIONS:
             raise ValueError(f"train_precision must be one of {', '.join(TRAIN_PRECISIONS)}, "
                              f"got {self.train_precision!r}")
@@ -213,6 +231,12 @@ class PruneSettings:
         if self.distill_epochs != AUTO:
             return self.distill_epochs
         return AUTO_DISTILL_EPOCHS if whole and self.reconstruct != "none" else 0
+
+    def distill_extra_windows(self) -> int:
+        """How many calibration windows the global distillation trains on beyond the run's
+        ``nsamples`` (drawn with the seed plus :data:`DISTILL_SEED_OFFSET`)."""
+        total = AUTO_DISTILL_WINDOWS * self.nsamples if self.distill_nsamples == AUTO else self.distill_nsamples
+        return total - self.nsamples
 
     def distill_options(self, epochs: int) -> FitOptions:
         """How ``epochs`` of the global distillation pass train

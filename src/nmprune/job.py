@@ -125,6 +125,18 @@ def _distill_shortfall(config: RunConfig, world: int, resolved, model_config) ->
     return distill_shortfall(needs, available)
 
 
+def _distill_windows(tokenizer, settings):
+    """The global distillation's own calibration windows (:func:`nmprune.pipeline.distill_windows`),
+    a text too short for them refused before the checkpoint exists."""
+    from .pipeline import distill_windows
+
+    try:
+        return distill_windows(tokenizer, settings)
+    except ValueError as e:
+        raise ValueError(f"--calib {settings.calib}, the global distillation's {settings.distill_extra_windows()} "
+                         f"windows of its own (--distill-nsamples): {e}") from e
+
+
 def _auto_distillation(settings, streamed: bool, shortfall: str | None, ranks) -> tuple[Any, str | None]:
     """The settings :func:`prune_model` runs with, and why the global distillation of
     ``distill_epochs: auto`` is skipped (None where it runs or was not asked for): on a
@@ -262,6 +274,9 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
     if distill_skipped is not None and main_rank:
         print(f"nmprune: skipping the global distillation (distill_epochs: auto): {distill_skipped}",
               file=sys.stderr)
+    with phase("drawing the global distillation's windows"):
+        own_windows = _distill_windows(tokenizer, settings) if settings.distill_passes(whole=not model.streamed) \
+            else None
     ckpt = None
     try:
         with phase("opening the checkpoint"):
@@ -270,7 +285,8 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
                 remove_partial_save(out)  # what a save killed in an earlier run left
                 ckpt = Checkpoint.open(ckpt_dir, config.identity(), restart=config.restart)
                 ckpt.bind("model files", digest)
-        return _prune_and_save(config, settings, distill_skipped, model, tokenizer, source, ckpt, calibration,
+        return _prune_and_save(config, settings, distill_skipped, model, tokenizer, source, ckpt,
+                               (calibration, own_windows),
                                cache, timings, t0, progress, on_block_done, ranks, ckpt_dir)
     except ValueError as e:
         # refused before any progress, or the model itself overflows (its corrected weights
@@ -287,8 +303,9 @@ def _prune_and_save(config: RunConfig, settings, distill_skipped: str | None, mo
                     on_block_done, ranks, ckpt_dir: Path) -> dict[str, Any]:
     """:func:`run` after loading: dense perplexity and accuracy, pruning with ``settings``
     (``config.prune`` with the run's choice of global distillation; ``distill_skipped``: why
-    ``auto`` made none), pruned perplexity and accuracy, save (``ckpt`` is None on ranks other
-    than 0, which return the pruning report once pruning is done)."""
+    ``auto`` made none) on ``calibration`` (the run's windows and the distillation's own, or
+    None), pruned perplexity and accuracy, save (``ckpt`` is None on ranks other than 0, which
+    return the pruning report once pruning is done)."""
     from .downstream import evaluate_tasks
     from .pipeline import prune_model
     from .progress import stage
@@ -308,7 +325,8 @@ def _prune_and_save(config: RunConfig, settings, distill_skipped: str | None, mo
     sink = model.output(out, writes=main_rank)
     say(f"pruning block by block: {_run_label(config)}")
     try:
-        prune_report = prune_model(None, tokenizer, settings, calibration=calibration, device=device,
+        prune_report = prune_model(None, tokenizer, settings, calibration=calibration[0],
+                                   distill_calibration=calibration[1], device=device,
                                    checkpoint=ckpt, progress=progress, on_block_done=on_block_done,
                                    source=model, sink=sink, scratch=ckpt_dir)
         pruned_model = sink.finish(tokenizer) if main_rank else model

@@ -25,9 +25,9 @@ import torch
 from torch import Tensor, nn
 
 from . import distributed
-from .checkpoint import Checkpoint
+from .checkpoint import Checkpoint, CheckpointError
 from .memory import frozen_heap, release_memory
-from .config import PruneSettings
+from .config import DISTILL_SEED_OFFSET, PruneSettings
 from .devices import default_device
 from .distributed import DistributedExecutor, balance_window, job_cost, split_rows, splittable
 from .stages.executor import Executor, LayerJob, LocalExecutor
@@ -35,9 +35,9 @@ from .models import evaluating, set_weight_matrix, weight_matrix
 from .progress import bar as progress_bar
 from .progress import stage as say
 from .stages.plan import LayerPlan
-from .distill import DISTILL_TOPK
-from .stages.distillation import distill, teacher
-from .stages.reconstruction import ReconstructingStatistics
+from .distill import DISTILL_TOPK, TeacherTopK, teacher_topk
+from .stages.distillation import dense_teachers, distill, teacher
+from .stages.reconstruction import ReconstructingStatistics, held_out_batches
 from .stages.sink import BlockSink, ModelSink
 from .stages.source import BlockSource, ModelBlocks
 from .stages.block_runner import BlockInputs
@@ -76,10 +76,28 @@ def _calibration(vocab: int, tokenizer: Any, settings: PruneSettings,
 
         calibration = calibration_batch(tokenizer, source=settings.calib, nsamples=settings.nsamples,
                                         seqlen=settings.seqlen, seed=settings.seed)
-    _check_ids(calibration)
-    if calibration.numel() and (int(calibration.min()) < 0 or int(calibration.max()) >= vocab):
-        raise ValueError(f"calibration token ids must lie in [0, {vocab}) (the model's vocabulary)")
+    _check_vocab(calibration, vocab, "calibration")
     return calibration
+
+
+def _check_vocab(ids: Tensor, vocab: int, what: str) -> None:
+    _check_ids(ids)
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise ValueError(f"{what} token ids must lie in [0, {vocab}) (the model's vocabulary)")
+
+
+def distill_windows(tokenizer: Any, settings: PruneSettings) -> Tensor | None:
+    """The calibration windows the global distillation trains on besides the run's own
+    (:meth:`~nmprune.config.PruneSettings.distill_extra_windows` of them, drawn from the
+    calibration text with the seed plus :data:`~nmprune.config.DISTILL_SEED_OFFSET`), None
+    where there are none."""
+    count = settings.distill_extra_windows()
+    if not count:
+        return None
+    from .data import calibration_batch
+
+    return calibration_batch(tokenizer, source=settings.calib, nsamples=count, seqlen=settings.seqlen,
+                             seed=settings.seed + DISTILL_SEED_OFFSET)
 
 
 def _digest(t: Tensor) -> str:
@@ -96,7 +114,7 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
                 on_block_done: Callable[[int], None] | None = None,
                 hessians: dict[str, InputStats] | None = None, source: BlockSource | None = None,
                 sink: BlockSink | None = None, scratch: str | os.PathLike | None = None,
-                **setting_kwargs: Any) -> PruneReport:
+                distill_calibration: Tensor | None = None, **setting_kwargs: Any) -> PruneReport:
     """Prune every linear layer inside ``model``'s decoder blocks to N:M, in place.
 
     ``settings`` (or the same fields as keyword arguments: ``method``, ``refine``,
@@ -114,6 +132,9 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
     :class:`nmprune.streaming.ShardedWriter` prune a model larger than memory.
     ``scratch``: a folder on disk where, with reconstruction, each block's solved weights
     wait in an unnamed temporary file while the block trains (default: in memory).
+    ``distill_calibration``: token ids of the windows the global distillation trains on
+    besides ``calibration`` (default: drawn from the text, :func:`distill_windows`, when
+    ``calibration`` is not given; none when it is).
 
     Inside an initialised ``torch.distributed`` process group of several ranks (e.g. under
     ``torchrun``; :mod:`nmprune.distributed`) every rank calls this with the same model and
@@ -151,9 +172,18 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
     if isinstance(sink, ModelSink):  # every rank's model holds the resumed blocks (a streaming sink holds them itself)
         executor.broadcast_tensors([m.weight for i in range(start) for m in source.layers(i).values()])
     shown = progress and executor.is_main
+    saving = executor.broadcast_object(checkpoint is not None)
     loop = _BlockLoop(source, sink, plans, settings, executor, checkpoint, report, sizes, shown, on_block_done,
-                      saving=executor.broadcast_object(checkpoint is not None), load=hessians is None)
+                      saving=saving, load=hessians is None)
+    epochs = settings.distill_passes(whole=not source.streamed) if hessians is None else 0
+    if epochs and distill_calibration is None and calibration is None:
+        distill_calibration = distill_windows(tokenizer, settings)
     with evaluating(source.model), frozen_heap():
+        own = None
+        if epochs and distill_calibration is not None:
+            _check_vocab(distill_calibration, source.vocab_size, "distill_calibration")
+            with executor.phase("the dense distribution of the distillation's own windows"):
+                own = _own_windows(source, distill_calibration, settings, executor, checkpoint, saving, start, shown)
         if hessians is None:
             say(f"capturing the calibration inputs of block {start} ({len(sizes)} batches through the "
                 "embeddings)", shown)
@@ -175,10 +205,9 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
                 template = stage.inputs.output_template
                 report.end_to_end = stage.end_to_end(lambda js, finals: source.head_logits(
                     template, [batches[j] for j in js], finals, executor.device))
-            epochs = settings.distill_passes(whole=not source.streamed)
             if epochs:
                 with executor.phase("global distillation"):
-                    report.distillation = _distill(source, plans, stage, batches, epochs, settings, executor,
+                    report.distillation = _distill(source, plans, stage, batches, own, epochs, settings, executor,
                                                    shown, scratch)
     mine = [(r["name"], share) for r in report.layers[len(resumed[0]):] if not r["skipped"]
             and (share := _my_share(r, executor.rank)) is not None]
@@ -310,22 +339,74 @@ def _my_share(record: dict[str, Any], rank: int) -> dict[str, Any] | None:
     return record if record["rank"] == rank else None
 
 
+@dataclass
+class _OwnWindows:
+    """The global distillation's own calibration windows: this process's ``batches``, the
+    dense distribution on each (``teachers``), their indices (``positions``) among all
+    ``total`` of them."""
+
+    batches: list[Tensor]
+    teachers: list[TeacherTopK]
+    positions: list[int]
+    total: int
+
+
+def _own_windows(source: BlockSource, windows: Tensor, settings: PruneSettings, executor: Executor,
+                 checkpoint: Checkpoint | None, saving: bool, start: int, progress: bool) -> _OwnWindows:
+    """This process's share of the distillation's own ``windows`` with the dense model's
+    distribution on them (:func:`~nmprune.stages.distillation.dense_teachers`), computed
+    before the first block is pruned and, with ``saving``, kept in rank 0's ``checkpoint``
+    (gathered from every rank); a resumed run reads them from there, shared out to every rank."""
+    every = list(windows.split(settings.batch_size))
+    sizes, total = [b.shape[0] for b in every], len(every)
+    batches, positions = executor.shard(every), list(executor.shard(range(total)))
+    saved = checkpoint.teachers() if checkpoint is not None else None
+    if executor.broadcast_object(saved is not None):
+        k = min(DISTILL_TOPK, source.vocab_size)
+        like = [teacher_topk(torch.zeros(*b.shape, k), k) for b in batches]  # shapes and dtypes to receive into
+        logp = executor.scatter_batches(None if saved is None else [saved[f"logp_{j:06d}"] for j in range(total)],
+                                        [t.logp for t in like])
+        ids = executor.scatter_batches(None if saved is None else [saved[f"ids_{j:06d}"] for j in range(total)],
+                                       [t.ids for t in like])
+        return _OwnWindows(batches, [TeacherTopK(p.cpu(), i.cpu()) for p, i in zip(logp, ids)], positions, total)
+    if start > 0:
+        raise CheckpointError("the checkpoint holds no dense distribution for the global distillation's own "
+                              "windows, and its first blocks are pruned already; pass --restart to start over")
+    say(f"computing the dense model's distribution on the global distillation's {total} own windows", progress)
+    teachers = dense_teachers(source.whole_model("distill_epochs"), batches, DISTILL_TOPK, executor.device)
+    if saving:
+        logp = executor.gather_batches([t.logp for t in teachers], sizes)
+        ids = executor.gather_batches([t.ids for t in teachers], sizes)
+        if checkpoint is not None:
+            checkpoint.save_teachers({**{f"logp_{j:06d}": t for j, t in enumerate(logp)},
+                                      **{f"ids_{j:06d}": t for j, t in enumerate(ids)}})
+    return _OwnWindows(batches, teachers, positions, total)
+
+
 def _distill(source: BlockSource, plans: dict[str, LayerPlan | None], stage: ReconstructingStatistics,
-             batches: list[Tensor], epochs: int, settings: PruneSettings, executor: Executor, progress: bool,
-             scratch: str | os.PathLike | None) -> dict[str, Any]:
+             batches: list[Tensor], own: _OwnWindows | None, epochs: int, settings: PruneSettings,
+             executor: Executor, progress: bool, scratch: str | os.PathLike | None) -> dict[str, Any]:
     """``epochs`` of the global distillation pass (:mod:`nmprune.stages.distillation`) on the
     whole model, which visits the compute device meanwhile, towards the dense distribution of
-    the dense stream ``stage`` carried to the last block (freed once read)."""
+    the dense stream ``stage`` carried to the last block (freed once read) and on the pass's
+    ``own`` windows. The held-out batches are the reconstruction's and as large a share of
+    the pass's own."""
     model = source.whole_model("distill_epochs")
     say(f"global distillation: {epochs} epoch(s) over every pruned layer", progress)
     template = stage.inputs.output_template
     teachers = teacher(source.head_logits(template, batches, stage.dense, executor.device), DISTILL_TOPK)
     stage.dense = []
+    positions, total, held = list(stage.positions), stage.total, held_out_batches(stage.total)
+    if own is not None:
+        batches, teachers = batches + own.batches, teachers + own.teachers
+        positions += [total + g for g in own.positions]
+        held |= {total + g for g in held_out_batches(own.total)}
+        total += own.total
     weights = [m.weight for i in range(len(source)) for name, m in source.layers(i).items()
                if plans.get(name) is not None]
     model.to(executor.device)
     try:
-        return distill(model, weights, batches, teachers, stage.positions, stage.total, settings.distill_options(epochs),
+        return distill(model, weights, batches, teachers, positions, total, held, settings.distill_options(epochs),
                        executor.all_reduce, executor.device, progress, scratch)
     finally:
         model.to("cpu")

@@ -96,6 +96,8 @@ class RunNeeds:
     checkpoint_disk: int
     seconds: dict[str, float]
     distill_epochs: int = 0
+    #: the calibration windows the global distillation trains on (the run's and its own)
+    distill_windows: int = 0
     #: the peak on the device (the CPU's on the CPU) while the global distillation pass runs
     distill_peak_per_rank: int = 0
 
@@ -129,15 +131,18 @@ def _skeleton(config: RunConfig, model=None):
 
 
 def distill_bytes(params: int, pruned: int, kept: float, blocks: int, batch_tokens: int, hidden_size: int,
-                  intermediate: int, vocab: int) -> int:
+                  intermediate: int, vocab: int, positions: int = 0) -> int:
     """Memory of the global distillation pass (:mod:`nmprune.stages.distillation`) on its
     device: the whole model in float32, per pruned weight a mask bit and 12 bytes per kept
     entry (compact gradient and AdamW's two moments) and the solved values kept aside (4 per
-    kept entry), autograd's activations of one batch through every block, and its logits
-    four times over (logits, log-probabilities and their gradients)."""
+    kept entry), autograd's activations of one batch through every block, its logits four
+    times over (logits, log-probabilities and their gradients), and the dense distribution
+    of the rank's ``positions`` (DISTILL_TOPK tokens of 8 bytes each)."""
+    from .distill import DISTILL_TOPK
+
     return int(4 * params + pruned * (1 / 8 + 16 * kept)
                + blocks * batch_tokens * (16 * hidden_size + 4 * intermediate) * 4
-               + 4 * batch_tokens * vocab * 4)
+               + 4 * batch_tokens * vocab * 4 + positions * min(DISTILL_TOPK, vocab) * 8)
 
 
 def distill_shortfall(needs: "RunNeeds", available: int) -> str | None:
@@ -259,8 +264,10 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None, mo
     block_phase = block + hessians + solver + hidden + activations + training
     distilled_weights = sum(r * d for n, (r, d) in shapes.items() if plans[n] is not None)
     epochs = s.distill_passes(whole=not streamed)
+    # the pass trains on the run's windows and its own (each rank on its share)
+    windows = s.nsamples + s.distill_extra_windows()
     distilling = distill_bytes(params, distilled_weights, kept, len(source), batch_tokens, hidden_size, intermediate,
-                               model.config.vocab_size) if epochs else 0
+                               model.config.vocab_size, -(-windows // ranks) * s.seqlen) if epochs else 0
     whole = 0 if streamed else params * itemsize
     if device == "cuda":
         cpu_peak = PROCESS_BYTES + whole + outside * itemsize + block
@@ -300,7 +307,11 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None, mo
         training = 3 * s.reconstruct_epochs * forward * share
         seconds["reconstruction"] = training / train_rate + 2 * forward / ranks / rate
     if epochs:  # the whole model forward and backward on every batch, each epoch
-        seconds["distillation"] = 3 * epochs * 2.0 * params * tokens / train_rate / ranks
+        # the dense model's forward pass on the pass's own windows, then every window's forward
+        # and backward each epoch
+        own_tokens = s.distill_extra_windows() * s.seqlen
+        seconds["distillation"] = (2.0 * params * own_tokens / rate
+                                   + 3 * epochs * 2.0 * params * windows * s.seqlen / train_rate) / ranks
     if config.eval:
         seconds["evaluation"] = 2 * len(config.eval) * 2.0 * params * (config.eval_max_tokens or tokens) / rate
     pruned_weights = sum(r * d for r, d in shapes.values()) * itemsize
@@ -308,7 +319,7 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None, mo
                     cpu_peak_per_rank=cpu_peak, device_peak_per_rank=device_peak, block_phase=block_phase,
                     output_disk=params * itemsize,
                     checkpoint_disk=pruned_weights + tokens * hidden_size * itemsize * (2 if recon else 1),
-                    seconds=seconds, distill_epochs=epochs,
+                    seconds=seconds, distill_epochs=epochs, distill_windows=windows if epochs else 0,
                     distill_peak_per_rank=distilling if device == "cuda" else PROCESS_BYTES + whole + distilling)
 
 
@@ -331,7 +342,8 @@ def needs_table(needs: RunNeeds) -> str:
             ("peak CPU memory per rank", f"{needs.cpu_peak_per_rank / GIB:.2f} GiB")]
     if needs.device_peak_per_rank is not None:
         rows.append(("peak device memory per rank", f"{needs.device_peak_per_rank / GIB:.2f} GiB"))
-    rows.append(("global distillation", f"{needs.distill_epochs} epoch(s)" if needs.distill_epochs else "none"))
+    rows.append(("global distillation", f"{needs.distill_epochs} epoch(s) on {needs.distill_windows} windows"
+                 if needs.distill_epochs else "none"))
     rows += [("disk: output", f"{needs.output_disk / GIB:.2f} GiB"),
              ("disk: checkpoint (deleted at the end)", f"{needs.checkpoint_disk / GIB:.2f} GiB")]
     rows += [(f"time: {k.replace('_', ' ')}", f"{v / 60:.1f} min") for k, v in needs.seconds.items()]

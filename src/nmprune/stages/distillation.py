@@ -3,13 +3,17 @@ train the kept weights of every pruned layer of the whole model, the masks held,
 dense model's next-token distribution on the calibration set (:mod:`nmprune.distill`;
 docs/methods.md "Global distillation").
 
-The dense distribution comes from the dense hidden states the reconstruction carries to the
-last block, through the model's head (:func:`teacher`): no second model is held. Training is
+The pass trains on the run's calibration windows and on windows drawn for it alone
+(``distill_nsamples``). On the run's windows the dense distribution comes from the dense hidden
+states the reconstruction carries to the last block, through the model's head
+(:func:`teacher`): no second model is held. On its own windows it comes from the whole dense
+model before the first block is pruned (:func:`dense_teachers`). Training is
 :func:`~nmprune.reconstruct.fit_masked` on the whole model with the top-k KL divergence as its
 loss, one sample a step, data-parallel over processes like the reconstruction. The batches
 that reconstruction holds out (:func:`~nmprune.stages.reconstruction.held_out_batches`) are
-held out here too: the trained weights are kept only if they lower the divergence there;
-otherwise every pruned layer gets its weights from before the pass back.
+held out here too, with as large a share of the pass's own windows: the trained weights are
+kept only if they lower the divergence there; otherwise every pruned layer gets its weights
+from before the pass back.
 """
 
 from __future__ import annotations
@@ -26,13 +30,24 @@ from ..checks import NonFiniteModel
 from ..distill import TeacherTopK, teacher_topk, topk_kl
 from ..progress import bar as progress_bar
 from ..reconstruct import FitOptions, KeptEntries, ReconstructionDiverged, epoch_steps, fit_masked
-from .reconstruction import Spill, float32_training, held_out_batches
+from .reconstruction import Spill, float32_training
 
 
 def teacher(logits: Iterable[tuple[Tensor, Tensor]], k: int) -> list[TeacherTopK]:
     """The dense model's ``k`` most likely tokens per position of each batch, from its
     ``(ids, logits)`` (one batch at a time: only ``k`` entries a position are kept)."""
     return [teacher_topk(batch_logits, k) for _, batch_logits in logits]
+
+
+def dense_teachers(model: nn.Module, batches: Sequence[Tensor], k: int, device: torch.device) -> list[TeacherTopK]:
+    """The ``k`` most likely tokens per position of each of ``batches`` (token ids) under the
+    whole ``model`` (still dense), which visits ``device`` meanwhile; kept on the CPU."""
+    model.to(device)
+    try:
+        with torch.no_grad():
+            return [teacher_topk(model(b.to(device)).logits, k).to("cpu") for b in batches]
+    finally:
+        model.to("cpu")
 
 
 def _divergence(model: nn.Module, batches: Sequence[Tensor], teachers: Sequence[TeacherTopK],
@@ -49,18 +64,18 @@ def _divergence(model: nn.Module, batches: Sequence[Tensor], teachers: Sequence[
 
 
 def distill(model: nn.Module, weights: Sequence[Tensor], batches: Sequence[Tensor], teachers: Sequence[TeacherTopK],
-            positions: Sequence[int], total: int, options: FitOptions,
+            positions: Sequence[int], total: int, held: frozenset[int], options: FitOptions,
             all_reduce: Callable[[Sequence[Tensor]], None], device: torch.device, progress: bool = False,
             scratch: str | os.PathLike | None = None) -> dict[str, Any]:
     """Train the kept entries of ``weights`` (every pruned layer of ``model``, on ``device``)
     so that ``model``'s next-token distribution on this process's calibration ``batches``
     (token ids; ``positions``: their indices among all processes' ``total``) approaches
-    ``teachers``'; keep the result only if it lowers the divergence on the held-out batches.
-    Returns the record: held-out divergence before and after (``heldout_before``,
-    ``heldout_after``, ``heldout_trained``: what training reached), training divergence of
-    the first and last epoch, steps, ``kept`` (``"distilled"`` or ``"solved"``) and seconds."""
+    ``teachers``'; the batches ``held`` (indices among ``total``) are not trained on, and the
+    result is kept only if it lowers the divergence on them. Returns the record: windows,
+    held-out divergence before and after (``heldout_before``, ``heldout_after``,
+    ``heldout_trained``: what training reached), training divergence of the first and last
+    epoch, steps, ``kept`` (``"distilled"`` or ``"solved"``) and seconds."""
     started = time.perf_counter()
-    held = held_out_batches(total)
     held_local = [j for j, g in enumerate(positions) if g in held]
     train = [j for j, g in enumerate(positions) if g not in held]
     order = {g: r for r, g in enumerate(g for g in range(total) if g not in held)}
@@ -94,7 +109,8 @@ def distill(model: nn.Module, weights: Sequence[Tensor], batches: Sequence[Tenso
                     entries.scatter(saved[i], w.zero_())
     finally:
         saved.close()
-    return {"epochs": options.epochs, "lr": options.lr, "steps": result.steps, "heldout_batches": len(held),
+    return {"epochs": options.epochs, "lr": options.lr, "batches": total, "steps": result.steps,
+            "heldout_batches": len(held),
             "heldout_before": before, "heldout_trained": after,
             "heldout_after": after if kept == "distilled" else before,
             "first_epoch_kl": result.first_epoch_mse, "last_epoch_kl": result.last_epoch_mse,
