@@ -81,7 +81,8 @@ def run_row(base: str, row: dict[str, Any], precision: str) -> dict[str, Any]:
 
 def markdown(bases: dict[str, dict[str, Any]], rows: list[dict[str, Any]], machine: dict[str, str]) -> str:
     lines = ["# Global distillation levers on SmolLM2 (issue 45)", "",
-             "Each base is the default run with `--distill-epochs 0` (and the settings its name says); "
+             "Each base is a run pruned with `--distill-epochs 0`: `default` with the other settings "
+             "at their defaults, `reconstruct-epochs-1` with one reconstruction epoch; "
              f"CPU {machine.get('model', '?')} ({machine.get('llvm_target', '?')}).", "",
              "| base | base wiki | base Austen |", "|---|---:|---:|"]
     lines += [f"| {name} | {b['wiki']:.2f} | {b['austen']:.2f} |" for name, b in bases.items()]
@@ -97,7 +98,8 @@ def markdown(bases: dict[str, dict[str, Any]], rows: list[dict[str, Any]], machi
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base", required=True, help="a run of the default with --distill-epochs 0")
+    parser.add_argument("--base", required=True, help="a run pruned with --distill-epochs 0 (its folder name "
+                        "names it in the table)")
     parser.add_argument("--rows", action="append", default=[], help="e.g. lr=2e-3,nsamples=128 (repeatable)")
     parser.add_argument("--precision", default="auto", help="--train-precision of the pass")
     parser.add_argument("--force", action="store_true")
