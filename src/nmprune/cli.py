@@ -134,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "dense model's activations: of its attention and MLP one after the other "
                         "(submodule), or of the whole block (block); default block")
     p.add_argument("--reconstruct-epochs", dest="reconstruct_epochs", type=int,
-                   help="passes over the calibration set per reconstruction (default 2)")
+                   help="passes over the calibration set per reconstruction (default 1; 2 where the global "
+                        "distillation does not run, see docs/methods.md)")
     p.add_argument("--reconstruct-lr", dest="reconstruct_lr", type=float,
                    help="AdamW learning rate of the reconstruction, relative to each weight's RMS (a step "
                         "moves a weight by about this fraction of its typical entry), decayed linearly to 0 "

@@ -151,7 +151,7 @@ class PruneSettings:
     damp: float = 0.01
     strict: bool = False
     reconstruct: str = "block"
-    reconstruct_epochs: int = 2
+    reconstruct_epochs: int = 1
     reconstruct_lr: float = 1.5e-2
     reconstruct_batch_size: int | None = None
     reconstruct_lanes: int = 1
