@@ -197,3 +197,21 @@ def test_auto_draws_as_many_windows_again_for_the_pass_apart_from_the_runs():
     assert PruneSettings(nsamples=64, distill_nsamples=96).distill_extra_windows() == 32
     assert PruneSettings(nsamples=64, distill_nsamples=64).distill_extra_windows() == 0
     assert distill_windows(None, PruneSettings(nsamples=4, distill_nsamples=4)) is None
+
+
+def test_auto_reconstructs_one_epoch_before_the_pass_and_two_without_it():
+    """``reconstruct_epochs: auto`` (the default): one epoch where the global distillation
+    follows (the model held whole), two where it does not (streamed, or the pass off)."""
+    assert PruneSettings().reconstruct_epochs == "auto"
+    assert PruneSettings().reconstruction_epochs(whole=True) == 1
+    assert PruneSettings().reconstruction_epochs(whole=False) == 2
+    assert PruneSettings(distill_epochs=0).fit_options(whole=True).epochs == 2
+    assert PruneSettings(reconstruct_epochs=3).fit_options(whole=True).epochs == 3
+    calib = token_batch(16, 16)
+    settings = {**SETTINGS, "reconstruct_epochs": "auto"}
+    with_pass = prune_model(tiny_model("llama", layers=2), calibration=calib, device="cpu", progress=False,
+                            distill_epochs=1, **settings)
+    alone = prune_model(tiny_model("llama", layers=2), calibration=calib, device="cpu", progress=False,
+                        distill_epochs=0, **settings)
+    # 8 batches of 2, one held out: 7 steps an epoch
+    assert [b["steps"] for b in with_pass.blocks] == [7, 7] and [b["steps"] for b in alone.blocks] == [14, 14]
