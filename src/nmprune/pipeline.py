@@ -156,12 +156,8 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
         raise ValueError("give either a model or a block source")
     source = source if source is not None else ModelBlocks(model)
     plans = planner.plan_layers(source.layer_shapes())
-    if hessians is not None and settings.hessian_inputs != "dense":
-        raise ValueError("precomputed hessians come from the dense model; they cannot be used "
-                         "with hessian_inputs='pruned'")
-    if hessians is not None and settings.reconstruct != "none":
-        raise ValueError("reconstruction trains on calibration activations, which precomputed "
-                         "hessians do not have: pass reconstruct='none' with hessians=")
+    if hessians is not None:
+        _check_precomputed(settings)
     sink = sink if sink is not None else ModelSink(source)
 
     t_start = time.perf_counter()
@@ -184,20 +180,8 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
             _check_vocab(distill_calibration, source.vocab_size, "distill_calibration")
             with executor.phase("the dense distribution of the distillation's own windows"):
                 own = _own_windows(source, distill_calibration, settings, executor, checkpoint, saving, start, shown)
-        if hessians is None:
-            say(f"capturing the calibration inputs of block {start} ({len(sizes)} batches through the "
-                "embeddings)", shown)
-            with executor.phase("capturing the block inputs"):
-                inputs = source.capture(batches, executor.device, keep_hidden=start == 0 or executor.world > 1)
-                saved = checkpoint.hidden() if start > 0 and checkpoint is not None else None
-            stage = _statistics_stage(inputs, settings, executor, len(sizes), shown, scratch, not source.streamed)
-            del inputs  # the stage owns the hidden states now: each batch is freed once it moves on
-            if start > 0:
-                stage.hidden = [executor.scatter_batches(None if saved is None else [h.to(executor.device) for h in saved[k]],
-                                                         local) for k, local in enumerate(stage.hidden)]
-            del saved
-        else:
-            stage = PrecomputedStatistics(hessians)
+        stage = (PrecomputedStatistics(hessians) if hessians is not None else
+                 _capture(source, batches, len(sizes), start, settings, executor, checkpoint, shown, scratch))
         t_capture = time.perf_counter() - t_start
         loop.run(stage, start)
         if isinstance(stage, ReconstructingStatistics):
@@ -209,17 +193,20 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
                 with executor.phase("global distillation"):
                     report.distillation = _distill(source, plans, stage, batches, own, epochs, settings, executor,
                                                    shown, scratch)
-    mine = [(r["name"], share) for r in report.layers[len(resumed[0]):] if not r["skipped"]
-            and (share := _my_share(r, executor.rank)) is not None]
-    solve = sum(share["seconds"] for _, share in mine)
-    report.per_rank = executor.per_rank({
-        "rank": executor.rank, "busy_seconds": loop.busy["calibration_seconds"] + solve,
-        "calibration_seconds": loop.busy["calibration_seconds"], "solve_seconds": solve,
-        "layer_cpu_seconds": sum(share["cpu_seconds"] for _, share in mine),
-        "layers": [name for name, _ in mine]})
+    report.per_rank = _per_rank(report.layers[len(resumed[0]):], executor, loop.busy["calibration_seconds"])
     report.seconds = {"capture": t_capture, "total": time.perf_counter() - t_start,
                       "layers": sum(r.get("seconds", 0.0) for r in report.layers)}
     return report
+
+
+def _check_precomputed(settings: PruneSettings) -> None:
+    """Refuse the settings that precomputed Hessians cannot serve."""
+    if settings.hessian_inputs != "dense":
+        raise ValueError("precomputed hessians come from the dense model; they cannot be used "
+                         "with hessian_inputs='pruned'")
+    if settings.reconstruct != "none":
+        raise ValueError("reconstruction trains on calibration activations, which precomputed "
+                         "hessians do not have: pass reconstruct='none' with hessians=")
 
 
 def _setup(source: BlockSource, sink: BlockSink, plans: dict[str, LayerPlan | None], settings: PruneSettings,
@@ -329,6 +316,38 @@ class _BlockLoop:
             if self.on_block_done is not None:
                 for j in group:
                     self.on_block_done(j)
+
+
+def _capture(source: BlockSource, batches: list[Tensor], total: int, start: int, settings: PruneSettings,
+             executor: Executor, checkpoint: Checkpoint | None, progress: bool,
+             scratch: str | os.PathLike | None) -> StatisticsStage:
+    """The statistics stage of the run (:func:`_statistics_stage`) holding this process's
+    calibration ``batches`` (of ``total``) as they enter block ``start``: captured through the
+    embeddings, or, resuming, the hidden states rank 0's ``checkpoint`` saved, shared out."""
+    say(f"capturing the calibration inputs of block {start} ({total} batches through the embeddings)", progress)
+    with executor.phase("capturing the block inputs"):
+        inputs = source.capture(batches, executor.device, keep_hidden=start == 0 or executor.world > 1)
+        saved = checkpoint.hidden() if start > 0 and checkpoint is not None else None
+    stage = _statistics_stage(inputs, settings, executor, total, progress, scratch, not source.streamed)
+    del inputs  # the stage owns the hidden states now: each batch is freed once it moves on
+    if start > 0:
+        stage.hidden = [executor.scatter_batches(None if saved is None else [h.to(executor.device) for h in saved[k]],
+                                                 local) for k, local in enumerate(stage.hidden)]
+    return stage
+
+
+def _per_rank(layers: list[dict[str, Any]], executor: Executor, calibration_seconds: float
+              ) -> list[dict[str, Any]]:
+    """Every rank's work in this run (resumed ``layers`` excluded): its calibration seconds
+    and its share of the layer solves."""
+    mine = [(r["name"], share) for r in layers if not r["skipped"]
+            and (share := _my_share(r, executor.rank)) is not None]
+    solve = sum(share["seconds"] for _, share in mine)
+    return executor.per_rank({
+        "rank": executor.rank, "busy_seconds": calibration_seconds + solve,
+        "calibration_seconds": calibration_seconds, "solve_seconds": solve,
+        "layer_cpu_seconds": sum(share["cpu_seconds"] for _, share in mine),
+        "layers": [name for name, _ in mine]})
 
 
 def _my_share(record: dict[str, Any], rank: int) -> dict[str, Any] | None:
