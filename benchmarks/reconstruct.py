@@ -121,15 +121,20 @@ def row_path(method: str, granularity: str) -> Path:
 
 
 def run_row(bench: Bench, method: str, granularity: str, fit: dict[str, Any], tasks: bool) -> dict[str, Any]:
-    from nmprune.pipeline import prune_model
+    from nmprune.config import PruneSettings
+    from nmprune.pipeline import distill_windows, prune_model
 
     name, refine = METHODS[method]
     bench.restore()
-    settings = dict(method=name, refine=refine, reconstruct=granularity,
-                    **({} if granularity == "none" else fit))
+    settings = PruneSettings(method=name, refine=refine, reconstruct=granularity,
+                             **({} if granularity == "none" else fit))
     reset_peak()
     t = time.perf_counter()
-    report = prune_model(bench.model, calibration=bench.calibration, device="cpu", progress=False, **settings)
+    # the global distillation's own windows, drawn as the job draws them (prune_model draws
+    # none when it is given the calibration)
+    extra = distill_windows(bench.tokenizer, settings) if settings.distill_passes(whole=True) else None
+    report = prune_model(bench.model, calibration=bench.calibration, distill_calibration=extra, device="cpu",
+                         progress=False, settings=settings)
     prune_seconds = time.perf_counter() - t
     peak = peak_rss()
     result = bench.evaluate(tasks)
