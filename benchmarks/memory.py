@@ -344,7 +344,6 @@ def ranks_run(model: Path, out: Path, method: str, ranks: int, offload: bool) ->
 
 def same_masks(a: Path, b: Path) -> float:
     """Fraction of 2:4 cells with the same mask in the decoder layers of two saved models."""
-    import torch
     from safetensors.torch import load_file
 
     from nmprune.pattern import same_mask_cells

@@ -9,7 +9,7 @@ import torch
 
 from nmprune.config import PruneSettings
 from nmprune.pattern import NMPattern
-from nmprune.stages.plan import Planner, parse_refine, resolve_plan
+from nmprune.stages.plan import parse_refine, resolve_plan
 from nmprune.pattern import topn_mask
 from nmprune.registry import PositiveFloat, Range, register_method
 

@@ -31,7 +31,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from .output import check_owned, mark, marker, remove_owned

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from ..linalg import wanda_score
-from ..pattern import NMPattern, from_cells, to_cells, topn_mask
+from ..pattern import NMPattern, topn_mask
 from ..registry import NonNegativeFloat, NonNegativeInt, register_method
 
 

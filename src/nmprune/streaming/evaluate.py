@@ -14,7 +14,6 @@ batches as :func:`nmprune.evaluate.perplexity` give the same number.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import Tensor
