@@ -188,6 +188,37 @@ def test_the_pass_also_trains_on_windows_of_its_own_with_the_dense_models_distri
                     progress=False, distill_epochs=1, **SETTINGS)
 
 
+def test_the_own_windows_teachers_are_computed_in_the_dtype_the_pass_trains_in(monkeypatch):
+    """The dense model's distribution on the pass's own windows comes from products in the
+    pass's training dtype (bfloat16 under ``train_precision: bfloat16``, the weights' own under
+    ``full``); in bfloat16 it stays close to float32's, far inside the gap the pass closes."""
+    import nmprune.pipeline as pipeline
+    from nmprune.stages.distillation import dense_teachers
+
+    dense = tiny_model("llama", layers=2)
+    own = token_batch(4, 16, seed=2)
+    full = dense_teachers(dense, own.split(2), 64, torch.device("cpu"))
+    low = dense_teachers(dense, own.split(2), 64, torch.device("cpu"), torch.bfloat16)
+    with torch.no_grad():
+        logits = [dense(b).logits for b in own.split(2)]
+    assert all(torch.equal(t.logp, teacher_topk(x, 64).logp) for t, x in zip(full, logits))
+    assert not all(torch.equal(a.logp, b.logp) for a, b in zip(full, low))  # bfloat16 products did run
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        drift = sum(topk_kl(dense(b).logits.float(), t)[0] for b, t in zip(own.split(2), full))
+    assert 0 < float(drift) / own.numel() < 0.05
+    seen = []
+
+    def spy(model, batches, k, device, dtype=None):
+        seen.append(dtype)
+        return dense_teachers(model, batches, k, device, dtype)
+
+    monkeypatch.setattr(pipeline, "dense_teachers", spy)
+    for precision in ("bfloat16", "full"):
+        prune_model(copy.deepcopy(dense), calibration=token_batch(16, 16), distill_calibration=own, device="cpu",
+                    progress=False, distill_epochs=1, train_precision=precision, **SETTINGS)
+    assert seen == [torch.bfloat16, None]
+
+
 def test_auto_draws_as_many_windows_again_for_the_pass_apart_from_the_runs():
     """``distill_nsamples: auto``: twice the run's windows; a number says the total; the
     pass's own windows are none where they would add nothing."""

@@ -37,6 +37,7 @@ from .progress import stage as say
 from .stages.plan import LayerPlan
 from .distill import DISTILL_TOPK, TeacherTopK, teacher_topk
 from .stages.distillation import dense_teachers, distill, teacher
+from .reconstruct import training_dtype
 from .stages.reconstruction import ReconstructingStatistics, held_out_batches
 from .stages.sink import BlockSink, ModelSink
 from .stages.source import BlockSource, ModelBlocks
@@ -179,7 +180,8 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
         if epochs and distill_calibration is not None:
             _check_vocab(distill_calibration, source.vocab_size, "distill_calibration")
             with executor.phase("the dense distribution of the distillation's own windows"):
-                own = _own_windows(source, distill_calibration, settings, executor, checkpoint, saving, start, shown)
+                own = _own_windows(source, plans, distill_calibration, settings, executor, checkpoint, saving,
+                                   start, shown)
         stage = (PrecomputedStatistics(hessians) if hessians is not None else
                  _capture(source, batches, len(sizes), start, settings, executor, checkpoint, shown, scratch))
         t_capture = time.perf_counter() - t_start
@@ -370,11 +372,12 @@ class _OwnWindows:
     total: int
 
 
-def _own_windows(source: BlockSource, windows: Tensor, settings: PruneSettings, executor: Executor,
-                 checkpoint: Checkpoint | None, saving: bool, start: int, progress: bool) -> _OwnWindows:
+def _own_windows(source: BlockSource, plans: dict[str, LayerPlan | None], windows: Tensor,
+                 settings: PruneSettings, executor: Executor, checkpoint: Checkpoint | None, saving: bool,
+                 start: int, progress: bool) -> _OwnWindows:
     """This process's share of the distillation's own ``windows`` with the dense model's
-    distribution on them (:func:`~nmprune.stages.distillation.dense_teachers`), computed
-    before the first block is pruned and, with ``saving``, kept in rank 0's ``checkpoint``
+    distribution on them (:func:`~nmprune.stages.distillation.dense_teachers`, in the dtype the
+    pass trains the ``plans``' layers in), computed before the first block is pruned and, with ``saving``, kept in rank 0's ``checkpoint``
     (gathered from every rank); a resumed run reads them from there, shared out to every rank."""
     every = list(windows.split(settings.batch_size))
     sizes, total = [b.shape[0] for b in every], len(every)
@@ -392,7 +395,10 @@ def _own_windows(source: BlockSource, windows: Tensor, settings: PruneSettings, 
         raise CheckpointError("the checkpoint holds no dense distribution for the global distillation's own "
                               "windows, and its first blocks are pruned already; pass --restart to start over")
     say(f"computing the dense model's distribution on the global distillation's {total} own windows", progress)
-    teachers = dense_teachers(source.whole_model("distill_epochs"), batches, DISTILL_TOPK, executor.device)
+    trained = [m.weight for i in range(len(source)) for name, m in source.layers(i).items()
+               if plans.get(name) is not None]
+    teachers = dense_teachers(source.whole_model("distill_epochs"), batches, DISTILL_TOPK, executor.device,
+                              training_dtype(settings.train_precision, trained))
     if saving:
         logp = executor.gather_batches([t.logp for t in teachers], sizes)
         ids = executor.gather_batches([t.ids for t in teachers], sizes)

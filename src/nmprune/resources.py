@@ -307,10 +307,10 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None, mo
         training = 3 * fit.epochs * forward * share
         seconds["reconstruction"] = training / train_rate + 2 * forward / ranks / rate
     if epochs:  # the whole model forward and backward on every batch, each epoch
-        # the dense model's forward pass on the pass's own windows, then every window's forward
-        # and backward each epoch
+        # the dense model's forward pass on the pass's own windows (in the pass's dtype), then
+        # every window's forward and backward each epoch
         own_tokens = s.distill_extra_windows() * s.seqlen
-        seconds["distillation"] = (2.0 * params * own_tokens / rate
+        seconds["distillation"] = (2.0 * params * own_tokens / train_rate
                                    + 3 * epochs * 2.0 * params * windows * s.seqlen / train_rate) / ranks
     if config.eval:
         seconds["evaluation"] = 2 * len(config.eval) * 2.0 * params * (config.eval_max_tokens or tokens) / rate
