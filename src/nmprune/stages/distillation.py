@@ -29,7 +29,8 @@ from torch import Tensor, nn
 from ..checks import NonFiniteModel
 from ..distill import TeacherTopK, teacher_topk, topk_kl
 from ..progress import bar as progress_bar
-from ..reconstruct import FitOptions, KeptEntries, ReconstructionDiverged, epoch_steps, fit_masked
+from ..reconstruct import (FitOptions, KeptEntries, ReconstructionDiverged, epoch_steps, fit_masked,
+                           training_dtype)
 from .reconstruction import Spill, float32_training
 
 
@@ -55,11 +56,12 @@ def dense_teachers(model: nn.Module, batches: Sequence[Tensor], k: int, device: 
 
 
 def _divergence(model: nn.Module, batches: Sequence[Tensor], teachers: Sequence[TeacherTopK],
-                which: Sequence[int], all_reduce: Callable[[Sequence[Tensor]], None], device: torch.device) -> float:
+                which: Sequence[int], all_reduce: Callable[[Sequence[Tensor]], None], device: torch.device,
+                dtype: torch.dtype | None = None) -> float:
     """The mean top-k KL divergence per position over this process's batches ``which`` and
-    every other process's (no gradient)."""
+    every other process's (no gradient), the products under autocast to ``dtype`` if given."""
     sums = torch.zeros(2, dtype=torch.float64, device=device)
-    with torch.no_grad():
+    with torch.no_grad(), torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
         for j in which:
             kl, count = topk_kl(model(batches[j].to(device)).logits, teachers[j].to(device))
             sums += torch.tensor([float(kl), float(count)], dtype=torch.float64, device=device)
@@ -83,7 +85,8 @@ def distill(model: nn.Module, weights: Sequence[Tensor], batches: Sequence[Tenso
     held_local = [j for j, g in enumerate(positions) if g in held]
     train = [j for j, g in enumerate(positions) if g not in held]
     order = {g: r for r, g in enumerate(g for g in range(total) if g not in held)}
-    before = _divergence(model, batches, teachers, held_local, all_reduce, device) if held else None
+    low = training_dtype(options.precision, weights)  # the held-out judgement computes as training does
+    before = _divergence(model, batches, teachers, held_local, all_reduce, device, low) if held else None
     where = [KeptEntries(w) for w in weights]
     saved = Spill(scratch)
     try:
@@ -101,7 +104,7 @@ def distill(model: nn.Module, weights: Sequence[Tensor], batches: Sequence[Tenso
             raise type(e)(f"global distillation: {e}") from e
         finally:
             bar.close()
-        after = _divergence(model, batches, teachers, held_local, all_reduce, device) if held else None
+        after = _divergence(model, batches, teachers, held_local, all_reduce, device, low) if held else None
         if after is not None and not after < float("inf"):
             raise ReconstructionDiverged(f"global distillation: the held-out divergence is {after}; lower "
                                          f"the learning rate (now {options.lr:g})")
