@@ -222,13 +222,13 @@ def test_the_own_windows_teachers_are_computed_in_the_dtype_the_pass_trains_in(m
 def test_the_held_out_divergence_computes_in_the_training_dtype():
     """The pass's held-out judgement runs its products in the dtype training runs in: close
     to float32's, and bfloat16 products did run."""
-    from nmprune.stages.distillation import _divergence, dense_teachers
+    from nmprune.stages.distillation import mean_divergence, dense_teachers
 
     dense, student = tiny_model("llama", layers=2), tiny_model("llama", layers=2, seed=1)
     own = list(token_batch(4, 16, seed=2).split(2))
     teachers = dense_teachers(dense, own, 64, torch.device("cpu"))
     args = (student, own, teachers, [0, 1], lambda tensors: None, torch.device("cpu"))
-    full, low = _divergence(*args), _divergence(*args, torch.bfloat16)
+    full, low = mean_divergence(*args), mean_divergence(*args, torch.bfloat16)
     assert full > 0 and low != full and abs(low - full) < 0.05 * full
 
 

@@ -55,7 +55,7 @@ def dense_teachers(model: nn.Module, batches: Sequence[Tensor], k: int, device: 
         model.to("cpu")
 
 
-def _divergence(model: nn.Module, batches: Sequence[Tensor], teachers: Sequence[TeacherTopK],
+def mean_divergence(model: nn.Module, batches: Sequence[Tensor], teachers: Sequence[TeacherTopK],
                 which: Sequence[int], all_reduce: Callable[[Sequence[Tensor]], None], device: torch.device,
                 dtype: torch.dtype | None = None) -> float:
     """The mean top-k KL divergence per position over this process's batches ``which`` and
@@ -86,7 +86,7 @@ def distill(model: nn.Module, weights: Sequence[Tensor], batches: Sequence[Tenso
     train = [j for j, g in enumerate(positions) if g not in held]
     order = {g: r for r, g in enumerate(g for g in range(total) if g not in held)}
     low = training_dtype(options.precision, weights)  # the held-out judgement computes as training does
-    before = _divergence(model, batches, teachers, held_local, all_reduce, device, low) if held else None
+    before = mean_divergence(model, batches, teachers, held_local, all_reduce, device, low) if held else None
     where = [KeptEntries(w) for w in weights]
     saved = Spill(scratch)
     try:
@@ -104,7 +104,7 @@ def distill(model: nn.Module, weights: Sequence[Tensor], batches: Sequence[Tenso
             raise type(e)(f"global distillation: {e}") from e
         finally:
             bar.close()
-        after = _divergence(model, batches, teachers, held_local, all_reduce, device, low) if held else None
+        after = mean_divergence(model, batches, teachers, held_local, all_reduce, device, low) if held else None
         if after is not None and not after < float("inf"):
             raise ReconstructionDiverged(f"global distillation: the held-out divergence is {after}; lower "
                                          f"the learning rate (now {options.lr:g})")
