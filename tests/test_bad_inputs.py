@@ -196,7 +196,7 @@ CASES = {
     "--reconstruct-lr nan": (lambda p, o: _fast(p) + ["--out", o, "--reconstruct-lr", "nan"],
                              "'reconstruct_lr' must be a finite number"),
     "--reconstruct-epochs -1": (lambda p, o: _fast(p) + ["--out", o, "--reconstruct-epochs", "-1"],
-                                "reconstruct_epochs must be 'auto' or a positive integer, got -1"),
+                                "reconstruct_epochs must be a positive integer, got -1"),
     "--reconstruct-batch-size 3": (lambda p, o: _fast(p) + ["--out", o, "--reconstruct", "block", "--batch-size", "2",
                                                             "--reconstruct-batch-size", "3"],
                                    "multiple of batch_size"),

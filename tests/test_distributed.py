@@ -142,8 +142,7 @@ def test_default_job_on_two_ranks_gives_one_ranks_quality(tiny_dir, tmp_path):
     cells (summation order flips near-ties, and an exact refinement then moves that row's kept
     weights), the same kept/solved decisions, block errors within 1%, total local loss within
     1e-3 and perplexity within 0.5%. The two ranks stream the model, which skips the global
-    distillation (and so reconstructs two epochs, ``reconstruct_epochs: auto``): the one rank
-    runs without it too."""
+    distillation: the one rank runs without it too."""
     base, model_dir, text, yaml_file = tiny_dir
     args = ["prune", "--model", str(model_dir), "--calib", str(text), "--nsamples", "8", "--seqlen", "64",
             "--eval", str(text), "--eval-seqlen", "16", "--eval-max-tokens", "256", "--quiet", "--distill-epochs", "0"]

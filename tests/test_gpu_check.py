@@ -47,7 +47,7 @@ def test_gpu_check_runs_on_the_cpu(tmp_path, monkeypatch):
     assert [b["train_dtype"] for b in result["block"]] == ["float32", "bfloat16"]
     for block in result["block"]:
         assert block["settings"] == {"nsamples": 4, "seqlen": 16}
-        assert block["steps"] == 3 * PruneSettings(distill_epochs=0).reconstruction_epochs()  # no pass: 2
+        assert block["steps"] == 3 * PruneSettings().reconstruct_epochs  # 2
         assert block["layer_seconds"] > 0 and block["reconstruction_seconds"] > 0
         assert 0 < block["heldout_after"] <= block["heldout_before"] and block["kept"] in ("reconstructed", "solved")
     assert "Reconstruction in float32 over bfloat16" in (tmp_path / "gpu.md").read_text()

@@ -133,9 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after each block's solve, train its kept weights (mask held) to match the "
                         "dense model's activations: of its attention and MLP one after the other "
                         "(submodule), or of the whole block (block); default block")
-    p.add_argument("--reconstruct-epochs", dest="reconstruct_epochs", type=_count_or_auto, metavar="{auto,N}",
-                   help="passes over the calibration set per reconstruction (default auto: 1 where the global "
-                        "distillation follows, 2 where it does not; docs/methods.md)")
+    p.add_argument("--reconstruct-epochs", dest="reconstruct_epochs", type=int,
+                   help="passes over the calibration set per reconstruction (default 2; docs/methods.md)")
     p.add_argument("--reconstruct-lr", dest="reconstruct_lr", type=float,
                    help="AdamW learning rate of the reconstruction, relative to each weight's RMS (a step "
                         "moves a weight by about this fraction of its typical entry), decayed linearly to 0 "

@@ -28,11 +28,6 @@ AUTO = "auto"
 #: perplexity from 1.90x to 1.76x dense and Gemma-3-270M's from 1.62x to 1.55x
 #: (benchmarks/results/reconstruct_sweep.md, reconstruct_gemma3_sweep.md)
 AUTO_DISTILL_EPOCHS = 1
-#: the reconstruction epochs of ``reconstruct_epochs: auto`` where the global distillation follows
-#: and where it does not: with the pass on 128 windows one epoch gave SmolLM2 wiki 21.04 and two
-#: 20.39 at 170 s more, which the job's 15 minutes did not hold (distill_sweep.md); alone, the
-#: second epoch took wiki from 26.25 to 24.16 (methods.md "Local reconstruction")
-AUTO_RECONSTRUCT_EPOCHS = {"distilled": 1, "alone": 2}
 #: ``distill_nsamples: auto`` trains the global distillation on this many times the run's
 #: ``nsamples`` calibration windows (the run's own and as many more drawn for it): 128 windows
 #: instead of 64 lowered SmolLM2's wiki perplexity from 22.37 to 20.39 and Austen's from 100.1
@@ -121,8 +116,7 @@ class PruneSettings:
     the paper's default) or ``"pruned"`` (activations pass through the already pruned
     blocks; Appendix ``app:use_unpruned_inputs``).
     ``reconstruct`` (``"none"``, ``"submodule"`` or ``"block"``) trains each block's kept
-    weights after its solve, ``reconstruct_epochs`` passes over the calibration set (``"auto"``:
-    one where the global distillation follows, two where it does not) with
+    weights after its solve, ``reconstruct_epochs`` passes over the calibration set with
     AdamW at ``reconstruct_lr`` (relative to each weight's RMS) in steps of ``reconstruct_batch_size`` samples (a multiple
     of ``batch_size``; None: one calibration batch per step; :mod:`nmprune.stages.reconstruction`),
     the batches split into ``reconstruct_lanes`` lanes whose gradients of a round are computed at
@@ -157,7 +151,7 @@ class PruneSettings:
     damp: float = 0.01
     strict: bool = False
     reconstruct: str = "block"
-    reconstruct_epochs: int | str = AUTO
+    reconstruct_epochs: int = 2
     reconstruct_lr: float = 1.5e-2
     reconstruct_batch_size: int | None = None
     reconstruct_lanes: int = 1
@@ -183,9 +177,8 @@ class PruneSettings:
                              f"got {self.hessian_dtype!r}")
         if self.reconstruct not in GRANULARITIES:
             raise ValueError(f"reconstruct must be one of {', '.join(GRANULARITIES)}, got {self.reconstruct!r}")
-        if isinstance(self.reconstruct_epochs, str) and self.reconstruct_epochs != AUTO or \
-                isinstance(self.reconstruct_epochs, int) and self.reconstruct_epochs < 1:
-            raise ValueError(f"reconstruct_epochs must be 'auto' or a positive integer, got "
+        if not isinstance(self.reconstruct_epochs, int) or self.reconstruct_epochs < 1:
+            raise ValueError(f"reconstruct_epochs must be a positive integer, got "
                              f"{self.reconstruct_epochs!r} (to skip reconstruction, set reconstruct to 'none')")
         if self.reconstruct_lr <= 0:
             raise ValueError(f"reconstruct_lr must be a positive number, got {self.reconstruct_lr!r}")
@@ -225,19 +218,10 @@ class PruneSettings:
             self.__dict__["_planner"] = cached = (key, Planner(self))
         return cached[1]
 
-    def reconstruction_epochs(self, whole: bool = True) -> int:
-        """The epochs of each reconstruction: ``reconstruct_epochs`` when it is a number; with
-        ``"auto"``, :data:`AUTO_RECONSTRUCT_EPOCHS` as the global distillation follows or not
-        (:meth:`distill_passes` of a run that holds the model ``whole`` or not)."""
-        if self.reconstruct_epochs != AUTO:
-            return self.reconstruct_epochs
-        return AUTO_RECONSTRUCT_EPOCHS["distilled" if self.distill_passes(whole) else "alone"]
-
-    def fit_options(self, whole: bool = True) -> FitOptions:
-        """How each reconstruction trains (:func:`nmprune.reconstruct.fit_masked`) in a run that
-        holds the model ``whole`` or streams it (:meth:`reconstruction_epochs`)."""
+    def fit_options(self) -> FitOptions:
+        """How each reconstruction trains (:func:`nmprune.reconstruct.fit_masked`)."""
         step = self.reconstruct_batch_size or self.batch_size
-        return FitOptions(self.reconstruction_epochs(whole), self.reconstruct_lr, step // self.batch_size, self.seed,
+        return FitOptions(self.reconstruct_epochs, self.reconstruct_lr, step // self.batch_size, self.seed,
                           self.reconstruct_lanes, self.train_precision)
 
     def distill_passes(self, whole: bool = True) -> int:

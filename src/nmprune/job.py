@@ -361,8 +361,7 @@ def _prune_and_save(config: RunConfig, settings, distill_skipped: str | None, mo
         "summary": {"layers_pruned": len(layers),
                     "layers_skipped": len(prune_report.layers) - len(layers),
                     "mean_loss_vs_wanda": sum(ratios) / len(ratios) if ratios else None},
-        "reconstruction": _reconstruction_summary(settings, prune_report.blocks, prune_report.end_to_end,
-                                                  not model.streamed),
+        "reconstruction": _reconstruction_summary(settings, prune_report.blocks, prune_report.end_to_end),
         "distillation": prune_report.distillation if distill_skipped is None else {"skipped": distill_skipped},
         "resumed_from_block": prune_report.resumed_from_block,
         "ranks": prune_report.ranks, "per_rank": prune_report.per_rank,
@@ -417,10 +416,8 @@ def _dense_results(config: RunConfig, model: BlockSource, tokenizer, ckpt, cache
     return dense, dense_acc
 
 
-def _reconstruction_summary(s, blocks: list[dict[str, Any]], end_to_end: dict[str, Any] | None,
-                            whole: bool) -> dict[str, Any]:
-    """The reconstruction part of a run's report: its settings ``s`` (the run's, in a run that
-    holds the model ``whole`` or streams it), one record per block (the
+def _reconstruction_summary(s, blocks: list[dict[str, Any]], end_to_end: dict[str, Any] | None) -> dict[str, Any]:
+    """The reconstruction part of a run's report: its settings ``s``, one record per block (the
     channel-weighted squared error of the block's outputs relative to the dense model's,
     before and after, on the held-out and the training calibration batches), the means
     of those errors over the blocks, and the end-to-end check (held-out calibration
@@ -430,7 +427,7 @@ def _reconstruction_summary(s, blocks: list[dict[str, Any]], end_to_end: dict[st
         values = [b[key] for b in blocks if b.get(key) is not None]
         return sum(values) / len(values) if values else None
 
-    return {"granularity": s.reconstruct, "epochs": s.reconstruction_epochs(whole), "lr": s.reconstruct_lr,
+    return {"granularity": s.reconstruct, "epochs": s.reconstruct_epochs, "lr": s.reconstruct_lr,
             "batch_size": s.reconstruct_batch_size or s.batch_size, "lanes": s.reconstruct_lanes,
             "mean_heldout_before": mean("heldout_before"), "mean_heldout_after": mean("heldout_after"),
             "mean_error_before": mean("error_before"), "mean_error_after": mean("error_after"),

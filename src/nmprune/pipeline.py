@@ -330,7 +330,7 @@ def _capture(source: BlockSource, batches: list[Tensor], total: int, start: int,
     with executor.phase("capturing the block inputs"):
         inputs = source.capture(batches, executor.device, keep_hidden=start == 0 or executor.world > 1)
         saved = checkpoint.hidden() if start > 0 and checkpoint is not None else None
-    stage = _statistics_stage(inputs, settings, executor, total, progress, scratch, not source.streamed)
+    stage = _statistics_stage(inputs, settings, executor, total, progress, scratch)
     del inputs  # the stage owns the hidden states now: each batch is freed once it moves on
     if start > 0:
         stage.hidden = [executor.scatter_batches(None if saved is None else [h.to(executor.device) for h in saved[k]],
@@ -438,17 +438,15 @@ def _distill(source: BlockSource, plans: dict[str, LayerPlan | None], stage: Rec
 
 
 def _statistics_stage(inputs: BlockInputs, settings: PruneSettings, executor: Executor,
-                      batches: int, progress: bool, scratch: str | os.PathLike | None,
-                      whole: bool) -> StatisticsStage:
+                      batches: int, progress: bool, scratch: str | os.PathLike | None) -> StatisticsStage:
     """The statistics stage of ``settings`` on the captured ``inputs``: with reconstruction
     (``settings.reconstruct``), the one that also fits each block after its solve (and keeps
-    each block's solved weights in ``scratch`` meanwhile) for a run that holds the model
-    ``whole`` or streams it."""
+    each block's solved weights in ``scratch`` meanwhile)."""
     dtype, dense = getattr(torch, settings.hessian_dtype), settings.hessian_inputs == "dense"
     if settings.reconstruct == "none":
         return CalibrationStatistics(inputs, dtype, dense, executor.reduce)
     return ReconstructingStatistics(inputs, dtype, dense, executor.reduce, settings.reconstruct,
-                                    settings.fit_options(whole), executor.shard(range(batches)), batches,
+                                    settings.fit_options(), executor.shard(range(batches)), batches,
                                     executor.all_reduce, progress, scratch, executor.token_sharing(batches))
 
 

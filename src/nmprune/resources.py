@@ -254,7 +254,7 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None, mo
     # entry (its compact gradient and two AdamW moments) and 4 more per lane the rank
     # computes (with several lanes); one layer's dense gradient in flight, and autograd's
     # activations of one batch
-    fit = s.fit_options(whole=not streamed)
+    fit = s.fit_options()
     slots = 0 if fit.lanes == 1 else -(-fit.lanes // ranks)
     kept = max((p.pattern.n / p.pattern.m for p in plans.values() if p is not None), default=1.0)
     pruned = max(sum(r * d for n, (r, d) in b.items() if plans[n] is not None) for b in per_block)
