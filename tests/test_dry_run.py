@@ -69,9 +69,8 @@ def test_the_plan_shares_one_lane_block_training_by_tokens_and_lanes_by_batches(
     end); several lanes or submodules train a step's batches on the ranks holding them."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     model = str(llama_config_dir(tmp_path / "m", 4))
-    # one number of epochs for every plan (auto's depends on whether the ranks stream)
     plans = {(r, k, lanes): plan_run(build_config({"model": model, "device": "cpu", "reconstruct": k,
-                                                    "reconstruct_lanes": lanes, "reconstruct_epochs": 2}), ranks=r)
+                                                    "reconstruct_lanes": lanes}), ranks=r)
              for r in (1, 2, 4) for k in ("block", "submodule") for lanes in (1, 2)}
     # training alone: the passes before and after it take as long as the two calibration passes
     training = {key: p.seconds["reconstruction"] - p.seconds["calibration_passes"] for key, p in plans.items()}

@@ -40,3 +40,8 @@ def low_precision(precision: str, device: torch.device, worthwhile: bool) -> tor
     if precision == "full" or not worthwhile:
         return None
     return torch.bfloat16 if fast_bfloat16(device) else None
+
+
+def products_in(device: torch.device, dtype: torch.dtype | None) -> torch.autocast:
+    """Autocast on ``device`` to ``dtype`` (:func:`low_precision`'s answer); off for None."""
+    return torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)

@@ -377,8 +377,9 @@ def _own_windows(source: BlockSource, plans: dict[str, LayerPlan | None], window
                  start: int, progress: bool) -> _OwnWindows:
     """This process's share of the distillation's own ``windows`` with the dense model's
     distribution on them (:func:`~nmprune.stages.distillation.dense_teachers`, in the dtype the
-    pass trains the ``plans``' layers in), computed before the first block is pruned and, with ``saving``, kept in rank 0's ``checkpoint``
-    (gathered from every rank); a resumed run reads them from there, shared out to every rank."""
+    pass trains the ``plans``' layers in), computed before the first block is pruned and, with
+    ``saving``, kept in rank 0's ``checkpoint`` (gathered from every rank); a resumed run reads
+    them from there, shared out to every rank."""
     every = list(windows.split(settings.batch_size))
     sizes, total = [b.shape[0] for b in every], len(every)
     batches, positions = executor.shard(every), list(executor.shard(range(total)))
@@ -395,10 +396,8 @@ def _own_windows(source: BlockSource, plans: dict[str, LayerPlan | None], window
         raise CheckpointError("the checkpoint holds no dense distribution for the global distillation's own "
                               "windows, and its first blocks are pruned already; pass --restart to start over")
     say(f"computing the dense model's distribution on the global distillation's {total} own windows", progress)
-    trained = [m.weight for i in range(len(source)) for name, m in source.layers(i).items()
-               if plans.get(name) is not None]
     teachers = dense_teachers(source.whole_model("distill_epochs"), batches, DISTILL_TOPK, executor.device,
-                              training_dtype(settings.train_precision, trained))
+                              training_dtype(settings.train_precision, _pruned_weights(source, plans)))
     if saving:
         logp = executor.gather_batches([t.logp for t in teachers], sizes)
         ids = executor.gather_batches([t.ids for t in teachers], sizes)
@@ -427,14 +426,20 @@ def _distill(source: BlockSource, plans: dict[str, LayerPlan | None], stage: Rec
         positions += [total + g for g in own.positions]
         held |= {total + g for g in held_out_batches(own.total)}
         total += own.total
-    weights = [m.weight for i in range(len(source)) for name, m in source.layers(i).items()
-               if plans.get(name) is not None]
+    weights = _pruned_weights(source, plans)
     model.to(executor.device)
     try:
         return distill(model, weights, batches, teachers, positions, total, held, settings.distill_options(epochs),
                        executor.all_reduce, executor.device, progress, scratch)
     finally:
         model.to("cpu")
+
+
+def _pruned_weights(source: BlockSource, plans: dict[str, LayerPlan | None]) -> list[Tensor]:
+    """The weights of every layer ``plans`` prunes, block by block: what the global
+    distillation trains."""
+    return [m.weight for i in range(len(source)) for name, m in source.layers(i).items()
+            if plans.get(name) is not None]
 
 
 def _statistics_stage(inputs: BlockInputs, settings: PruneSettings, executor: Executor,

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from .checks import NonFiniteModel, all_finite
-from .devices import PRECISIONS, low_precision
+from .devices import PRECISIONS, low_precision, products_in
 
 
 class ReconstructionDiverged(ValueError):
@@ -353,7 +353,7 @@ def fit_masked(run: Callable[[int], Tensor], targets: Sequence[Tensor], weights:
             j = local.get(g)
             if j is None:
                 continue
-            with torch.autocast(device.type, dtype=low or torch.bfloat16, enabled=low is not None):
+            with products_in(device, low):
                 out = run(j)
             if loss is None:
                 diff = out.float() - targets[j].float()

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from ..checks import NonFiniteModel
+from ..devices import products_in
 from ..distill import TeacherTopK, teacher_topk, topk_kl
 from ..progress import bar as progress_bar
 from ..reconstruct import (FitOptions, KeptEntries, ReconstructionDiverged, epoch_steps, fit_masked,
@@ -49,19 +50,19 @@ def dense_teachers(model: nn.Module, batches: Sequence[Tensor], k: int, device: 
     of 0.0007 per position from float32's, beside the 0.5 the pass starts from, at half the time."""
     model.to(device)
     try:
-        with torch.no_grad(), torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        with torch.no_grad(), products_in(device, dtype):
             return [teacher_topk(model(b.to(device)).logits, k).to("cpu") for b in batches]
     finally:
         model.to("cpu")
 
 
 def mean_divergence(model: nn.Module, batches: Sequence[Tensor], teachers: Sequence[TeacherTopK],
-                which: Sequence[int], all_reduce: Callable[[Sequence[Tensor]], None], device: torch.device,
-                dtype: torch.dtype | None = None) -> float:
+                    which: Sequence[int], all_reduce: Callable[[Sequence[Tensor]], None], device: torch.device,
+                    dtype: torch.dtype | None = None) -> float:
     """The mean top-k KL divergence per position over this process's batches ``which`` and
     every other process's (no gradient), the products under autocast to ``dtype`` if given."""
     sums = torch.zeros(2, dtype=torch.float64, device=device)
-    with torch.no_grad(), torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+    with torch.no_grad(), products_in(device, dtype):
         for j in which:
             kl, count = topk_kl(model(batches[j].to(device)).logits, teachers[j].to(device))
             sums += torch.tensor([float(kl), float(count)], dtype=torch.float64, device=device)
