@@ -98,15 +98,14 @@ def test_fit_masked_takes_the_same_steps_however_the_batches_are_split():
 @pytest.mark.parametrize("chunk", [5, 16, 1 << 22])
 def test_kept_entries_move_the_nonzeros_in_order_across_chunks(monkeypatch, chunk):
     """Chunked gather and scatter agree with whole-tensor boolean indexing, chunk borders
-    falling inside rows and inside a byte of the packed mask included; the mask takes one
-    bit per weight."""
+    falling inside rows included; the positions take one int32 per kept entry."""
     monkeypatch.setattr(KeptEntries, "CHUNK", chunk)
     torch.manual_seed(3)
     w = torch.randn(7, 12)
     w[torch.rand(7, 12) < 0.5] = 0
     where = KeptEntries(w)
     assert where.count == int((w != 0).sum())
-    assert sum(b.numel() for b in where.bits) == sum(-(-min(chunk, 84 - a) // 8) for a in range(0, 84, chunk))
+    assert where.index.dtype == torch.int32 and where.index.numel() == where.count
     assert torch.equal(where.gather(w), w[w != 0])
     other = torch.randn(7, 12)
     into = torch.ones(where.count)
@@ -123,8 +122,7 @@ def test_fit_masked_steps_as_adamw_on_the_whole_weight_with_masked_gradients(mon
     weights with the pruned entries' gradients zeroed and the weights masked after each step,
     each weight at the learning rate times the RMS of its kept entries (float64 weights, two
     layers, gradients accumulated over 2 batches per step, 3 epochs;
-    the weights' entries in slices of 5, whose borders fall inside cells and mask bytes, or
-    in one slice)."""
+    the kept entries in slices of 5, whose borders fall inside cells, or in one slice)."""
     monkeypatch.setattr(KeptEntries, "CHUNK", chunk)
     torch.manual_seed(2)
     xs = [torch.randn(8, 12, dtype=torch.float64) for _ in range(5)]

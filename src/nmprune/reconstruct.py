@@ -34,7 +34,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 from dataclasses import dataclass
-from itertools import accumulate
 
 import torch
 from torch import Tensor
@@ -126,10 +125,12 @@ class FitResult:
 class KeptEntries:
     """Where a weight's nonzeros are, to move them between the weight and a compact vector.
 
-    The positions are held as a bit mask (one bit per weight, packed eight to a byte), in
-    slices of ``CHUNK`` entries; boolean indexing and ``masked_scatter`` work slice by slice
-    on the unpacked slice, so their temporaries (an int64 index of up to twice the slice's
-    float32 size) stay a few tens of MiB whatever the layer's size.
+    The positions are held as flat indices, in order: int32 (int64 for a weight of 2**31
+    entries or more), 4 bytes per kept entry, so moving values is one indexed gather or add:
+    a packed bit mask would take 32 times less memory and ten times as long to unpack and
+    scan at every step.
+    Moves go ``CHUNK`` kept entries at a time, so their temporaries stay a few tens of MiB
+    whatever the layer's size.
     """
 
     CHUNK = 1 << 22
@@ -139,41 +140,38 @@ class KeptEntries:
             raise ValueError("KeptEntries needs a contiguous weight")
         flat = weight.detach().reshape(-1)
         n = flat.numel()
-        self.bounds = [*range(0, n, self.CHUNK), n]
-        self._shifts = torch.arange(8, dtype=torch.uint8, device=weight.device)
-        self.bits = [self._pack(flat[a:b] != 0) for a, b in zip(self.bounds, self.bounds[1:])]
-        self.offsets = list(accumulate((int(self._mask(k).sum()) for k in range(len(self.bits))), initial=0))
-
-    def _pack(self, mask: Tensor) -> Tensor:
-        padded = torch.nn.functional.pad(mask.to(torch.uint8), (0, -mask.numel() % 8))
-        return (padded.view(-1, 8) << self._shifts).sum(-1, dtype=torch.uint8)
-
-    def _mask(self, k: int) -> Tensor:
-        """Slice ``k``'s mask, unpacked to booleans."""
-        size = self.bounds[k + 1] - self.bounds[k]
-        return ((self.bits[k].unsqueeze(-1) >> self._shifts) & 1).view(-1)[:size].bool()
+        wide = torch.int64 if n >= 2 ** 31 else torch.int32
+        found = [(a, torch.nonzero(flat[a:a + self.CHUNK]).view(-1)) for a in range(0, n, self.CHUNK)]
+        self.index = torch.empty(sum(len(f) for _, f in found), dtype=wide, device=weight.device)
+        offset = 0
+        for a, positions in found:
+            self.index[offset:offset + len(positions)] = positions + a
+            offset += len(positions)
 
     @property
     def count(self) -> int:
-        return self.offsets[-1]
+        return self.index.numel()
 
-    def _slices(self) -> Iterator[tuple[slice, slice, Tensor]]:
-        for k in range(len(self.bits)):
-            yield slice(self.bounds[k], self.bounds[k + 1]), slice(self.offsets[k], self.offsets[k + 1]), self._mask(k)
+    def chunks(self) -> Iterator[tuple[slice, Tensor]]:
+        """The kept entries ``CHUNK`` at a time: their slice of the compact vector and their
+        flat positions in the weight."""
+        for a in range(0, self.count, self.CHUNK):
+            yield slice(a, a + self.CHUNK), self.index[a:a + self.CHUNK]
 
     def gather(self, dense: Tensor, into: Tensor | None = None) -> Tensor:
         """``dense``'s entries at the kept positions, in order; added to ``into`` if given."""
         flat = dense.detach().reshape(-1)
-        out = into if into is not None else torch.zeros(self.count, dtype=dense.dtype, device=dense.device)
-        for whole, kept, mask in self._slices():
-            out[kept] += torch.masked_select(flat[whole], mask)
-        return out
+        if into is None:
+            return flat.index_select(0, self.index)
+        for kept, positions in self.chunks():
+            into[kept] += flat.index_select(0, positions)
+        return into
 
     def scatter(self, values: Tensor, weight: Tensor) -> None:
         """Write ``values`` into ``weight``'s kept positions (the others are left as they are)."""
         flat = weight.detach().view(-1)
-        for whole, kept, mask in self._slices():
-            flat[whole].masked_scatter_(mask, values[kept])
+        for kept, positions in self.chunks():
+            flat.index_copy_(0, positions.long(), values[kept])
 
 
 class CompactAdamW:
@@ -187,7 +185,7 @@ class CompactAdamW:
     and within one model SmolLM2's block-0 ``v_proj`` (0.047) six times as far as its
     ``q_proj`` (0.28). ``grads`` and the two moments are compact vectors, one per weight;
     the parameters are the weights' kept entries themselves: each step's change is computed
-    compact and added to the weight slice by slice (:class:`KeptEntries`), so no compact copy
+    compact and added at the kept positions (:class:`KeptEntries`), so no compact copy
     of them is held."""
 
     def __init__(self, weights: Sequence[Tensor], entries: Sequence[KeptEntries],
@@ -215,10 +213,10 @@ class CompactAdamW:
             avg.lerp_(grad, 1 - beta1)
             avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
             flat = w.detach().view(-1)
-            for whole, kept, mask in where._slices():
+            for kept, positions in where.chunks():
                 # a step beyond the weights' range becomes Inf (and the next loss says so)
                 change = (avg[kept] / (avg_sq[kept].sqrt() / correction).add_(self.eps)).mul_(-step_size * scale)
-                flat[whole] += torch.zeros_like(flat[whole]).masked_scatter_(mask, change)
+                flat.index_add_(0, positions, change)
 
 
 def _no_reduce(tensors: Sequence[Tensor]) -> None:
@@ -312,10 +310,11 @@ def fit_masked(run: Callable[[int], Tensor], targets: Sequence[Tensor], weights:
     compact vectors of its kept entries (``N/M`` of the weight), and the weights themselves
     are the parameters. A weight's dense gradient lives only while backpropagation passes
     through its layer (a hook moves its kept entries into the compact gradient), so training
-    holds 1.5 times the weights beyond them (three vectors of half a weight each at 2:4),
-    not three times; with several lanes, one more compact gradient per lane this process
-    computes. AdamW on the kept entries is AdamW on the weight with its pruned entries'
-    gradients zeroed: those entries would never move.
+    holds twice the weights beyond them (at 2:4, the kept entries' int32 positions and three
+    compact float32 vectors, each half a weight's bytes), not three times; with several
+    lanes, one more compact gradient per lane this process computes. AdamW on the kept
+    entries is AdamW on the weight with its pruned entries' gradients zeroed: those entries
+    would never move.
     """
     started = time.perf_counter()
     entries = list(entries) if entries is not None else [KeptEntries(w) for w in weights]

@@ -17,8 +17,8 @@ parameters and its prunable layers' shapes, as a streamed run does
   in wait on disk while its states out are computed; four with submodule reconstruction,
   whose targets are their own; with reconstruction of a model narrower than float32, the
   pruned stream in float32 besides), the float32 activations of one calibration batch, and
-  with reconstruction the block in float32, a mask bit per pruned weight, 12 bytes per kept
-  entry (:class:`nmprune.reconstruct.CompactAdamW`'s compact gradient and two moments; the
+  with reconstruction the block in float32, 16 bytes per kept entry of a pruned weight (its
+  position and :class:`nmprune.reconstruct.CompactAdamW`'s compact gradient and two moments; the
   solved weights' backup waits on disk in the checkpoint folder) and 4 more per lane the
   rank computes when there are several, one layer's
   dense gradient and autograd's activations of one batch. A
@@ -133,14 +133,14 @@ def _skeleton(config: RunConfig, model=None):
 def distill_bytes(params: int, pruned: int, kept: float, blocks: int, batch_tokens: int, hidden_size: int,
                   intermediate: int, vocab: int, positions: int = 0) -> int:
     """Memory of the global distillation pass (:mod:`nmprune.stages.distillation`) on its
-    device: the whole model in float32, per pruned weight a mask bit and 12 bytes per kept
-    entry (compact gradient and AdamW's two moments) and the solved values kept aside (4 per
-    kept entry), autograd's activations of one batch through every block, its logits four
+    device: the whole model in float32, 16 bytes per kept entry of a pruned weight (its
+    position, compact gradient and AdamW's two moments) and the solved values kept aside (4
+    per kept entry), autograd's activations of one batch through every block, its logits four
     times over (logits, log-probabilities and their gradients), and the dense distribution
     of the rank's ``positions`` (DISTILL_TOPK tokens of 8 bytes each)."""
     from .distill import DISTILL_TOPK
 
-    return int(4 * params + pruned * (1 / 8 + 16 * kept)
+    return int(4 * params + pruned * 20 * kept
                + blocks * batch_tokens * (16 * hidden_size + 4 * intermediate) * 4
                + 4 * batch_tokens * vocab * 4 + positions * min(DISTILL_TOPK, vocab) * 8)
 
@@ -250,15 +250,15 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None, mo
     hidden = -(-s.nsamples // ranks) * s.seqlen * hidden_size * (itemsize * sets + (4 if recon and itemsize < 4 else 0))
     batch_tokens = s.batch_size * s.seqlen
     activations = batch_tokens * (3 * intermediate + 4 * hidden_size) * 4
-    # the block in float32, then per pruned weight: a mask (a bit) and 12 bytes per kept
-    # entry (its compact gradient and two AdamW moments) and 4 more per lane the rank
+    # the block in float32, then per kept entry of a pruned weight: 16 bytes (its position,
+    # compact gradient and two AdamW moments) and 4 more per lane the rank
     # computes (with several lanes); one layer's dense gradient in flight, and autograd's
     # activations of one batch
     fit = s.fit_options()
     slots = 0 if fit.lanes == 1 else -(-fit.lanes // ranks)
     kept = max((p.pattern.n / p.pattern.m for p in plans.values() if p is not None), default=1.0)
     pruned = max(sum(r * d for n, (r, d) in b.items() if plans[n] is not None) for b in per_block)
-    training = ((4 - itemsize) * largest + pruned * (1 / 8 + (12 + 4 * slots) * kept)
+    training = ((4 - itemsize) * largest + pruned * (16 + 4 * slots) * kept
                 + 4 * max(r * d for r, d in shapes.values())
                 + batch_tokens * (16 * hidden_size + 4 * intermediate) * 4) if recon else 0
     block_phase = block + hessians + solver + hidden + activations + training
