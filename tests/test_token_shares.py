@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from nmprune.stages.block_runner import block_hidden
-from nmprune.stages.token_shares import computing_share, layer_reach, token_shares
+from nmprune.stages.token_shares import (attention_on_share, computing_share, layer_reach, share_attention_candidates,
+                                        token_shares)
 from test_models_tiny import FAMILIES, tiny_model, token_batch
 
 ATTENTION_INPUTS = {"k_proj", "v_proj", "c_attn", "qkv_proj"}  # names whose reach is causal here
@@ -17,9 +18,11 @@ ATTENTION_INPUTS = {"k_proj", "v_proj", "c_attn", "qkv_proj"}  # names whose rea
 FLAT = {("opt", "fc1"), ("opt", "fc2")}
 
 
-def _first_block(family: str, seqlen: int = 12):
-    """Block 0 of a tiny ``family`` model in float64 with the arguments the model gives it."""
+def _first_block(family: str, seqlen: int = 12, attention: str = "eager"):
+    """Block 0 of a tiny ``family`` model in float64 with the arguments the model gives it,
+    with transformers' ``attention`` implementation."""
     model = tiny_model(family, layers=1).double()
+    model.config._attn_implementation = attention
     block = next(m for name, m in model.named_modules() if name.endswith(".0") and "layers" in name or name == "transformer.h.0")
     seen = {}
 
@@ -52,8 +55,14 @@ def test_each_layer_reaches_its_own_token_or_the_later_ones(family):
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("world", [2, 3])
-def test_the_shares_gradients_add_up_to_the_whole_samples(family, world):
-    block, run, hidden, linears = _first_block(family)
+@pytest.mark.parametrize("queries", ["whole", "share"])
+def test_the_shares_gradients_add_up_to_the_whole_samples(family, world, queries):
+    """With attention on every query (transformers' eager attention), or (``share``, SDPA
+    where the family has it: not Gemma-2, whose soft cap SDPA lacks) on the share's queries,
+    which every SDPA family's measurement (:func:`attention_on_share`) allows: Llama's SDPA
+    call without a mask, Mistral's sliding window with one."""
+    sdpa = queries == "share" and family != "gemma2"
+    block, run, hidden, linears = _first_block(family, attention="sdpa" if sdpa else "eager")
     length = hidden.shape[-2]
     target = torch.randn_like(hidden)
     weights = [m.weight for m in linears.values()]
@@ -67,7 +76,13 @@ def test_the_shares_gradients_add_up_to_the_whole_samples(family, world):
     shares = token_shares(length, world, 0.7)
     summed = [torch.zeros_like(w) for w in weights]
     for share in shares:
-        with computing_share(linears, reach, share, length):
+        attention = []
+        if queries == "share":
+            with torch.no_grad():
+                attention = attention_on_share(lambda: run(hidden), linears, reach, share, length,
+                                               share_attention_candidates(block, linears, reach))
+            assert bool(attention) == sdpa, (family, share)
+        with computing_share(linears, reach, share, length, attention):
             out = run(hidden)[..., share.start:share.stop, :]
         grads = torch.autograd.grad((out - target[..., share.start:share.stop, :]).square().sum(), weights)
         for s, g in zip(summed, grads):
@@ -76,8 +91,10 @@ def test_the_shares_gradients_add_up_to_the_whole_samples(family, world):
         # float64, but some families' norms compute in float32 (Qwen3's per-head norms)
         gap = float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(a))
         assert gap < 1e-6, (family, name, gap)
-    # the forwards are the modules' own again
+    # the forwards and configs are the modules' own again
     assert all("forward" not in m.__dict__ for m in linears.values())
+    assert all(getattr(getattr(m, "config", None), "_attn_implementation", None) != "nmprune_query_share"
+               for m in block.modules())
 
 
 def test_a_layer_that_computes_more_tokens_than_it_needs_is_still_exact():

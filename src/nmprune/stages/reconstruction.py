@@ -37,7 +37,8 @@ from ..reconstruct import (FitOptions, KeptEntries, ReconstructionDiverged, chan
                            fit_masked, lane_of)
 from .block_runner import BlockCall, BlockInputs, block_hidden, run_block
 from .statistics import CalibrationStatistics, InputStats
-from .token_shares import TokenSharing, computing_share, layer_reach, token_cost, token_shares, widest
+from .token_shares import (TokenSharing, attention_on_share, computing_share, layer_reach, share_attention_candidates,
+                           token_cost, token_shares, widest)
 
 GRANULARITIES = ("none", "submodule", "block")
 RECONSTRUCTION_TEXT = {  # what `nmprune methods` says of each granularity
@@ -445,6 +446,9 @@ class ReconstructingStatistics:
             reach = layer_reach(lambda: run_block(block, probe, call), layers, length) if mine else {}
         reach = widest([r for r in sharing.gather(reach) if r])
         share = token_shares(length, sharing.world, token_cost(layers, reach))[sharing.rank]
+        with torch.no_grad():
+            attention = attention_on_share(lambda: run_block(block, probe, call), layers, reach, share, length,
+                                           share_attention_candidates(block, layers, reach)) if mine else []
 
         def fetch(values: list[Tensor], g: int) -> Tensor:
             j = local.get(g)
@@ -454,7 +458,7 @@ class ReconstructingStatistics:
 
         def run(i: int) -> Tensor:
             h = fetch(self.pruned, train[i])
-            with computing_share(layers, reach, share, length):
+            with computing_share(layers, reach, share, length, attention):
                 return run_block(block, h, call)[..., share.start:share.stop, :]
 
         class Targets(Sequence):

@@ -16,11 +16,20 @@ output of each layer is perturbed at one token, and the block's outputs show whe
 Computing a layer on more tokens than it needs is always exact (its values are the true ones),
 so a layer whose token axis cannot be told (an input that is not ``(..., tokens, features)``)
 simply runs whole.
+
+Attention itself costs as much as the block's linear layers on a CPU at 512 tokens, so it
+runs on the share's queries too where that can be done and checked: an attention module
+that asks transformers' attention interface for ``"sdpa"`` is given, for the step, a copy of
+its config naming :data:`QUERY_SHARE_ATTENTION`, transformers' own SDPA on the share's query
+rows against the keys they attend to (:func:`query_share_attention`). Whether that leaves the
+share's outputs as they were is measured on a real sample before training
+(:func:`attention_on_share`); where it does not, attention runs whole.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+import copy
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -131,13 +140,58 @@ def _rows_only(forward: Callable[..., Tensor], rows: range, length: int) -> Call
     return restricted
 
 
+#: The attention implementation, registered with transformers' ``AttentionInterface``, that
+#: computes the query rows of a module's token share only (:func:`query_share_attention`)
+QUERY_SHARE_ATTENTION = "nmprune_query_share"
+
+
+def query_share_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                          attention_mask: Tensor | None, **kwargs: Any) -> tuple[Tensor, Any]:
+    """transformers' SDPA attention (``(batch, heads, tokens, head_dim)`` in, ``(batch,
+    tokens, heads, head_dim)`` out) computed on the query rows ``[a, b)`` of
+    ``module._query_share = (range(a, b), length)`` alone, the other rows zero. A given mask
+    keeps its rows ``[a, b)``; without one a causal module's queries see the keys up to
+    their own (keys past ``b`` are dropped; for ``a > 0`` a boolean mask aligned to the
+    bottom right says so, as SDPA's own causal flag aligns to the top left)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    rows, length = module._query_share
+    a, b = rows.start, rows.stop
+    if query.shape[-2] != length or key.shape[-2] != length:
+        return sdpa(module, query, key, value, attention_mask, **kwargs)
+    causal = kwargs.get("is_causal")
+    if attention_mask is not None:
+        attention_mask = attention_mask[..., a:b, :]
+    elif causal if causal is not None else getattr(module, "is_causal", True):
+        key, value = key[..., :b, :], value[..., :b, :]
+        if a > 0:
+            attention_mask = torch.ones(1, 1, b - a, b, dtype=torch.bool, device=query.device).tril(a)
+    out, weights = sdpa(module, query[..., a:b, :], key, value, attention_mask, **kwargs)
+    return torch.nn.functional.pad(out, (0, 0, 0, 0, a, length - b)), weights
+
+
+def share_attention_candidates(block: nn.Module, layers: Mapping[str, nn.Module],
+                               reach: Mapping[str, str]) -> list[nn.Module]:
+    """The modules of ``block`` that hold a ``"causal"`` layer of ``reach`` (the keys and
+    values) and ask for transformers' ``"sdpa"`` attention: those whose queries can be
+    restricted to a share (:func:`query_share_attention`)."""
+    causal = {id(layers[name]) for name, kind in reach.items() if kind == "causal"}
+    return [m for m in block.modules()
+            if any(id(c) in causal for c in m.children())
+            and getattr(getattr(m, "config", None), "_attn_implementation", None) == "sdpa"]
+
+
 @contextmanager
 def computing_share(layers: Mapping[str, nn.Module], reach: Mapping[str, str], share: range,
-                    length: int) -> Iterator[None]:
+                    length: int, attention: Sequence[nn.Module] = ()) -> Iterator[None]:
     """Inside, each of ``layers`` computes only the token rows this process's ``share`` of the
     loss needs (:func:`layer_reach`): the share for ``"token"`` layers, every token up to the
-    share's end for ``"causal"`` ones; ``"all"`` layers run whole."""
+    share's end for ``"causal"`` ones; ``"all"`` layers run whole. The ``attention`` modules
+    (:func:`share_attention_candidates`) compute the share's queries only
+    (:data:`QUERY_SHARE_ATTENTION`)."""
     saved: dict[str, object] = {}
+    configs: list[tuple[nn.Module, Any]] = []
     try:
         for name, layer in layers.items():
             kind = reach.get(name, "all")
@@ -146,9 +200,38 @@ def computing_share(layers: Mapping[str, nn.Module], reach: Mapping[str, str], s
             rows = share if kind == "token" else range(0, share.stop)
             saved[name] = layer.__dict__.get("forward")
             layer.forward = _rows_only(layer.forward, rows, length)
+        if attention:
+            from transformers import AttentionInterface
+
+            AttentionInterface.register(QUERY_SHARE_ATTENTION, query_share_attention)
+        for module in attention:
+            configs.append((module, module.config))
+            module.config = copy.deepcopy(module.config)
+            module.config._attn_implementation = QUERY_SHARE_ATTENTION
+            module._query_share = (share, length)
         yield
     finally:
+        for module, config in configs:
+            module.config = config
+            del module._query_share
         for name, previous in saved.items():
             del layers[name].forward
             if previous is not None:
                 layers[name].forward = previous
+
+
+def attention_on_share(run: Callable[[], Tensor], layers: Mapping[str, nn.Module], reach: Mapping[str, str],
+                       share: range, length: int, candidates: Sequence[nn.Module]) -> list[nn.Module]:
+    """``candidates`` (:func:`share_attention_candidates`) if computing only the share's
+    queries in them leaves the share's rows of the block's output ``run()`` (no gradient) as
+    they are, up to rounding of their size; otherwise none."""
+    if not candidates:
+        return []
+    whole = run()[..., share.start:share.stop, :].float()
+    try:
+        with computing_share(layers, reach, share, length, candidates):
+            part = run()[..., share.start:share.stop, :].float()
+    except (RuntimeError, ValueError, TypeError, IndexError):
+        return []
+    tolerance = 1e-4 * float(whole.abs().max()) + 1e-6
+    return list(candidates) if part.shape == whole.shape and float((part - whole).abs().max()) <= tolerance else []
