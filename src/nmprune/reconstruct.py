@@ -186,7 +186,9 @@ class CompactAdamW:
     ``q_proj`` (0.28). ``grads`` and the two moments are compact vectors, one per weight;
     the parameters are the weights' kept entries themselves: each step's change is computed
     compact and added at the kept positions (:class:`KeptEntries`), so no compact copy
-    of them is held."""
+    of them is held. ``summed`` holds the tensors the gradients live in, to sum over
+    processes: one buffer that ``grads`` are views of, where the weights share a dtype and
+    device."""
 
     def __init__(self, weights: Sequence[Tensor], entries: Sequence[KeptEntries],
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
@@ -196,7 +198,16 @@ class CompactAdamW:
         norms = [float(torch.linalg.vector_norm(w.detach(), dtype=torch.promote_types(w.dtype, torch.float32)))
                  for w in self.weights]
         self.scales = [n / max(e.count, 1) ** 0.5 if n > 0 else 1.0 for n, e in zip(norms, self.entries)]
-        self.grads = [torch.zeros(e.count, dtype=w.dtype, device=w.device) for w, e in zip(weights, entries)]
+        # the compact gradients are views of one buffer where the weights share a dtype and
+        # device: a sum over processes is then one collective on it, with no copies
+        if len({(w.dtype, w.device) for w in self.weights}) == 1:
+            buffer = torch.zeros(sum(e.count for e in self.entries), dtype=self.weights[0].dtype,
+                                 device=self.weights[0].device)
+            self.grads = list(buffer.split([e.count for e in self.entries]))
+            self.summed = [buffer]
+        else:
+            self.grads = [torch.zeros(e.count, dtype=w.dtype, device=w.device) for w, e in zip(weights, entries)]
+            self.summed = self.grads
         self.exp_avg = [torch.zeros_like(g) for g in self.grads]
         self.exp_avg_sq = [torch.zeros_like(g) for g in self.grads]
         self.steps = 0
@@ -390,7 +401,7 @@ def fit_masked(run: Callable[[int], Tensor], targets: Sequence[Tensor], weights:
                     elif slots[k] is not optimiser.grads:
                         for grad, held in zip(optimiser.grads, slots[k]):
                             grad.copy_(held)
-                    all_reduce([*optimiser.grads, error])
+                    all_reduce([*optimiser.summed, error])
                     if not math.isfinite(float(error[0])):
                         why, broken = _not_finite(float(error[0]), epoch, step, optimiser.steps, targets, options.lr,
                                                   all_reduce)
