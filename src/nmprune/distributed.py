@@ -34,7 +34,7 @@ import os
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Any, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -502,6 +502,17 @@ class RankTotals:
 
     def max(self, values: Sequence[float]) -> list[float]:
         return self._reduce(values, dist.ReduceOp.MAX)
+
+    def sum_started(self, values: Sequence[float]) -> Callable[[], list[float]]:
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.ranks.device)
+        with _peer_lost("a total over a layer's rows"):
+            work = dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True)
+
+        def finish() -> list[float]:
+            with _peer_lost("a total over a layer's rows"):
+                work.wait()
+            return t.tolist()
+        return finish
 
 
 # ----------------------------------------------------------------------------- executor

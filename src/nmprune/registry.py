@@ -56,6 +56,10 @@ class RowShards(Protocol):
 
     def max(self, values: Sequence[float]) -> list[float]: ...
 
+    def sum_started(self, values: Sequence[float]) -> Callable[[], list[float]]:
+        """:meth:`sum`, started now and finished by calling what it returns, so that the
+        process computes meanwhile (every process still starts it at the same point)."""
+
 
 #: What a solver promises about its rows, declared when it registers:
 #: ``"independent"``: each output row is solved from its own weights and ``H`` alone, so any

@@ -83,7 +83,9 @@ def prox_gradient(w_star: Tensor, h: Tensor, pattern: NMPattern, cell_prox: Cell
     and the loop's two totals over the rows -- ``mean|W*|`` of eq. ``lambda_adapt`` (from
     the whole layer's weights, so bit for bit the whole layer's) and the count of cells not
     yet N:M, which decides when the loop stops -- are those of the whole layer, so every
-    share takes the iterations the whole layer would."""
+    share takes the iterations the whole layer would. The count's sum over the shares
+    travels while the share computes its next iterate (one more iterate held meanwhile),
+    which is dropped when the count ends the loop."""
     low = gradient_dtype(gradient_precision, w_star)
     s = column_scale(h)
     w_star, h = rescale(w_star, h, s)
@@ -103,21 +105,11 @@ def prox_gradient(w_star: Tensor, h: Tensor, pattern: NMPattern, cell_prox: Cell
     n_cells = w_star.numel() // pattern.m
     if shards is not None:
         n_cells = int(shards.sum([n_cells])[0])
-    w, w_prev, z_prev, momentum = w_star.clone(), w_star, w_star, 1.0
-    it = 0
-    while True:
-        n_left = count_dense_cells(w, pattern)
-        if shards is not None:
-            n_left = int(shards.sum([n_left])[0])
-        if n_left == 0:
-            break
-        if n_left <= finish * n_cells or it >= max_iter:
-            if it >= max_iter:
-                warnings.warn(f"{method}: max_iter={max_iter} reached with {n_left} of {n_cells} "
-                              "cells not yet N:M; they were projected onto N:M (N largest kept)",
-                              RuntimeWarning, stacklevel=4)
-            w = w * topn_mask(w.abs(), pattern)
-            break
+
+    def advance(w: Tensor, w_prev: Tensor, z_prev: Tensor,
+                momentum: float) -> tuple[Tensor, Tensor, Tensor, float]:
+        """One iteration from ``w`` at the current ``lam``: the new iterate and what the next
+        extrapolation keeps (``w_prev``, ``z_prev``, ``momentum``)."""
         if accelerate:  # y = w + c (z_prev - w_prev) + rho c (w - z_prev), rho = shrink_momentum
             next_m = 0.5 * (1.0 + (1.0 + 4.0 * momentum * momentum) ** 0.5)
             c = (momentum - 1.0) / next_m
@@ -135,7 +127,30 @@ def prox_gradient(w_star: Tensor, h: Tensor, pattern: NMPattern, cell_prox: Cell
         del y
         if accelerate:  # kept for the next extrapolation only
             w_prev, z_prev = w, z
-        w = from_cells(cell_prox(to_cells(z, pattern.m), torch.tensor(lam, dtype=z.dtype)))
+        return from_cells(cell_prox(to_cells(z, pattern.m), torch.tensor(lam, dtype=z.dtype))), w_prev, z_prev, momentum
+
+    state = (w_star.clone(), w_star, w_star, 1.0)
+    it = 0
+    while True:
+        w = state[0]
+        if shards is None:
+            n_left, ahead = count_dense_cells(w, pattern), None
+        else:
+            # the whole layer's count travels while this share computes the next iterate,
+            # which is dropped if the count ends the loop
+            total = shards.sum_started([count_dense_cells(w, pattern)])
+            ahead = advance(*state) if it < max_iter else None
+            n_left = int(total()[0])
+        if n_left == 0:
+            break
+        if n_left <= finish * n_cells or it >= max_iter:
+            if it >= max_iter:
+                warnings.warn(f"{method}: max_iter={max_iter} reached with {n_left} of {n_cells} "
+                              "cells not yet N:M; they were projected onto N:M (N largest kept)",
+                              RuntimeWarning, stacklevel=4)
+            w = w * topn_mask(w.abs(), pattern)
+            break
+        state = ahead if ahead is not None else advance(*state)
         lam *= beta
         it += 1
     return w / s
