@@ -129,8 +129,8 @@ class KeptEntries:
     entries or more), 4 bytes per kept entry, so moving values is one indexed gather or add:
     a packed bit mask would take 32 times less memory and ten times as long to unpack and
     scan at every step.
-    Moves go ``CHUNK`` kept entries at a time, so their temporaries stay a few tens of MiB
-    whatever the layer's size.
+    They are found ``CHUNK`` weights at a time and moved ``CHUNK`` kept entries at a time, so
+    the temporaries stay a few tens of MiB whatever the layer's size.
     """
 
     CHUNK = 1 << 22
@@ -140,13 +140,15 @@ class KeptEntries:
             raise ValueError("KeptEntries needs a contiguous weight")
         flat = weight.detach().reshape(-1)
         n = flat.numel()
-        wide = torch.int64 if n >= 2 ** 31 else torch.int32
-        found = [(a, torch.nonzero(flat[a:a + self.CHUNK]).view(-1)) for a in range(0, n, self.CHUNK)]
-        self.index = torch.empty(sum(len(f) for _, f in found), dtype=wide, device=weight.device)
+        starts = range(0, n, self.CHUNK)
+        # counted first, then found chunk by chunk: nonzero's int64 positions of one chunk at a time
+        counts = [int(torch.count_nonzero(flat[a:a + self.CHUNK])) for a in starts]
+        self.index = torch.empty(sum(counts), dtype=torch.int64 if n >= 2 ** 31 else torch.int32,
+                                 device=weight.device)
         offset = 0
-        for a, positions in found:
-            self.index[offset:offset + len(positions)] = positions + a
-            offset += len(positions)
+        for a, count in zip(starts, counts):
+            self.index[offset:offset + count] = torch.nonzero(flat[a:a + self.CHUNK]).view(-1) + a
+            offset += count
 
     @property
     def count(self) -> int:
