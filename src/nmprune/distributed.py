@@ -491,28 +491,26 @@ class RankTotals:
     def __init__(self, ranks: "Ranks", whole: Tensor):
         self.ranks, self.whole = ranks, whole
 
-    def _reduce(self, values: Sequence[float], op: Any) -> list[float]:
+    def _started(self, values: Sequence[float], op: Any) -> Callable[[], list[float]]:
+        """The all-reduce of ``values`` started; calling the result waits for it."""
         t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.ranks.device)
         with _peer_lost("a total over a layer's rows"):
-            dist.all_reduce(t, op=op)
-        return t.tolist()
-
-    def sum(self, values: Sequence[float]) -> list[float]:
-        return self._reduce(values, dist.ReduceOp.SUM)
-
-    def max(self, values: Sequence[float]) -> list[float]:
-        return self._reduce(values, dist.ReduceOp.MAX)
-
-    def sum_started(self, values: Sequence[float]) -> Callable[[], list[float]]:
-        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.ranks.device)
-        with _peer_lost("a total over a layer's rows"):
-            work = dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True)
+            work = dist.all_reduce(t, op=op, async_op=True)
 
         def finish() -> list[float]:
             with _peer_lost("a total over a layer's rows"):
                 work.wait()
             return t.tolist()
         return finish
+
+    def sum(self, values: Sequence[float]) -> list[float]:
+        return self._started(values, dist.ReduceOp.SUM)()
+
+    def max(self, values: Sequence[float]) -> list[float]:
+        return self._started(values, dist.ReduceOp.MAX)()
+
+    def sum_started(self, values: Sequence[float]) -> Callable[[], list[float]]:
+        return self._started(values, dist.ReduceOp.SUM)
 
 
 # ----------------------------------------------------------------------------- executor
