@@ -10,9 +10,9 @@ RECONSTRUCT (``submodule`` or ``block``) adds local reconstruction with :data:`R
 (``block:2``: in two lanes instead of the default one; ``block:1:distill`` adds the global
 distillation pass with :data:`DISTILL`);
 ``prox`` instead prunes with :data:`PROX`, whole layers to each rank (the tiny layers are too
-small to split), and ``rows`` does the same but lets the ranks split layers of any size
-(:data:`nmprune.distributed.MIN_SHARE_ROWS` lowered to 1), so they solve shares of every
-layer's rows.
+small to split), and ``rows`` does the same but makes the ranks split layers of any size
+(:data:`nmprune.distributed.MIN_SHARE_ROWS` lowered to 1, no :data:`~nmprune.distributed.SPLIT_OVERHEAD`
+but a split's saving), so they solve shares of every layer's rows.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ def main(family: str, mode: str, out: Path, extra: str = "none") -> None:
     torch.set_num_threads(1)
     if extra == "rows":
         distributed.MIN_SHARE_ROWS = 1
+        distributed.SPLIT_OVERHEAD = {"cpu": -1.0, "cuda": -1.0}  # a split then costs nothing
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     model = build(family)

@@ -79,10 +79,10 @@ def test_assignment_is_longest_first_to_least_loaded_and_near_optimal():
         assign([1.0], 0)
 
 
-def test_job_cost_scales_with_rows_and_squared_input_width():
+def test_job_cost_scales_with_rows_and_between_linearly_and_squared_with_input_width():
     base = job_cost(64, 32, "prox", "exact")
     assert job_cost(128, 32, "prox", "exact") == pytest.approx(2 * base)
-    assert job_cost(64, 64, "prox", "exact") == pytest.approx(4 * base)
+    assert 2 * base < job_cost(64, 64, "prox", "exact") < 4 * base
     assert job_cost(64, 32, "prox", None) < base
 
 

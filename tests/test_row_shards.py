@@ -14,7 +14,8 @@ import torch
 from test_distributed import WORKER, agreement, torchrun, total_loss, worker_run
 from test_models_tiny import token_batch
 
-from nmprune.distributed import MIN_SHARE_ROWS, busiest_rank_cost, makespan, merge_records, row_share, split_rows
+from nmprune.distributed import (MIN_SHARE_ROWS, SPLIT_OVERHEAD, busiest_rank_cost, job_cost, makespan,
+                                 merge_records, row_share, split_rows)
 from nmprune.pipeline import prune_model
 from nmprune.registry import register_method, register_refiner
 from nmprune.solve import solve
@@ -49,20 +50,32 @@ def test_row_shares_cover_the_rows_once():
         assert max(map(len, shares)) - min(map(len, shares)) <= 1
 
 
-def test_rows_are_split_wherever_every_solver_and_layer_allows():
-    llama_8b = [4096 * 4096 ** 2, 1024 * 4096 ** 2, 1024 * 4096 ** 2, 4096 * 4096 ** 2,
-                14336 * 4096 ** 2, 14336 * 4096 ** 2, 4096 * 14336 ** 2]
-    rows = [4096, 1024, 1024, 4096, 14336, 14336, 4096]
-    assert split_rows(rows, True, 8) and split_rows(rows, True, 2)
-    # the plan prices a block as the executor solves it: an equal share, or whole layers'
-    # makespan, which the down projection alone holds above a rank's fair share of 8
-    assert busiest_rank_cost(llama_8b, rows, True, 8) == pytest.approx(sum(llama_8b) / 8)
-    assert busiest_rank_cost(llama_8b, rows, False, 8) == makespan(llama_8b, 8) > 2 * sum(llama_8b) / 8
+def test_rows_are_split_where_it_beats_whole_layers():
+    # Llama-3.1-8B's block, (rows, d_in) of q, k, v, o, gate, up, down, priced as the default solves
+    shapes = [(4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096), (14336, 4096), (14336, 4096), (4096, 14336)]
+    rows = [r for r, _ in shapes]
+    llama_8b = [job_cost(r, d, "prox", "exact") for r, d in shapes]
+    # 8 ranks: whole layers would leave the down projection's rank with several fair shares
+    assert split_rows(rows, llama_8b, True, 8) and split_rows(rows, llama_8b, True, 8, "cuda")
+    # 2 ranks: the down projection alone is over half the block, above a split share on CUDA,
+    # below one with the CPU's round trips
+    assert max(llama_8b) > sum(llama_8b) / 2
+    assert split_rows(rows, llama_8b, True, 2, "cuda") and not split_rows(rows, llama_8b, True, 2)
+    # the plan prices a block as the executor solves it
+    share = sum(llama_8b) / 8 * (1 + SPLIT_OVERHEAD["cpu"])
+    assert busiest_rank_cost(llama_8b, rows, True, 8) == pytest.approx(share)
+    assert busiest_rank_cost(llama_8b, rows, False, 8) == makespan(llama_8b, 8) > 2 * share
+    assert busiest_rank_cost(llama_8b, rows, True, 2) == makespan(llama_8b, 2)
+    # the scaling benchmark's Llama (hidden 512) on 2 CPU ranks: whole layers balance well
+    small = [(512, 512)] * 4 + [(1376, 512)] * 2 + [(512, 1376)]
+    small_costs = [job_cost(r, d, "prox", "exact") for r, d in small]
+    assert makespan(small_costs, 2) < 1.1 * sum(small_costs) / 2
+    assert not split_rows([r for r, _ in small], small_costs, True, 2)
     # one rank, a solver that solves layers whole, or too few rows: whole layers
-    assert not split_rows(rows, True, 1)
-    assert not split_rows(rows, False, 8)
-    assert not split_rows([8 * MIN_SHARE_ROWS - 1] + rows[1:], True, 8)
-    assert split_rows([8 * MIN_SHARE_ROWS] + rows[1:], True, 8)
+    assert not split_rows(rows, llama_8b, True, 1)
+    assert not split_rows(rows, llama_8b, False, 8)
+    assert not split_rows([8 * MIN_SHARE_ROWS - 1] + rows[1:], llama_8b, True, 8)
+    assert split_rows([8 * MIN_SHARE_ROWS] + rows[1:], llama_8b, True, 8)
 
 
 def test_merged_record_adds_losses_and_takes_the_slowest_share():

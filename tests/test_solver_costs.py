@@ -3,21 +3,17 @@
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 
 from nmprune import methods, refiners
 from nmprune.distributed import job_cost
-from nmprune.registry import DEFAULT_COST, get_method, get_refiner, register_method, register_refiner
+from nmprune.registry import DEFAULT_COST, DEFAULT_ENTRY_COST, get_method, get_refiner, register_method, register_refiner
 
-# the factors distributed.COST_FACTORS held before they moved into the registrations: the
-# same numbers, so the assignment of layers to ranks does not change
-FORMER_FACTORS = {
-    "magnitude": 1.1e-11, "wanda": 7.1e-12, "dsnot": 3.0e-11, "sparsegpt": 1.1e-10,
-    "prox": 7.2e-10, "prox-l0": 7.3e-9, "prox-l1": 1.4e-9, "prox-l2": 1.5e-8,
-}
-FORMER_REFINER_FACTORS = {"exact": 1.3e-9, "gd": 1.1e-8}
+MEASURED = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "solver_costs.json"
 
 
 def _toy_method(w, h, pattern):
@@ -36,48 +32,75 @@ def _register_once(kind: str, name: str, **kwargs) -> None:
         register_refiner(name, description="test only: keeps W", **kwargs)(_toy_refiner)
 
 
-def test_builtin_costs_are_the_former_factors():
-    for name, factor in FORMER_FACTORS.items():
-        assert get_method(name).cost == factor, name
-        assert job_cost(64, 32, name, None) == pytest.approx(64 * 32 ** 2 * factor, rel=1e-12)
-    for name, factor in FORMER_REFINER_FACTORS.items():
-        assert get_refiner(name).cost == factor, name
-    assert job_cost(64, 32, "prox", "exact") == pytest.approx(64 * 32 ** 2 * (7.2e-10 + 1.3e-9), rel=1e-12)
-    # the default is the most expensive built-in solver, as an unlisted one was priced before
-    assert DEFAULT_COST == max([*FORMER_FACTORS.values(), *FORMER_REFINER_FACTORS.values()])
+def test_builtin_costs_are_the_measured_fits():
+    """Every built-in solver is registered with the two costs benchmarks/solver_costs.py fitted
+    (to the two significant digits the registrations quote), and the default is the dearest."""
+    measured = json.loads(MEASURED.read_text())["solvers"]
+    assert {(r["kind"], r["name"]) for r in measured} == \
+        {("method", m) for m in methods() if not m.startswith("test-")} | \
+        {("refiner", r) for r in refiners() if not r.startswith("test-")}
+    for row in measured:
+        solver = (get_method if row["kind"] == "method" else get_refiner)(row["name"])
+        for got, fitted in ((solver.cost, row["cost"]), (solver.entry_cost, row["entry_cost"])):
+            assert got == pytest.approx(float(f"{fitted:.2g}"), rel=1e-12, abs=1e-30), row["name"]
+    dearest = max(measured, key=lambda r: job_cost(576, 576, r["name"], None) if r["kind"] == "method" else 0.0)
+    assert (DEFAULT_COST, DEFAULT_ENTRY_COST) == (get_method(dearest["name"]).cost, get_method(dearest["name"]).entry_cost)
+
+
+def test_job_cost_adds_both_terms_of_the_method_and_refiner():
+    method, refiner = get_method("prox"), get_refiner("exact")
+    rows, d_in = 64, 32
+    assert job_cost(rows, d_in, "prox", None) == pytest.approx(
+        rows * d_in ** 2 * method.cost + rows * d_in * method.entry_cost, rel=1e-12)
+    assert job_cost(rows, d_in, "prox", "exact") == pytest.approx(
+        rows * d_in ** 2 * (method.cost + refiner.cost) + rows * d_in * (method.entry_cost + refiner.entry_cost),
+        rel=1e-12)
+    # the entry term makes small layers dearer than rows x d_in^2 alone says
+    assert job_cost(512, 512, "prox", "exact") / job_cost(512, 1376, "prox", "exact") > (512 / 1376) ** 2
 
 
 def test_a_registered_method_and_refiner_are_priced_with_their_own_cost():
-    _register_once("method", "test-cost-method", cost=2.5e-9)
+    _register_once("method", "test-cost-method", cost=2.5e-9, entry_cost=1e-7)
     _register_once("refiner", "test-cost-refiner", cost=4e-10)
+    _register_once("refiner", "test-cost-entries-refiner", entry_cost=3e-8)
     rows, d_in = 96, 48
-    assert get_method("test-cost-method").cost == 2.5e-9
-    assert job_cost(rows, d_in, "test-cost-method", None) == pytest.approx(rows * d_in ** 2 * 2.5e-9, rel=1e-12)
+    assert (get_method("test-cost-method").cost, get_method("test-cost-method").entry_cost) == (2.5e-9, 1e-7)
+    # given one cost, the other is 0
+    assert get_refiner("test-cost-refiner").entry_cost == 0.0 and get_refiner("test-cost-entries-refiner").cost == 0.0
+    assert job_cost(rows, d_in, "test-cost-method", None) == \
+        pytest.approx(rows * d_in ** 2 * 2.5e-9 + rows * d_in * 1e-7, rel=1e-12)
     assert job_cost(rows, d_in, "test-cost-method", "test-cost-refiner") == \
-        pytest.approx(rows * d_in ** 2 * (2.5e-9 + 4e-10), rel=1e-12)
-    assert job_cost(rows, d_in, "prox", "test-cost-refiner") == \
-        pytest.approx(rows * d_in ** 2 * (7.2e-10 + 4e-10), rel=1e-12)
-    assert job_cost(rows, d_in, "test-cost-method", "exact") == \
-        pytest.approx(rows * d_in ** 2 * (2.5e-9 + 1.3e-9), rel=1e-12)
+        pytest.approx(rows * d_in ** 2 * (2.5e-9 + 4e-10) + rows * d_in * 1e-7, rel=1e-12)
+    assert job_cost(rows, d_in, "test-cost-method", "test-cost-entries-refiner") == \
+        pytest.approx(rows * d_in ** 2 * 2.5e-9 + rows * d_in * (1e-7 + 3e-8), rel=1e-12)
 
 
 def test_a_solver_registered_without_a_cost_gets_the_documented_default():
     _register_once("method", "test-cost-default")
     _register_once("refiner", "test-cost-default-refiner")
-    assert get_method("test-cost-default").cost == DEFAULT_COST
-    assert get_refiner("test-cost-default-refiner").cost == DEFAULT_COST
+    for solver in (get_method("test-cost-default"), get_refiner("test-cost-default-refiner")):
+        assert (solver.cost, solver.entry_cost) == (DEFAULT_COST, DEFAULT_ENTRY_COST)
     assert job_cost(10, 20, "test-cost-default", "test-cost-default-refiner") == \
-        pytest.approx(10 * 20 ** 2 * 2 * DEFAULT_COST, rel=1e-12)
-    assert "DEFAULT_COST" in register_method.__doc__ and "cost" in register_refiner.__doc__
+        pytest.approx(2 * (10 * 20 ** 2 * DEFAULT_COST + 10 * 20 * DEFAULT_ENTRY_COST), rel=1e-12)
+    assert "DEFAULT_COST" in register_method.__doc__ and "entry_cost" in register_refiner.__doc__
 
 
-@pytest.mark.parametrize("bad", [0, -1e-9, math.nan, math.inf, True, "1e-9", None])
-def test_a_cost_that_is_not_a_positive_finite_number_is_refused_on_registration(bad):
-    with pytest.raises(ValueError, match="cost must be a positive finite number"):
-        register_method("test-cost-bad", cost=bad)
-    with pytest.raises(ValueError, match="cost must be a positive finite number"):
-        register_refiner("test-cost-bad", cost=bad)
+@pytest.mark.parametrize("bad", [-1e-9, math.nan, math.inf, True, "1e-9"])
+@pytest.mark.parametrize("which", ["cost", "entry_cost"])
+def test_a_cost_that_is_not_a_non_negative_finite_number_is_refused_on_registration(bad, which):
+    with pytest.raises(ValueError, match=f"{which} must be a non-negative finite number"):
+        register_method("test-cost-bad", **{which: bad})
+    with pytest.raises(ValueError, match=f"{which} must be a non-negative finite number"):
+        register_refiner("test-cost-bad", **{which: bad})
     assert "test-cost-bad" not in methods() and "test-cost-bad" not in refiners()
+
+
+def test_a_solver_that_costs_nothing_is_refused():
+    with pytest.raises(ValueError, match="cost and entry_cost cannot both be 0"):
+        register_method("test-cost-free", cost=0, entry_cost=0)
+    with pytest.raises(ValueError, match="cost and entry_cost cannot both be 0"):
+        register_refiner("test-cost-free", cost=0)
+    assert "test-cost-free" not in methods() and "test-cost-free" not in refiners()
 
 
 def test_job_cost_of_an_unknown_solver_names_it():

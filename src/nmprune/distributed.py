@@ -379,14 +379,12 @@ def teardown(error: BaseException | None = None) -> None:
 
 
 def job_cost(rows: int, d_in: int, method: str, refine: str | None) -> float:
-    """Estimated seconds of one layer solve on the reference CPU: ``rows x d_in^2`` times
-    the sum of the ``cost`` its method and refiner (``None``: none) were registered with
-    (:func:`nmprune.registry.register_method`, :data:`nmprune.registry.DEFAULT_COST`).
-    An unregistered name is a ValueError."""
-    factor = get_method(method).cost
-    if refine is not None:
-        factor += get_refiner(refine).cost
-    return float(rows) * float(d_in) ** 2 * factor
+    """Estimated seconds of one layer solve on the reference CPU: ``rows x d_in^2 x cost +
+    rows x d_in x entry_cost``, summed over its method and refiner (``None``: none), with the
+    costs they were registered with (:func:`nmprune.registry.register_method`,
+    :data:`nmprune.registry.DEFAULT_COST`). An unregistered name is a ValueError."""
+    solvers = [get_method(method)] + ([get_refiner(refine)] if refine is not None else [])
+    return sum(float(rows) * float(d_in) * (float(d_in) * s.cost + s.entry_cost) for s in solvers)
 
 
 def assign(costs: Sequence[float], world: int) -> list[int]:
@@ -435,21 +433,43 @@ def balance_window(block_costs: Sequence[Sequence[float]], world: int,
 MIN_SHARE_ROWS = 64
 
 
-def split_rows(rows: Sequence[int], splittable: bool, world: int) -> bool:
+#: How much longer than an equal share of a block's solve time the busiest rank takes when
+#: every layer's rows are split, as a fraction of that share, per device kind: the round trips
+#: of the solvers' totals (every prox and PCG iteration) and the work every share repeats (the
+#: step size, the preconditioner's factorisation). CPU: measured with gloo, 2 ranks of one
+#: thread, on the random 4-block Llama of ``benchmarks/distributed.py --scaling`` (hidden
+#: 512; docs/distributed.md). CUDA: an estimate (NCCL's round trips are a few microseconds
+#: against a layer's seconds) until a GPU measures it.
+SPLIT_OVERHEAD = {"cpu": 0.35, "cuda": 0.05}
+
+
+def split_rows(rows: Sequence[int], costs: Sequence[float], splittable: bool, world: int,
+               device_type: str = "cpu") -> bool:
     """Whether the ranks solve shares of every layer's rows (True) rather than whole layers,
-    for a block of layers with these output ``rows``: on several ranks, when ``splittable``
-    (every solver of the block is registered ``rows="independent"`` or ``"reduced"``) and every
-    layer gives each rank at least :data:`MIN_SHARE_ROWS` rows. Shares of rows keep the ranks
-    equally busy whatever the block's shapes and however far the cost model
-    (:func:`job_cost`) is from the real times, which whole layers depend on."""
-    return world >= 2 and splittable and bool(rows) and all(r >= world * MIN_SHARE_ROWS for r in rows)
+    for a block of layers with these output ``rows`` and estimated ``costs``
+    (:func:`job_cost`): on several ranks, when ``splittable`` (every solver of the block is
+    registered ``rows="independent"`` or ``"reduced"``), every layer gives each rank at least
+    :data:`MIN_SHARE_ROWS` rows, and an equal share, lengthened by the device's
+    :data:`SPLIT_OVERHEAD`, is shorter than the whole layers' makespan (:func:`assign`): many
+    ranks, or one layer that outweighs the rest, as Llama-3.1-8B's down projection does."""
+    if not (world >= 2 and splittable and rows and all(r >= world * MIN_SHARE_ROWS for r in rows)):
+        return False
+    return split_cost(costs, world, device_type) < makespan(costs, world)
 
 
-def busiest_rank_cost(costs: Sequence[float], rows: Sequence[int], splittable: bool, world: int) -> float:
+def split_cost(costs: Sequence[float], world: int, device_type: str = "cpu") -> float:
+    """The busiest rank's cost when every layer's rows are split: an equal share of ``costs``
+    lengthened by the device's :data:`SPLIT_OVERHEAD`."""
+    return sum(costs) / world * (1.0 + SPLIT_OVERHEAD["cuda" if device_type == "cuda" else "cpu"])
+
+
+def busiest_rank_cost(costs: Sequence[float], rows: Sequence[int], splittable: bool, world: int,
+                      device_type: str = "cpu") -> float:
     """The busiest rank's cost of solving one block's layers as :class:`DistributedExecutor`
-    does (:func:`split_rows`): an equal share of the total, or the whole layers' makespan."""
-    if split_rows(rows, splittable, world):
-        return sum(costs) / world
+    does (:func:`split_rows`): an equal share of the total with the split's overhead, or the
+    whole layers' makespan."""
+    if split_rows(rows, costs, splittable, world, device_type):
+        return split_cost(costs, world, device_type)
     return makespan(costs, world)
 
 
@@ -562,11 +582,12 @@ class DistributedExecutor:
         shares of every layer's rows, or whole layers, as :func:`split_rows` decides -- then
         hand every job, in order, with its whole pruned weight (broadcast from the ranks that
         solved it) and record to ``done`` on every rank."""
-        if split_rows([job.weight.shape[0] for job in jobs], splittable([job.plan for job in jobs]), self.world):
+        costs = [job_cost(*job.weight.shape, job.plan.method.name,
+                          job.plan.refiner.name if job.plan.refiner is not None else None) for job in jobs]
+        if split_rows([job.weight.shape[0] for job in jobs], costs, splittable([job.plan for job in jobs]), self.world,
+                      self.device.type):
             self._solve_rows(jobs, done, progress)
         else:
-            costs = [job_cost(*job.weight.shape, job.plan.method.name,
-                              job.plan.refiner.name if job.plan.refiner is not None else None) for job in jobs]
             self._solve_layers(jobs, assign(costs, self.world), done, progress)
 
     def _solve_rows(self, jobs: Sequence[Any], done, progress) -> None:

@@ -275,7 +275,8 @@ class _BlockLoop:
         windows = self.settings.hessian_inputs == "dense" and self.settings.reconstruct == "none"
         groups, i = [], start
         while i < len(self.source):
-            alone = split_rows([shapes[n][0] for n in active[i]], splittable([plans[n] for n in active[i]]), world)
+            alone = split_rows([shapes[n][0] for n in active[i]], costs[i], splittable([plans[n] for n in active[i]]),
+                               world, self.executor.device.type)
             k = balance_window(costs[i:], world) if windows and not alone else 1
             groups.append(range(i, i + k))
             i += k

@@ -18,8 +18,9 @@ and checked once by :mod:`nmprune.stages.plan` against its annotation: ``bool``,
 ``float``, ``str``, ``None``, unions of them, ``Literal[...]`` choices, and
 ``Annotated[int | float, Range(...)]`` intervals.
 
-Each registration also carries the solver's ``cost``: its seconds per ``rows x d_in^2``
-(:data:`DEFAULT_COST` when not given), from which :func:`nmprune.distributed.job_cost`
+Each registration also carries the solver's ``cost`` and ``entry_cost``: its seconds per
+``rows x d_in^2`` and per ``rows x d_in`` (:data:`DEFAULT_COST` and
+:data:`DEFAULT_ENTRY_COST` when neither is given), from which :func:`nmprune.distributed.job_cost`
 estimates a layer's solve when spreading layers over ranks, and what it promises about its
 rows (``rows``), which decides whether several ranks may solve one layer's rows between them
 (:data:`ROWS`). The local loss is a sum over rows, so a solver that treats its rows alone
@@ -98,26 +99,43 @@ PositiveInt = Annotated[int, Range(1)]
 NonNegativeFloat = Annotated[float, Range(0)]
 PositiveFloat = Annotated[float, Range(0, low_open=True)]
 
-# A solver's ``cost``: seconds per ``rows x d_in^2`` of one layer solve on the reference CPU:
-# least-squares fits over SmolLM2's three matrix shapes (576x576, 1536x576, 576x1536) of the
-# times in benchmarks/results/layer_methods.json (part A: synthetic correlated Hessians, 2:4,
-# float32, the 2-core benchmark CPU, 2 threads). Only the ratios between solvers matter: they
-# decide which ranks the layers go to when layers of different plans are solved together
-# (:func:`nmprune.distributed.job_cost`, :func:`nmprune.distributed.assign`); the scaling
-# with the shape is the same for all. Magnitude, Wanda and DSnoT take time ~ rows x d_in,
-# far less, and still get a factor per rows x d_in^2 fitted on those shapes.
-DEFAULT_COST = 1.5e-8
-"""The ``cost`` of a solver registered without one: that of the most expensive built-in
-solver (``prox-l2``, 1.5e-8). Longest-job-first scheduling suffers less from an overestimated
-job (scheduled early, alone if need be) than from an underestimated one (left to the end,
-on top of a loaded rank); measure your solver and give its own ``cost`` to do better."""
+# A solver's ``cost`` and ``entry_cost``: seconds per ``rows x d_in^2`` (the products with H)
+# and per ``rows x d_in`` (work on every weight: a prox iteration's cells, a score) of one layer
+# solve on the reference CPU: non-negative least-squares fits over SmolLM2's three matrix
+# shapes (576x576, 1536x576, 576x1536) of the times in benchmarks/results/layer_methods.json
+# (part A: synthetic correlated Hessians, 2:4, float32, the 2-core benchmark CPU, 2 threads;
+# the fit: benchmarks/layer_methods.py, results/solver_costs.md). They decide how a block's
+# layers are spread over ranks and whether ranks split their rows
+# (:func:`nmprune.distributed.job_cost`, :func:`nmprune.distributed.split_rows`), and the dry
+# run's solve time (:mod:`nmprune.resources`).
+DEFAULT_COST = 4.1e-9
+"""The ``cost`` of a solver registered with neither ``cost`` nor ``entry_cost``: that of the
+most expensive built-in solver (``prox-l2``), with :data:`DEFAULT_ENTRY_COST`. Longest-job-first
+scheduling suffers less from an overestimated job (scheduled early, alone if need be) than from
+an underestimated one (left to the end, on top of a loaded rank); measure your solver and give
+its own costs to do better."""
+DEFAULT_ENTRY_COST = 1.1e-5
+"""The ``entry_cost`` of a solver registered with neither cost: ``prox-l2``'s (:data:`DEFAULT_COST`)."""
 
 
-def _check_cost(kind: str, name: str, cost: float) -> float:
+def _costs(kind: str, name: str, cost: float | None, entry_cost: float | None) -> tuple[float, float]:
+    """The checked ``(cost, entry_cost)`` of a registration: the defaults when neither is
+    given, else 0 for the one left out."""
+    if cost is None and entry_cost is None:
+        return DEFAULT_COST, DEFAULT_ENTRY_COST
+    checked = tuple(_check_cost(kind, name, label, 0.0 if value is None else value)
+                    for label, value in (("cost", cost), ("entry_cost", entry_cost)))
+    if not any(checked):
+        raise ValueError(f"{kind} {name!r}: cost and entry_cost cannot both be 0")
+    return checked
+
+
+def _check_cost(kind: str, name: str, label: str, cost: float) -> float:
     if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not math.isfinite(cost) \
-            or cost <= 0:
-        raise ValueError(f"{kind} {name!r}: cost must be a positive finite number of seconds "
-                         f"per rows x d_in^2, got {cost!r}")
+            or cost < 0:
+        per = "rows x d_in^2" if label == "cost" else "rows x d_in"
+        raise ValueError(f"{kind} {name!r}: {label} must be a non-negative finite number of seconds "
+                         f"per {per}, got {cost!r}")
     return float(cost)
 
 
@@ -129,6 +147,7 @@ class Registered:
     supports: Callable[[NMPattern], bool] = field(default=lambda p: True)
     statistics: tuple[str, ...] = ()
     cost: float = DEFAULT_COST  # seconds per rows x d_in^2 (see DEFAULT_COST)
+    entry_cost: float = DEFAULT_ENTRY_COST  # seconds per rows x d_in
     rows: str = "whole"  # one of ROWS
 
     def option_names(self) -> list[str]:
@@ -145,8 +164,8 @@ _REFINERS: dict[str, Registered] = {}
 
 def _register(table: dict[str, Registered], kind: str, name: str, description: str,
               supports: Callable[[NMPattern], bool] | None, statistics: tuple[str, ...],
-              cost: float, rows: str) -> Callable:
-    cost = _check_cost(kind, name, cost)
+              cost: float | None, entry_cost: float | None, rows: str) -> Callable:
+    cost, entry_cost = _costs(kind, name, cost, entry_cost)
     if rows not in ROWS:
         raise ValueError(f"{kind} {name!r}: rows must be one of {', '.join(ROWS)}, got {rows!r}")
 
@@ -163,15 +182,15 @@ def _register(table: dict[str, Registered], kind: str, name: str, description: s
             raise ValueError(f"{kind} {name!r}: a solver registered with rows='reduced' takes a "
                              "keyword-only parameter 'shards', and only such a solver does")
         table[name] = Registered(name, fn, description or (fn.__doc__ or "").strip().split("\n")[0],
-                                 supports or (lambda p: True), tuple(statistics), cost, rows)
+                                 supports or (lambda p: True), tuple(statistics), cost, entry_cost, rows)
         return fn
     return deco
 
 
 def register_method(name: str, *, description: str = "",
                     supports: Callable[[NMPattern], bool] | None = None,
-                    statistics: tuple[str, ...] = (), cost: float = DEFAULT_COST,
-                    rows: str = "whole") -> Callable:
+                    statistics: tuple[str, ...] = (), cost: float | None = None,
+                    entry_cost: float | None = None, rows: str = "whole") -> Callable:
     """Decorator registering a layer pruning method under ``name``.
 
     ``description`` (default: the first line of the docstring) is what ``nmprune methods``
@@ -179,27 +198,28 @@ def register_method(name: str, *, description: str = "",
     ``statistics`` names the input statistics beyond ``H`` it takes (keyword-only
     parameters of those names).
 
-    ``cost`` is the method's seconds per ``rows x d_in^2`` of a layer on the reference CPU
-    (see :data:`DEFAULT_COST`; only its ratios to the other solvers' costs matter, so a
-    time measured elsewhere can be scaled by how a built-in method, e.g. ``prox`` at 7.2e-10,
-    runs there). :func:`nmprune.distributed.job_cost` prices a layer solved with this method
-    as ``rows x d_in^2 x (cost + the refiner's cost)``, which decides how layers are spread
-    over ranks. Left out, the method is priced at :data:`DEFAULT_COST` = 1.5e-8, like the
-    most expensive built-in solver: measure ``seconds / (rows * d_in**2)`` of your method on
-    a few layer shapes and give it here.
+    ``cost`` and ``entry_cost`` are the method's seconds per ``rows x d_in^2`` and per
+    ``rows x d_in`` of a layer on the reference CPU (see :data:`DEFAULT_COST`; a time measured
+    elsewhere can be scaled by how a built-in method, e.g. ``prox`` at 3.5e-10 and 3.8e-7, runs
+    there). :func:`nmprune.distributed.job_cost` prices a layer solved with this method as
+    ``rows x d_in^2 x cost + rows x d_in x entry_cost``, plus its refiner's price, which decides
+    how layers are spread over ranks. Left out (both), the method is priced like the most
+    expensive built-in solver, :data:`DEFAULT_COST` = 4.1e-9 and :data:`DEFAULT_ENTRY_COST` =
+    1.1e-5; given one, the other is 0. Measure your method's seconds on a few layer shapes and
+    fit both.
 
     ``rows`` (:data:`ROWS`) says whether ranks may split a layer's rows between them; left
     out (``"whole"``), a layer solved with this method is always solved by one rank.
     """
-    return _register(_METHODS, "method", name, description, supports, statistics, cost, rows)
+    return _register(_METHODS, "method", name, description, supports, statistics, cost, entry_cost, rows)
 
 
-def register_refiner(name: str, *, description: str = "", cost: float = DEFAULT_COST,
-                     rows: str = "whole") -> Callable:
-    """Decorator registering a mask-held refiner under ``name``. ``cost`` (seconds per
-    ``rows x d_in^2``, added to the method's by :func:`nmprune.distributed.job_cost`) and
-    ``rows`` mean what they mean for :func:`register_method`, with the same defaults."""
-    return _register(_REFINERS, "refiner", name, description, None, (), cost, rows)
+def register_refiner(name: str, *, description: str = "", cost: float | None = None,
+                     entry_cost: float | None = None, rows: str = "whole") -> Callable:
+    """Decorator registering a mask-held refiner under ``name``. ``cost`` and ``entry_cost``
+    (added to the method's by :func:`nmprune.distributed.job_cost`) and ``rows`` mean what they
+    mean for :func:`register_method`, with the same defaults."""
+    return _register(_REFINERS, "refiner", name, description, None, (), cost, entry_cost, rows)
 
 
 def _load() -> None:

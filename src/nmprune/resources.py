@@ -279,7 +279,7 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None, mo
               for n in b if (p := plans[n]) is not None] for b in per_block]
     if recon or s.hessian_inputs == "pruned":  # one block at a time: the busiest rank's share
         solve = sum(busiest_rank_cost(c, [b[n][0] for n in b if plans[n] is not None],
-                                      splittable([plans[n] for n in b if plans[n] is not None]), ranks)
+                                      splittable([plans[n] for n in b if plans[n] is not None]), ranks, device)
                     for c, b in zip(costs, per_block))
     else:  # a window of blocks keeps the ranks near balance (nmprune.distributed.balance_window)
         solve = sum(map(sum, costs)) / ranks

@@ -32,7 +32,7 @@ from ..registry import NonNegativeFloat, NonNegativeInt, register_method
 
 
 @register_method("dsnot", description="DSnoT: Wanda start + prune-and-grow swaps within cells",
-                 statistics=("input_mean",), cost=3.0e-11, rows="independent")
+                 statistics=("input_mean",), entry_cost=4.3e-8, rows="independent")
 def dsnot(w: Tensor, h: Tensor, pattern: NMPattern, *, input_mean: Tensor | None = None,
           max_cycle_time: NonNegativeInt = 50, update_threshold: NonNegativeFloat = 0.1,
           pow_of_var_regrowing: float = 1.0) -> Tensor:

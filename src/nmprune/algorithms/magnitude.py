@@ -8,7 +8,7 @@ from ..pattern import NMPattern, topn_mask
 from ..registry import register_method
 
 
-@register_method("magnitude", description="keep the N largest |W_ij| per cell", cost=1.1e-11,
+@register_method("magnitude", description="keep the N largest |W_ij| per cell", entry_cost=4.1e-9,
                  rows="independent")
 def magnitude(w: Tensor, h: Tensor, pattern: NMPattern) -> Tensor:
     """Zero the ``M - N`` smallest-magnitude weights of every cell."""

@@ -186,7 +186,7 @@ def _exact_prox(pattern: NMPattern, solver: str) -> CellProx:
 
 
 @register_method("prox", description="proximal gradient with the exact N:M prox (paper Alg. prox_e2e)",
-                 cost=7.2e-10, rows="reduced")
+                 cost=3.5e-10, entry_cost=3.8e-7, rows="reduced")
 def prox(w: Tensor, h: Tensor, pattern: NMPattern, *, lambda0: PositiveFloat = 0.001,
          beta: Growth = 1.05, lambda_adapt: bool = True, solver: Literal[SOLVERS] = "reduced",
          max_iter: NonNegativeInt = 5000, finish: Finish = 0.005, accelerate: bool = True,
@@ -201,7 +201,7 @@ def prox(w: Tensor, h: Tensor, pattern: NMPattern, *, lambda0: PositiveFloat = 0
                          gradient_precision=gradient_precision, shards=shards)
 
 
-def _register_simple(name: str, cell_prox: Callable[..., Tensor], eq: str, cost: float) -> None:
+def _register_simple(name: str, cell_prox: Callable[..., Tensor], eq: str, cost: float, entry_cost: float) -> None:
     def method(w: Tensor, h: Tensor, pattern: NMPattern, *, lambda0: PositiveFloat = 0.01,
                beta: Growth = 1.01, lambda_adapt: bool = False, max_iter: NonNegativeInt = 5000,
                finish: Finish = 0.0, accelerate: bool = False, shrink_momentum: Momentum = 1.0,
@@ -215,11 +215,11 @@ def _register_simple(name: str, cell_prox: Callable[..., Tensor], eq: str, cost:
 
     method.__doc__ = f"Prox pruner with the regulariser of eq. ``{eq}`` (Appendix app:other_regularizers)."
     register_method(name, description=f"proximal gradient with the {eq} regulariser", cost=cost,
-                    rows="reduced")(method)
+                    entry_cost=entry_cost, rows="reduced")(method)
 
 
-_register_simple("prox-l0", prox_l0, "L0", cost=7.3e-9)
-_register_simple("prox-l1", prox_l1, "L1", cost=1.4e-9)
+_register_simple("prox-l0", prox_l0, "L0", cost=2.2e-9, entry_cost=5.5e-6)
+_register_simple("prox-l1", prox_l1, "L1", cost=2.0e-10, entry_cost=1.3e-6)
 def _prox_l2_flushed(z: Tensor, lam: Tensor, n: int) -> Tensor:
     """Prox of ``R_2`` (eq. ``L2``), which only shrinks and never reaches exact zeros for finite
     ``lambda`` (Appendix app:other_regularizers): entries shrunk below ``1e-3`` times the largest
@@ -229,4 +229,4 @@ def _prox_l2_flushed(z: Tensor, lam: Tensor, n: int) -> Tensor:
     return torch.where(tiny, torch.zeros_like(out), out)
 
 
-_register_simple("prox-l2", _prox_l2_flushed, "L2", cost=1.5e-8)
+_register_simple("prox-l2", _prox_l2_flushed, "L2", cost=4.1e-9, entry_cost=1.1e-5)

@@ -227,7 +227,7 @@ def _pcg(w: Tensor, w_star: Tensor, h: Tensor, keep: Tensor, target: Tensor, *, 
 
 
 @register_refiner("exact", description="minimiser of the local loss with the mask held "
-                                       "(batched Cholesky or PCG)", cost=1.3e-9, rows="reduced")
+                                       "(batched Cholesky or PCG)", cost=1.0e-9, rows="reduced")
 def refine_exact(w: Tensor, w_star: Tensor, h: Tensor, mask: Tensor, *,
                  solver: Literal[SOLVERS] = "pcg", preconditioner: Literal[PRECONDITIONERS] = "auto",
                  tol: NonNegativeFloat = 1e-8, max_iter: NonNegativeInt = 600,

@@ -10,7 +10,7 @@ from ..registry import NonNegativeFloat, NonNegativeInt, register_refiner
 
 
 @register_refiner("gd", description="masked gradient descent on the local loss (paper eq. masked_gd)",
-                  cost=1.1e-8, rows="independent")
+                  cost=1.0e-8, rows="independent")
 def refine_gd(w: Tensor, w_star: Tensor, h: Tensor, mask: Tensor, *, steps: NonNegativeInt = 1000,
               step_size: NonNegativeFloat | None = None, scaled: bool = True) -> Tensor:
     """``W <- W - eta * 2 M . (W H - W* H)`` for ``steps`` steps, all rows at once.
