@@ -58,6 +58,41 @@ def test_release_memory_returns_freed_heap_pages():
 
 
 @pytest.mark.skipif(memory.LIBC is None, reason="glibc only (malloc_trim/mallopt)")
+@pytest.mark.parametrize("keep", [True, False])
+def test_prefer_mmap_keeps_a_freed_heap_top_until_release_memory(keep: bool):
+    # 40 MB in 256 KiB blocks from the heap (malloc and free straight from libc, and the
+    # resident set read without a Python file buffer, so that nothing else lands on the heap),
+    # freed from the top down: prefer_mmap keeps the free top resident (below TRIM_THRESHOLD)
+    # for the next allocations, until release_memory. The mmap threshold pinned alone (as
+    # before TRIM_THRESHOLD) left glibc's 128 KiB trim threshold, which gives the pages back at
+    # once: the case that shows the probe tells the two apart
+    setup = "memory.prefer_mmap()" if keep else "memory.LIBC.mallopt(-3, 32 << 20)"
+    before, freed, after = _in_fresh_process(f"""
+        import ctypes, os
+        libc = memory.LIBC
+        libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+        libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+        fd = os.open("/proc/self/statm", os.O_RDONLY)
+        def resident():
+            os.lseek(fd, 0, 0)
+            return int(os.read(fd, 100).split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
+        {setup}
+        before = resident()
+        blocks = [libc.malloc(256 * 1024) for _ in range(160)]
+        for b in blocks:
+            libc.memset(b, 1, 256 * 1024)
+        for b in reversed(blocks):
+            libc.free(b)
+        freed = resident()
+        memory.release_memory()
+        print(json.dumps([before, freed, resident()]))
+    """)
+    assert memory.TRIM_THRESHOLD > 40 << 20
+    assert (freed - before > 30) == keep, (before, freed)
+    assert after - before < 10, (before, after)
+
+
+@pytest.mark.skipif(memory.LIBC is None, reason="glibc only (malloc_trim/mallopt)")
 @pytest.mark.parametrize("threshold_mib, block_mib, mapped", [(32, 64, True), (4, 16, True), (None, 16, False)])
 def test_prefer_mmap_maps_large_blocks(threshold_mib: int | None, block_mib: int, mapped: bool):
     # a freed mapped 24 MiB block first raises glibc's dynamic mmap threshold, as a long run
