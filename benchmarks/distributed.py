@@ -49,7 +49,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _machine import code_commit, cpu_description  # noqa: E402
 
-from nmprune.distributed import balance_window, makespan  # noqa: E402
+from nmprune.distributed import CUDA_SPEEDUP, balance_window, makespan  # noqa: E402
 from nmprune.pattern import same_mask_cells  # noqa: E402
 from nmprune.resources import BF16_TRAINING_SPEEDUP  # noqa: E402
 
@@ -247,11 +247,14 @@ def markdown(r: dict) -> str:
                   "calibration tokens and solves its share of each block's layers; rank 0 writes. "
                   "nmprune's defaults (prox + exact, block reconstruction, bfloat16). Memory and the "
                   "passes' time come from `nmprune prune --dry-run` (nmprune/resources.py: layer solves "
-                  "at the cost model / 50 and passes at 60 TFLOP/s, both from an H200 in "
+                  f"at the cost model's products with H / {CUDA_SPEEDUP['products']:g} and its work on every "
+                  f"weight / {CUDA_SPEEDUP['entries']:g} (nmprune.distributed.CUDA_SPEEDUP), and passes at "
+                  "60 TFLOP/s, both from an H200 in "
                   "benchmarks/results/gpu.md, measured with the float64 torch prox before the Triton "
                   "kernel, which no GPU has run yet; the reconstruction's training in bfloat16 at "
                   f"{BF16_TRAINING_SPEEDUP['cuda']:g}x that rate, an estimate no GPU has checked); "
-                  "the ranks solve shares of every layer's rows, "
+                  "the ranks solve shares of every layer's rows or whole layers, whichever the cost model "
+                  "says is faster (nmprune.distributed.split_rows), "
                   "one block at a time; every reconstruction step of one sample is shared by tokens "
                   "(the busiest rank's share: keys and values run up to its end). Estimates, not "
                   "measurements: no multi-GPU run has been made.", "",

@@ -55,12 +55,16 @@ def test_rows_are_split_where_it_beats_whole_layers():
     shapes = [(4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096), (14336, 4096), (14336, 4096), (4096, 14336)]
     rows = [r for r, _ in shapes]
     llama_8b = [job_cost(r, d, "prox", "exact") for r, d in shapes]
+    on_cuda = [job_cost(r, d, "prox", "exact", "cuda") for r, d in shapes]
     # 8 ranks: whole layers would leave the down projection's rank with several fair shares
-    assert split_rows(rows, llama_8b, True, 8) and split_rows(rows, llama_8b, True, 8, "cuda")
-    # 2 ranks: the down projection alone is over half the block, above a split share on CUDA,
-    # below one with the CPU's round trips
-    assert max(llama_8b) > sum(llama_8b) / 2
-    assert split_rows(rows, llama_8b, True, 2, "cuda") and not split_rows(rows, llama_8b, True, 2)
+    assert split_rows(rows, llama_8b, True, 8) and split_rows(rows, on_cuda, True, 8, "cuda")
+    # 2 CPU ranks: the down projection alone is over half the block, below a split share
+    # with the CPU's round trips
+    assert max(llama_8b) > sum(llama_8b) / 2 and not split_rows(rows, llama_8b, True, 2)
+    # on CUDA the work on every weight dominates: the MLP's three projections cost about the
+    # same, so 2 ranks balance whole layers within the split's overhead, 4 do not
+    assert max(on_cuda) < 0.35 * sum(on_cuda)
+    assert not split_rows(rows, on_cuda, True, 2, "cuda") and split_rows(rows, on_cuda, True, 4, "cuda")
     # the plan prices a block as the executor solves it
     share = sum(llama_8b) / 8 * (1 + SPLIT_OVERHEAD["cpu"])
     assert busiest_rank_cost(llama_8b, rows, True, 8) == pytest.approx(share)

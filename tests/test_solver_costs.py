@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from nmprune import methods, refiners
-from nmprune.distributed import job_cost
+from nmprune.distributed import CUDA_SPEEDUP, job_cost
 from nmprune.registry import DEFAULT_COST, DEFAULT_ENTRY_COST, get_method, get_refiner, register_method, register_refiner
 
 MEASURED = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "solver_costs.json"
@@ -108,3 +108,18 @@ def test_job_cost_of_an_unknown_solver_names_it():
         job_cost(4, 4, "no-such-method", None)
     with pytest.raises(ValueError, match="unknown refiner 'no-such-refiner'"):
         job_cost(4, 4, "prox", "no-such-refiner")
+
+
+def test_cuda_prices_each_term_at_its_own_speed_up_and_match_the_h200_times():
+    products = 4096 * 14336 ** 2 * (get_method("prox").cost + get_refiner("exact").cost)
+    entries = 4096 * 14336 * (get_method("prox").entry_cost + get_refiner("exact").entry_cost)
+    assert job_cost(4096, 14336, "prox", "exact", "cuda") == pytest.approx(
+        products / CUDA_SPEEDUP["products"] + entries / CUDA_SPEEDUP["entries"], rel=1e-12)
+    assert job_cost(4096, 14336, "prox", "exact") == pytest.approx(products + entries, rel=1e-12)
+    # the fit the speed-ups come from: prox + exact at Llama-3.1-8B's shapes on an H200
+    h200 = json.loads((MEASURED.parent / "gpu.json").read_text())
+    assert h200["device_name"] == "NVIDIA H200"
+    timed = [r for r in h200["speed"] if (r["method"], r["refine"]) == ("prox", "exact")]
+    assert len(timed) == 3
+    for r in timed:
+        assert job_cost(*r["shape"], "prox", "exact", "cuda") == pytest.approx(r["seconds_median"], rel=0.2), r

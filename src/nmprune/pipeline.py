@@ -270,7 +270,8 @@ class _BlockLoop:
         shapes, plans, world = self.source.layer_shapes(), self.plans, self.executor.world
         active = [[n for n in self.source.layers(i) if plans[n] is not None] for i in range(len(self.source))]
         costs = [[job_cost(*shapes[n], plans[n].method.name,
-                           plans[n].refiner.name if plans[n].refiner is not None else None) for n in names]
+                           plans[n].refiner.name if plans[n].refiner is not None else None,
+                           self.executor.device.type) for n in names]
                  for names in active]
         windows = self.settings.hessian_inputs == "dense" and self.settings.reconstruct == "none"
         groups, i = [], start

@@ -27,7 +27,7 @@ parameters and its prunable layers' shapes, as a streamed run does
 * **Disk.** The output (every parameter in the run dtype) and the checkpoint (the pruned
   layers' weights and the hidden states of every stream).
 * **Time.** The layer solves from the cost model (:func:`nmprune.distributed.job_cost`,
-  seconds on the reference CPU; on CUDA divided by :data:`CUDA_SPEEDUP`), spread over the
+  seconds on the reference CPU, or on CUDA by :data:`nmprune.distributed.CUDA_SPEEDUP`), spread over the
   ranks as the run spreads them: when blocks are solved one at a time (with reconstruction or
   pruned inputs), the busiest rank's cost of each block under the executor's own choice
   between shares of rows and whole layers (:func:`nmprune.distributed.busiest_rank_cost`),
@@ -57,9 +57,6 @@ GIB = float(1 << 30)
 #: the resident set of a run's process before its model: 440 MiB per rank with a 1 MiB model
 #: (benchmarks/results/memory_ranks.json, 2 ranks on the CPU)
 PROCESS_BYTES = 440 * (1 << 20)
-#: layer solves on an NVIDIA H200 against the reference-CPU cost model: 31-133x by method and
-#: shape on Llama-3.1-8B's layers (benchmarks/results/gpu.md), about 50x in the middle
-CUDA_SPEEDUP = 50.0
 #: sustained float32 operations per second of the passes through a block: the reference CPU
 #: (2 threads, SmolLM2's reconstruction) and an H200 (an 8B-shaped block, gpu.md)
 FLOPS = {"cpu": 9e10, "cuda": 6e13}
@@ -275,7 +272,7 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None, mo
     else:
         cpu_peak = PROCESS_BYTES + whole + max(outside * itemsize + hidden, block_phase, distilling)
         device_peak = None
-    costs = [[job_cost(*b[n], p.method.name, p.refiner.name if p.refiner else None)
+    costs = [[job_cost(*b[n], p.method.name, p.refiner.name if p.refiner else None, device)
               for n in b if (p := plans[n]) is not None] for b in per_block]
     if recon or s.hessian_inputs == "pruned":  # one block at a time: the busiest rank's share
         solve = sum(busiest_rank_cost(c, [b[n][0] for n in b if plans[n] is not None],
@@ -284,9 +281,7 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None, mo
     else:  # a window of blocks keeps the ranks near balance (nmprune.distributed.balance_window)
         solve = sum(map(sum, costs)) / ranks
     rate = FLOPS[device]
-    if device == "cuda":
-        solve /= CUDA_SPEEDUP
-    else:  # the reference CPU's constants at the threads each rank will have
+    if device != "cuda":  # the reference CPU's constants at the threads each rank will have
         speed = (cpu_threads(ranks) / CPU_REFERENCE_THREADS) ** CPU_THREAD_SCALING
         solve, rate = solve / speed, rate * speed
     wide = max((min(shape) for shape in shapes.values()), default=0) >= BF16_MIN_WIDTH
