@@ -36,6 +36,7 @@ Writes benchmarks/results/distributed.{json,md}. Run:
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import subprocess
@@ -271,6 +272,8 @@ def markdown(r: dict) -> str:
 
 SCALING_MODEL = dict(hidden=512, inter=1376, blocks=4, heads=8)
 SCALING_RUNS = 3
+#: the scaling runs' key of one rank with two threads
+THREADED = "1x2"
 
 
 def dry_run_seconds(model: Path, ranks: int) -> float:
@@ -305,22 +308,28 @@ def scaling() -> None:
         # skipped, and one rank holds it whole; both then do the same work
         args = ["-m", "nmprune", "prune", "--quiet", "--model", str(model), "--calib", str(model / "text.txt"),
                 "--no-eval", "--distill-epochs", "0"]
-        cmds = {1: [sys.executable, *args], 2: [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                "--nproc-per-node", "2", *args]}
-        walls: dict[int, list[float]] = {1: [], 2: []}
+        # 1 and 2 ranks of one thread, and (what resources.CPU_THREAD_SCALING is fitted to) one
+        # rank of two threads
+        one_rank = [sys.executable, *args]
+        cmds = {1: (one_rank, env),
+                2: ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args],
+                    env),
+                THREADED: (one_rank, {**env, "OMP_NUM_THREADS": "2"})}
+        walls: dict[int | str, list[float]] = {key: [] for key in cmds}
         for k in range(SCALING_RUNS):
-            for ranks, cmd in cmds.items():
-                walls[ranks].append(run(cmd + ["--out", f"{tmp}/out-{ranks}-{k}"], env)["wall_seconds"])
-                print(f"{ranks} rank(s), run {k + 1}: {walls[ranks][-1]:.1f} s", flush=True)
+            for key, (cmd, cmd_env) in cmds.items():
+                walls[key].append(run(cmd + ["--out", f"{tmp}/out-{key}-{k}"], cmd_env)["wall_seconds"])
+                print(f"{key} rank(s), run {k + 1}: {walls[key][-1]:.1f} s", flush=True)
         (one, state_one), (two, state_two) = load(Path(tmp) / "out-1-0"), load(Path(tmp) / "out-2-0")
-        planned = {ranks: dry_run_seconds(model, ranks) for ranks in cmds}
+        planned = {ranks: dry_run_seconds(model, ranks) for ranks in (1, 2)}
     names = [r["name"] for r in one["layers"] if not r["skipped"]]
     same = [same_mask_cells(state_one[f"{n}.weight"], state_two[f"{n}.weight"], 4) for n in names]
     median = {r: sorted(w)[len(w) // 2] for r, w in walls.items()}
     result = {"commit": commit, "cpu": cpu_description(), "load_average": [load_start, os.getloadavg()[0]],
               "model": SCALING_MODEL, "wall_seconds": walls, "median_seconds": median,
-              "speedup": median[1] / median[2], "planned_seconds": planned,
-              "planned_over_measured": {r: planned[r] / median[r] for r in median},
+              "speedup": median[1] / median[2], "thread_speedup": median[1] / median[THREADED],
+              "planned_seconds": planned,
+              "planned_over_measured": {r: planned[r] / median[r] for r in planned},
               "same_mask_cells": float(sum(x.sum() for x in same)) / sum(x.numel() for x in same),
               "split_layers": sum(1 for r in two["layers"] if r.get("shares")), "layers": len(names)}
     RESULTS.mkdir(exist_ok=True)
@@ -365,6 +374,14 @@ def scaling_markdown(r: dict) -> str:
         walls = ", ".join(f"{w:.1f}" for w in r["wall_seconds"][ranks])
         lines.append(f"| {ranks} | {walls} | {r['median_seconds'][ranks]:.1f} | {r['planned_seconds'][ranks]:.1f} | "
                      f"{r['planned_over_measured'][ranks]:.2f} |")
+    if THREADED in r["wall_seconds"]:
+        walls = ", ".join(f"{w:.1f}" for w in r["wall_seconds"][THREADED])
+        lines.append(f"| 1, two threads | {walls} | {r['median_seconds'][THREADED]:.1f} | | |")
+        lines += ["", f"One rank of two threads is {r['thread_speedup']:.2f}x as fast as one of one thread "
+                  f"(the dry run's thread scaling, `resources.CPU_THREAD_SCALING`, is "
+                  f"log2 of it: {math.log2(r['thread_speedup']):.2f}), and "
+                  f"{r['median_seconds']['2'] / r['median_seconds'][THREADED]:.2f}x as fast as two ranks "
+                  "of one thread: on one machine, threads are the faster way to use its cores."]
     within = all(abs(v - 1) <= 0.35 for v in r["planned_over_measured"].values())
     lines += ["", "| check | measured | target | met |", "|---|---|---|---|",
               f"| speed-up, 2 ranks over 1 | {r['speedup']:.2f}x | >= 1.8x | {ok(r['speedup'] >= 1.8)} |",
