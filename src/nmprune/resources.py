@@ -61,12 +61,12 @@ PROCESS_BYTES = 440 * (1 << 20)
 #: (2 threads, SmolLM2's reconstruction) and an H200 (an 8B-shaped block, gpu.md)
 FLOPS = {"cpu": 9e10, "cuda": 6e13}
 #: the reference CPU's constants (FLOPS["cpu"], the solvers' registered costs) were measured
-#: with this many threads per process; one process of 2 threads ran the default job 1.65x as
-#: fast as one of 1 thread (the scaling benchmark's Llama, 105.3 s against 63.9 s, AMD EPYC
-#: znver5; benchmarks/results/distributed_scaling.md measures it again), so a process with
-#: ``t`` threads runs at ``(t / 2) ** CPU_THREAD_SCALING`` of those rates
+#: with this many threads per process; one process of 2 threads ran the default job 1.73x as
+#: fast as one of 1 thread (the scaling benchmark's Llama, medians of 3: 61.4 s against
+#: 106.5 s, AMD EPYC znver5, code of 5406168; benchmarks/results/distributed_scaling.md), so a
+#: process with ``t`` threads runs at ``(t / 2) ** CPU_THREAD_SCALING`` of those rates
 CPU_REFERENCE_THREADS = 2
-CPU_THREAD_SCALING = 0.72
+CPU_THREAD_SCALING = 0.79
 #: how much faster the training passes (reconstruction, distillation) run where they compute in
 #: bfloat16 (``--train-precision``, :func:`nmprune.reconstruct.training_dtype`) than at the
 #: float32 rate of :data:`FLOPS`. CPU: one Llama block's forward and backward, 2.1x at hidden
