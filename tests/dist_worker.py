@@ -49,10 +49,15 @@ def settings(family: str, extra: str) -> dict:
                 **(DISTILL if distill else {}))
 
 
-def build(family: str):
-    """The tiny model of the tests; Llama's wide MLP (down_proj 16/27 of a block's cost) makes
-    two ranks balance two blocks at a time (nmprune.distributed.balance_window)."""
-    return tiny_model(family, layers=3, intermediate=128)
+#: an MLP width at which a tiny Llama's down projection outweighs a rank's fair share of its
+#: block, so that two ranks solve two blocks at a time (nmprune.distributed.balance_window):
+#: the ``fail`` mode's model, which fails while the group is saved
+WIDE_MLP = 512
+
+
+def build(family: str, intermediate: int = 128):
+    """The tiny model of the tests (3 blocks, MLP width ``intermediate``)."""
+    return tiny_model(family, layers=3, intermediate=intermediate)
 
 
 def main(family: str, mode: str, out: Path, extra: str = "none") -> None:
@@ -62,7 +67,7 @@ def main(family: str, mode: str, out: Path, extra: str = "none") -> None:
         distributed.SPLIT_OVERHEAD = {"cpu": -1.0, "cuda": -1.0}  # a split then costs nothing
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    model = build(family)
+    model = build(family, WIDE_MLP if mode == "fail" else 128)
     checkpoint = Checkpoint.open(out / "ckpt", "test") if mode in ("fail", "resume") and rank == 0 else None
 
     def fail(i: int) -> None:

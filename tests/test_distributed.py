@@ -251,15 +251,14 @@ def test_failing_rank_ends_the_job_with_its_error_and_resumes_on_one_rank(tmp_pa
     out = tmp_path / "failed"
     run = worker_run("llama", "fail", out, tmp_path)
     assert run.returncode != 0
-    # the cost model balances the tiny Llama's layers over 2 ranks within one block, so the
-    # ranks solve one block at a time (distributed.balance_window)
-    assert "rank 1 failed during saving block 1: ValueError: injected failure on rank 1" in run.stderr
+    # the worker's wide MLP made the ranks solve blocks 0 and 1 together
+    assert "rank 1 failed during saving blocks 0-1: ValueError: injected failure on rank 1" in run.stderr
     assert "ValueError: injected failure on rank 1 after block 1" in run.stderr
     # the checkpoint rank 0 kept resumes on one rank, to the same result as a straight run
     sys.path.insert(0, str(WORKER.parent))
-    from dist_worker import SETTINGS, build
+    from dist_worker import SETTINGS, WIDE_MLP, build
 
-    resumed, straight = build("llama"), build("llama")
+    resumed, straight = build("llama", WIDE_MLP), build("llama", WIDE_MLP)
     kwargs = dict(calibration=token_batch(8, 16), device="cpu", progress=False, **SETTINGS)
     report = prune_model(resumed, checkpoint=Checkpoint.open(out / "ckpt", "test"), **kwargs).to_dict()
     assert report["resumed_from_block"] == 2
