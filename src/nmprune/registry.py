@@ -101,10 +101,10 @@ PositiveFloat = Annotated[float, Range(0, low_open=True)]
 
 # A solver's ``cost`` and ``entry_cost``: seconds per ``rows x d_in^2`` (the products with H)
 # and per ``rows x d_in`` (work on every weight: a prox iteration's cells, a score) of one layer
-# solve on the reference CPU: non-negative least-squares fits over SmolLM2's three matrix
-# shapes (576x576, 1536x576, 576x1536) of the times in benchmarks/results/layer_methods.json
-# (part A: synthetic correlated Hessians, 2:4, float32, the 2-core benchmark CPU, 2 threads;
-# the fit: benchmarks/layer_methods.py, results/solver_costs.md). They decide how a block's
+# solve on the reference CPU: non-negative least-squares fits over six layer shapes (SmolLM2's
+# 576x576, 1536x576, 576x1536 and the scaling benchmark's 512x512, 1376x512, 512x1376) with
+# synthetic correlated Hessians, 2:4, float32, the 2-core benchmark CPU, 2 threads
+# (benchmarks/solver_costs.py, results/solver_costs.md). They decide how a block's
 # layers are spread over ranks and whether ranks split their rows
 # (:func:`nmprune.distributed.job_cost`, :func:`nmprune.distributed.split_rows`), and the dry
 # run's solve time (:mod:`nmprune.resources`).
