@@ -20,7 +20,7 @@ from test_models_tiny import token_batch
 
 from nmprune.checkpoint import Checkpoint
 from nmprune.cli import main
-from nmprune.distributed import assign, balance_window, flat_buckets, job_cost, makespan
+from nmprune.distributed import assign, balance_window, flat_buckets, job_cost, makespan, plan_cost
 from nmprune.pattern import same_mask_cells
 from nmprune.pipeline import prune_model
 
@@ -84,6 +84,14 @@ def test_job_cost_scales_with_rows_and_between_linearly_and_squared_with_input_w
     assert job_cost(128, 32, "prox", "exact") == pytest.approx(2 * base)
     assert 2 * base < job_cost(64, 64, "prox", "exact") < 4 * base
     assert job_cost(64, 32, "prox", None) < base
+
+
+def test_plan_cost_prices_a_plan_by_its_method_and_refiner():
+    from nmprune.stages.plan import resolve_plan
+
+    for refine, device in (("exact", "cpu"), (None, "cuda")):
+        plan = resolve_plan("prox", refine, "2:4", {}, 0.01)
+        assert plan_cost((64, 32), plan, device) == job_cost(64, 32, "prox", refine, device)
 
 
 def test_balance_window_takes_the_fewest_blocks_that_balance():

@@ -402,6 +402,13 @@ def job_cost(rows: int, d_in: int, method: str, refine: str | None, device_type:
     return products + entries
 
 
+def plan_cost(shape: Sequence[int], plan: Any, device_type: str = "cpu") -> float:
+    """:func:`job_cost` of a layer of ``shape`` (rows, d_in) solved as its
+    :class:`~nmprune.stages.plan.LayerPlan` ``plan`` says (its method and refiner)."""
+    return job_cost(shape[0], shape[1], plan.method.name, plan.refiner.name if plan.refiner is not None else None,
+                    device_type)
+
+
 def assign(costs: Sequence[float], world: int) -> list[int]:
     """Longest-processing-time-first: jobs in decreasing cost, each to the rank with the
     least assigned cost so far (lowest rank on ties). Returns each job's rank; at most 4/3 of
@@ -597,9 +604,7 @@ class DistributedExecutor:
         shares of every layer's rows, or whole layers, as :func:`split_rows` decides -- then
         hand every job, in order, with its whole pruned weight (broadcast from the ranks that
         solved it) and record to ``done`` on every rank."""
-        costs = [job_cost(*job.weight.shape, job.plan.method.name,
-                          job.plan.refiner.name if job.plan.refiner is not None else None, self.device.type)
-                 for job in jobs]
+        costs = [plan_cost(job.weight.shape, job.plan, self.device.type) for job in jobs]
         if split_rows([job.weight.shape[0] for job in jobs], costs, splittable([job.plan for job in jobs]), self.world,
                       self.device.type):
             self._solve_rows(jobs, done, progress)

@@ -29,7 +29,7 @@ from .checkpoint import Checkpoint, CheckpointError
 from .memory import frozen_heap, release_memory
 from .config import DISTILL_SEED_OFFSET, PruneSettings
 from .devices import default_device
-from .distributed import DistributedExecutor, balance_window, job_cost, split_rows, splittable
+from .distributed import DistributedExecutor, balance_window, plan_cost, split_rows, splittable
 from .stages.executor import Executor, LayerJob, LocalExecutor
 from .models import evaluating, set_weight_matrix, weight_matrix
 from .progress import bar as progress_bar
@@ -269,10 +269,7 @@ class _BlockLoop:
         layers: then as many blocks as it takes to balance them (:func:`balance_window`)."""
         shapes, plans, world = self.source.layer_shapes(), self.plans, self.executor.world
         active = [[n for n in self.source.layers(i) if plans[n] is not None] for i in range(len(self.source))]
-        costs = [[job_cost(*shapes[n], plans[n].method.name,
-                           plans[n].refiner.name if plans[n].refiner is not None else None,
-                           self.executor.device.type) for n in names]
-                 for names in active]
+        costs = [[plan_cost(shapes[n], plans[n], self.executor.device.type) for n in names] for names in active]
         windows = self.settings.hessian_inputs == "dense" and self.settings.reconstruct == "none"
         groups, i = [], start
         while i < len(self.source):

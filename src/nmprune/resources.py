@@ -217,7 +217,7 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None, mo
     number of ranks and the model's files, :func:`~nmprune.streaming.fit.ranks_offload`);
     ``model``: the model's ``(source, configuration)`` when already read."""
     from .devices import default_device
-    from .distributed import busiest_rank_cost, job_cost, splittable
+    from .distributed import busiest_rank_cost, plan_cost, splittable
     from .reconstruct import BF16_MIN_WIDTH
     from .stages.source import DecoderBlocks
     from .streaming.fit import ranks_offload
@@ -273,8 +273,7 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None, mo
     else:
         cpu_peak = PROCESS_BYTES + whole + max(outside * itemsize + hidden, block_phase, distilling)
         device_peak = None
-    costs = [[job_cost(*b[n], p.method.name, p.refiner.name if p.refiner else None, device)
-              for n in b if (p := plans[n]) is not None] for b in per_block]
+    costs = [[plan_cost(b[n], p, device) for n in b if (p := plans[n]) is not None] for b in per_block]
     if recon or s.hessian_inputs == "pruned":  # one block at a time: the busiest rank's share
         solve = sum(busiest_rank_cost(c, [b[n][0] for n in b if plans[n] is not None],
                                       splittable([plans[n] for n in b if plans[n] is not None]), ranks, device)
