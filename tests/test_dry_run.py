@@ -11,9 +11,9 @@ from transformers import LlamaConfig
 from nmprune.distributed import busiest_rank_cost, job_cost, makespan, split_cost
 from nmprune.cli import main
 from nmprune.config import build_config
-from nmprune.resources import (BF16_TRAINING_SPEEDUP, CPU_THREAD_SCALING, busiest_token_share, cpu_threads,
-                               hessian_inputs, plan_run)
-from nmprune.stages.token_shares import token_shares
+from nmprune.resources import BF16_TRAINING_SPEEDUP, CPU_THREAD_SCALING, cpu_threads, plan_run
+from nmprune.stages.statistics import hessian_inputs
+from nmprune.stages.token_shares import busiest_token_share, token_shares
 
 GIB = 1 << 30
 

@@ -3,43 +3,29 @@
 
 The model is built on the meta device, without initialising weights, to count its
 parameters and its prunable layers' shapes, as a streamed run does
-(:class:`nmprune.stages.source.DecoderBlocks`). From those and the settings:
+(:class:`nmprune.stages.source.DecoderBlocks`). Each stage states what it needs beside its own code, from a :class:`~nmprune.stages.needs.RunShape`
+(the layers' shapes and plans, the blocks' sizes, the settings, the ranks and their rates):
+the layer solves (:func:`nmprune.stages.executor.solve_needs`), the statistics stage
+(:func:`nmprune.stages.statistics.statistics_needs`), the reconstruction
+(:func:`nmprune.stages.reconstruction.reconstruction_needs`) and the global distillation
+(:func:`nmprune.stages.distillation.distillation_needs`). :func:`plan_run` adds them up:
 
 * **Memory per rank.** The process itself (:data:`PROCESS_BYTES`: torch, transformers,
   tokenizer and nmprune, measured on the CPU with a one-megabyte model); the modules outside
-  the blocks (embeddings, LM head) while the block inputs are captured and evaluated; then
-  the block phase: one block's weights, its float32 Hessians (one per distinct input: layers
-  named ``q/k/v_proj`` share one, ``gate/up_proj`` one, every other layer its own), the
-  largest layer's solver memory (its float32 working weight and result, two ``d_in x d_in``
-  factorisations), this rank's share of the calibration hidden states (one set per stream:
-  two without reconstruction, the states in and the states out; two with block
-  reconstruction, the dense stream (also the targets) and the pruned stream, whose states
-  in wait on disk while its states out are computed; four with submodule reconstruction,
-  whose targets are their own; with reconstruction of a model narrower than float32, the
-  pruned stream in float32 besides), the float32 activations of one calibration batch, and
-  with reconstruction the block in float32, 16 bytes per kept entry of a pruned weight (its
-  position and :class:`nmprune.reconstruct.CompactAdamW`'s compact gradient and two moments; the
-  solved weights' backup waits on disk in the checkpoint folder) and 4 more per lane the
-  rank computes when there are several, one layer's
-  dense gradient and autograd's activations of one batch. A
-  run that loads the model whole adds all its weights. On a CUDA device the block phase is
-  device memory and the CPU holds the process, the outside modules and one block on its way.
+  the blocks (embeddings, LM head) and the calibration streams while the block inputs are
+  captured and evaluated; then the block phase: one block's weights, the streams and what
+  each stage holds while a block is worked on; the global distillation's own peak. A run that
+  loads the model whole adds all its weights. On a CUDA device the block phase is device
+  memory and the CPU holds the process, the outside modules and one block on its way.
 * **Disk.** The output (every parameter in the run dtype) and the checkpoint (the pruned
   layers' weights and the hidden states of every stream).
-* **Time.** The layer solves from the cost model (:func:`nmprune.distributed.job_cost`,
-  seconds on the reference CPU, or on CUDA by :data:`nmprune.distributed.CUDA_SPEEDUP`), spread over the
-  ranks as the run spreads them: when blocks are solved one at a time (with reconstruction or
-  pruned inputs), the busiest rank's cost of each block under the executor's own choice
-  between shares of rows and whole layers (:func:`nmprune.distributed.busiest_rank_cost`),
-  the mean otherwise (a window of blocks balances them); and the forward and backward passes from their floating-point
-  operations (2 per parameter and token forward, 6 forward and backward) at
-  :data:`FLOPS` per device kind (on the CPU scaled to the threads each rank has,
-  :func:`cpu_threads`): the calibration passes spread over the ranks; the reconstruction's
-  training of whole blocks in one lane (the default) shared by tokens, at the busiest
-  rank's share (:func:`busiest_token_share`), and otherwise a round's training (one step per
-  lane, :mod:`nmprune.reconstruct`) over as many ranks as the round has batches. Training
-  that computes in bfloat16 (:func:`nmprune.reconstruct.training_dtype`) runs
-  :data:`BF16_TRAINING_SPEEDUP` faster.
+* **Time.** Each stage's seconds. The solvers' costs are seconds on the reference CPU
+  (:func:`nmprune.distributed.plan_cost`; on CUDA by :data:`nmprune.distributed.CUDA_SPEEDUP`);
+  the passes are floating-point operations (2 per parameter and token forward, 6 forward and
+  backward) at :data:`FLOPS` per device kind. On the CPU both scale with the threads each rank
+  has (:func:`cpu_threads`, :data:`CPU_THREAD_SCALING`). Training that computes in bfloat16
+  (:func:`nmprune.reconstruct.training_dtype`) runs :data:`BF16_TRAINING_SPEEDUP` faster. The
+  evaluation: dense and pruned perplexity, forward passes over the evaluation tokens.
 
 Every figure is an estimate; ``benchmarks/memory.py`` checks the memory ones against
 measured peaks.
@@ -74,8 +60,6 @@ CPU_THREAD_SCALING = 0.79
 #: ``benchmarks/gpu_check.py`` times it (an H200's bfloat16 tensor cores against the float32
 #: rate measured there)
 BF16_TRAINING_SPEEDUP = {"cpu": 2.0, "cuda": 4.0}
-#: layers that share their input (one Hessian) when they sit side by side in one module
-SHARED_INPUTS = ({"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"}, {"w1", "w3"})
 
 
 @dataclass
@@ -128,21 +112,6 @@ def _skeleton(config: RunConfig, model=None):
     return skeleton, torch.empty((), dtype=dtype).element_size(), resolved
 
 
-def distill_bytes(params: int, pruned: int, kept: float, blocks: int, batch_tokens: int, hidden_size: int,
-                  intermediate: int, vocab: int, positions: int = 0) -> int:
-    """Memory of the global distillation pass (:mod:`nmprune.stages.distillation`) on its
-    device: the whole model in float32, 16 bytes per kept entry of a pruned weight (its
-    position, compact gradient and AdamW's two moments) and the solved values kept aside (4
-    per kept entry), autograd's activations of one batch through every block, its logits four
-    times over (logits, log-probabilities and their gradients), and the dense distribution
-    of the rank's ``positions`` (DISTILL_TOPK tokens of 8 bytes each)."""
-    from .distill import DISTILL_TOPK
-
-    return int(4 * params + pruned * 20 * kept
-               + blocks * batch_tokens * (16 * hidden_size + 4 * intermediate) * 4
-               + 4 * batch_tokens * vocab * 4 + positions * min(DISTILL_TOPK, vocab) * 8)
-
-
 def distill_shortfall(needs: "RunNeeds", available: int) -> str | None:
     """Why the run's global distillation pass does not fit ``available`` bytes of the device
     (of this machine, on the CPU), or None where it fits or there is none."""
@@ -151,37 +120,6 @@ def distill_shortfall(needs: "RunNeeds", available: int) -> str | None:
         return None
     return (f"the global distillation pass needs about {peak / GIB:.1f} GiB (the whole model in float32 with "
             f"its optimiser state and one batch's activations) and {available / GIB:.1f} GiB are available")
-
-
-#: layers whose output at one token reaches later tokens (keys and values; fused ones too)
-CAUSAL_LAYERS = ("k_proj", "v_proj", "qkv_proj", "c_attn", "query_key_value", "Wqkv")
-
-
-def busiest_token_share(shapes: dict[str, tuple[int, int]], ranks: int) -> float:
-    """The part of a block's training step the busiest of ``ranks`` computes when the
-    sample is shared by tokens (:func:`nmprune.stages.token_shares.token_shares`): the keys'
-    and values' layers (by name, :data:`CAUSAL_LAYERS`; the run measures them) run on every
-    token up to the end of a share, the other layers on the share alone."""
-    if ranks < 2:
-        return 1.0
-    sizes = [(r * d, name.rsplit(".", 1)[-1] in CAUSAL_LAYERS) for name, (r, d) in shapes.items()]
-    total = sum(size for size, _ in sizes)
-    c = 1.0 - sum(size for size, causal in sizes if causal) / total if total else 1.0
-    return 1.0 / ranks if c >= 1.0 else (1 - c) / (1 - c ** ranks)
-
-
-def hessian_inputs(shapes: dict[str, tuple[int, int]]) -> list[int]:
-    """``d_in`` of each distinct layer input of one block (module docstring)."""
-    seen: dict[tuple[str, int], int] = {}
-    widths = []
-    for name, (_, d_in) in shapes.items():
-        parent, _, leaf = name.rpartition(".")
-        group = next((i for i, g in enumerate(SHARED_INPUTS) if leaf in g), None)
-        key = (parent, group) if group is not None else (name, -1)
-        if key not in seen:
-            seen[key] = d_in
-            widths.append(d_in)
-    return widths
 
 
 def cpu_threads(ranks: int) -> int:
@@ -217,105 +155,65 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None, mo
     number of ranks and the model's files, :func:`~nmprune.streaming.fit.ranks_offload`);
     ``model``: the model's ``(source, configuration)`` when already read."""
     from .devices import default_device
-    from .distributed import busiest_rank_cost, plan_cost, splittable
     from .reconstruct import BF16_MIN_WIDTH
+    from .stages.distillation import distillation_needs
+    from .stages.executor import solve_needs
+    from .stages.needs import RunShape
+    from .stages.reconstruction import reconstruction_needs
     from .stages.source import DecoderBlocks
+    from .stages.statistics import statistics_needs
     from .streaming.fit import ranks_offload
 
     model, itemsize, resolved = _skeleton(config, model)
     source = DecoderBlocks(model)
     s = config.prune
-    plan = s.planner()
     if streamed is None:  # as the run decides before memory is considered (nmprune.job.run)
         streamed = bool(ranks_offload(config.offload, ranks, resolved))
     device = default_device(config.device).type
-    params = sum(p.numel() for p in model.parameters())
-    block_params = [sum(p.numel() for p in b.parameters()) for b in source.blocks]
-    outside = params - sum(block_params)
     shapes = source.layer_shapes()
-    hidden_size = model.config.hidden_size
-    intermediate = max((d_out for d_out, _ in shapes.values()), default=hidden_size)
-    recon = s.reconstruct != "none"
-    per_block = [{n: shapes[n] for n in source.layers(i)} for i in range(len(source))]
-    plans = plan.plan_layers(shapes, warn=False)
-    largest = max(block_params)
-    block = largest * itemsize
-    hessians = max(sum(4 * d * d for d in hessian_inputs(b)) for b in per_block)
-    solver = max(4 * (2 * r * d + 2 * d * d) for r, d in shapes.values())
-    tokens = s.nsamples * s.seqlen
-    sets = {"none": 2, "block": 2, "submodule": 4}[s.reconstruct]
-    # with reconstruction, training reads the pruned stream in float32
-    hidden = -(-s.nsamples // ranks) * s.seqlen * hidden_size * (itemsize * sets + (4 if recon and itemsize < 4 else 0))
-    batch_tokens = s.batch_size * s.seqlen
-    activations = batch_tokens * (3 * intermediate + 4 * hidden_size) * 4
-    # the block in float32, then per kept entry of a pruned weight: 16 bytes (its position,
-    # compact gradient and two AdamW moments) and 4 more per lane the rank
-    # computes (with several lanes); one layer's dense gradient in flight, and autograd's
-    # activations of one batch
-    fit = s.fit_options()
-    slots = 0 if fit.lanes == 1 else -(-fit.lanes // ranks)
-    kept = max((p.pattern.n / p.pattern.m for p in plans.values() if p is not None), default=1.0)
-    pruned = max(sum(r * d for n, (r, d) in b.items() if plans[n] is not None) for b in per_block)
-    training = ((4 - itemsize) * largest + pruned * (16 + 4 * slots) * kept
-                + 4 * max(r * d for r, d in shapes.values())
-                + batch_tokens * (16 * hidden_size + 4 * intermediate) * 4) if recon else 0
-    block_phase = block + hessians + solver + hidden + activations + training
-    distilled_weights = sum(r * d for n, (r, d) in shapes.items() if plans[n] is not None)
-    epochs = s.distill_passes(whole=not streamed)
-    # the pass trains on the run's windows and its own (each rank on its share)
-    windows = s.nsamples + s.distill_extra_windows()
-    distilling = distill_bytes(params, distilled_weights, kept, len(source), batch_tokens, hidden_size, intermediate,
-                               model.config.vocab_size, -(-windows // ranks) * s.seqlen) if epochs else 0
-    whole = 0 if streamed else params * itemsize
-    if device == "cuda":
-        cpu_peak = PROCESS_BYTES + whole + outside * itemsize + block
-        device_peak = max(block_phase, distilling)
-    else:
-        cpu_peak = PROCESS_BYTES + whole + max(outside * itemsize + hidden, block_phase, distilling)
-        device_peak = None
-    costs = [[plan_cost(b[n], p, device) for n in b if (p := plans[n]) is not None] for b in per_block]
-    if recon or s.hessian_inputs == "pruned":  # one block at a time: the busiest rank's share
-        solve = sum(busiest_rank_cost(c, [b[n][0] for n in b if plans[n] is not None],
-                                      splittable([plans[n] for n in b if plans[n] is not None]), ranks, device)
-                    for c, b in zip(costs, per_block))
-    else:  # a window of blocks keeps the ranks near balance (nmprune.distributed.balance_window)
-        solve = sum(map(sum, costs)) / ranks
-    rate = FLOPS[device]
+    rate, speed = FLOPS[device], 1.0
     if device != "cuda":  # the reference CPU's constants at the threads each rank will have
         speed = (cpu_threads(ranks) / CPU_REFERENCE_THREADS) ** CPU_THREAD_SCALING
-        solve, rate = solve / speed, rate * speed
+        rate = rate * speed
     wide = max((min(shape) for shape in shapes.values()), default=0) >= BF16_MIN_WIDTH
     train_rate = rate * (BF16_TRAINING_SPEEDUP[device] if _trains_in_bfloat16(s.train_precision, device, wide) else 1)
-    passes = 2 + (1 if s.hessian_inputs == "pruned" else 0)  # statistics and propagation
-    forward = 2.0 * sum(block_params) * tokens
-    seconds = {"layer_solves": solve, "calibration_passes": passes * forward / rate / ranks}
-    if recon:
-        # the passes before and after training are data-parallel. Whole blocks in one lane:
-        # every step's sample is shared by tokens, the busiest rank's share of the work
-        # (nmprune.stages.token_shares). Otherwise a training round runs the batches of every
-        # lane's step on the ranks that hold them, so ranks beyond the round's batches wait
-        if s.reconstruct == "block" and fit.lanes == 1:
-            share = busiest_token_share(shapes, ranks)
-        else:
-            batches = fit.lanes * fit.batches_per_step
-            share = -(-batches // ranks) / batches
-        training = 3 * fit.epochs * forward * share
-        seconds["reconstruction"] = training / train_rate + 2 * forward / ranks / rate
-    if epochs:  # the whole model forward and backward on every batch, each epoch
-        # the dense model's forward pass on the pass's own windows (in the pass's dtype), then
-        # every window's forward and backward each epoch
-        own_tokens = s.distill_extra_windows() * s.seqlen
-        seconds["distillation"] = (2.0 * params * own_tokens / train_rate
-                                   + 3 * epochs * 2.0 * params * windows * s.seqlen / train_rate) / ranks
+    run = RunShape(s, ranks, device, itemsize, [{n: shapes[n] for n in source.layers(i)} for i in range(len(source))],
+                   s.planner().plan_layers(shapes, warn=False),
+                   [sum(p.numel() for p in b.parameters()) for b in source.blocks],
+                   sum(p.numel() for p in model.parameters()), model.config.hidden_size, model.config.vocab_size,
+                   rate, train_rate, speed)
+    # the stages the run will have (nmprune.pipeline): the solves, the statistics stage (with
+    # reconstruction, the one that also fits each block and carries the streams) and the pass
+    recon = s.reconstruct != "none"
+    solves, statistics = solve_needs(run), statistics_needs(run)
+    fitting = reconstruction_needs(run) if recon else None
+    epochs = s.distill_passes(whole=not streamed)
+    windows = s.nsamples + s.distill_extra_windows()
+    distilling = distillation_needs(run, epochs, windows) if epochs else None
+    streams = (fitting or statistics).stream_bytes
+    block = max(run.block_params) * itemsize
+    block_phase = (block + statistics.block_bytes + solves.block_bytes + streams
+                   + (fitting.block_bytes if fitting else 0))
+    distill_peak = distilling.peak_bytes if distilling else 0
+    whole = 0 if streamed else run.params * itemsize
+    outside = run.params - sum(run.block_params)
+    if device == "cuda":
+        cpu_peak = PROCESS_BYTES + whole + outside * itemsize + block
+        device_peak = max(block_phase, distill_peak)
+    else:
+        cpu_peak = PROCESS_BYTES + whole + max(outside * itemsize + streams, block_phase, distill_peak)
+        device_peak = None
+    seconds = {**solves.seconds, **statistics.seconds, **(fitting.seconds if fitting else {}),
+               **(distilling.seconds if distilling else {})}
     if config.eval:
-        seconds["evaluation"] = 2 * len(config.eval) * 2.0 * params * (config.eval_max_tokens or tokens) / rate
+        seconds["evaluation"] = 2 * len(config.eval) * 2.0 * run.params * (config.eval_max_tokens or run.tokens) / rate
     pruned_weights = sum(r * d for r, d in shapes.values()) * itemsize
-    return RunNeeds(ranks=ranks, device=device, streamed=bool(streamed), blocks=len(source), parameters=params,
+    return RunNeeds(ranks=ranks, device=device, streamed=bool(streamed), blocks=len(source), parameters=run.params,
                     cpu_peak_per_rank=cpu_peak, device_peak_per_rank=device_peak, block_phase=block_phase,
-                    output_disk=params * itemsize,
-                    checkpoint_disk=pruned_weights + tokens * hidden_size * itemsize * (2 if recon else 1),
+                    output_disk=run.params * itemsize,
+                    checkpoint_disk=pruned_weights + run.tokens * run.hidden_size * itemsize * (2 if recon else 1),
                     seconds=seconds, distill_epochs=epochs, distill_windows=windows if epochs else 0,
-                    distill_peak_per_rank=distilling if device == "cuda" else PROCESS_BYTES + whole + distilling)
+                    distill_peak_per_rank=distill_peak if device == "cuda" else PROCESS_BYTES + whole + distill_peak)
 
 
 def check_device_fits(needs: RunNeeds, device_bytes: int | None) -> None:

@@ -32,6 +32,7 @@ from ..distill import TeacherTopK, teacher_topk, topk_kl
 from ..progress import bar as progress_bar
 from ..reconstruct import (FitOptions, KeptEntries, ReconstructionDiverged, epoch_steps, fit_masked,
                            training_dtype)
+from .needs import RunShape, StageNeeds
 from .reconstruction import Spill, float32_training
 
 
@@ -123,3 +124,32 @@ def distill(model: nn.Module, weights: Sequence[Tensor], batches: Sequence[Tenso
             "heldout_after": after if kept == "distilled" else before,
             "first_epoch_kl": result.first_epoch_mse, "last_epoch_kl": result.last_epoch_mse,
             "kept": kept, "train_dtype": result.dtype, "seconds": time.perf_counter() - started}
+
+
+def distill_bytes(params: int, pruned: int, kept: float, blocks: int, batch_tokens: int, hidden_size: int,
+                  intermediate: int, vocab: int, positions: int = 0) -> int:
+    """Memory of the pass on its device: the whole model in float32, 16 bytes per kept entry of
+    a pruned weight (its position, compact gradient and AdamW's two moments) and the solved
+    values kept aside (4 per kept entry), autograd's activations of one batch through every
+    block, its logits four times over (logits, log-probabilities and their gradients), and the
+    dense distribution of the rank's ``positions`` (DISTILL_TOPK tokens of 8 bytes each)."""
+    from ..distill import DISTILL_TOPK
+
+    return int(4 * params + pruned * 20 * kept
+               + blocks * batch_tokens * (16 * hidden_size + 4 * intermediate) * 4
+               + 4 * batch_tokens * vocab * 4 + positions * min(DISTILL_TOPK, vocab) * 8)
+
+
+def distillation_needs(run: RunShape, epochs: int, windows: int) -> StageNeeds:
+    """What ``epochs`` of the pass on ``windows`` calibration windows (the run's and its own)
+    need on one rank: its own peak (:func:`distill_bytes`, on the rank's share of the windows),
+    and its time at the training rate: the dense model's forward pass on the pass's own
+    windows, then every window's forward and backward each epoch, shared out between the ranks."""
+    s = run.settings
+    pruned = sum(r * d for n, (r, d) in run.shapes.items() if run.plans[n] is not None)
+    peak = distill_bytes(run.params, pruned, run.kept, len(run.per_block), run.batch_tokens, run.hidden_size,
+                         run.intermediate, run.vocab_size, -(-windows // run.ranks) * s.seqlen)
+    own_tokens = s.distill_extra_windows() * s.seqlen
+    seconds = (2.0 * run.params * own_tokens / run.train_rate
+               + 3 * epochs * 2.0 * run.params * windows * s.seqlen / run.train_rate) / run.ranks
+    return StageNeeds(peak_bytes=peak, seconds={"distillation": seconds})

@@ -8,7 +8,8 @@ step's gradients) and solves a block's :class:`LayerJob` s (:meth:`solve`), call
 exchanges between processes (rank 0's checkpoint state, the hidden states a checkpoint
 saves, every rank's busy time) and runs each phase of local work so that an error in one
 process reaches all of them (:meth:`phase`). :class:`LocalExecutor` does all of it in this
-process; :class:`nmprune.distributed.DistributedExecutor` spreads the same calls over ranks.
+process; :class:`nmprune.distributed.DistributedExecutor` spreads the same calls over ranks. :func:`solve_needs` states what the solves need
+(:mod:`.needs`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch import Tensor
 
 from ..checks import NonFiniteModel, all_finite
 from ..loss import local_loss
+from .needs import RunShape, StageNeeds
 from .plan import LayerPlan, wanda_reference
 from ..registry import RowShards
 from ..solve import check_problem, dampened, solve
@@ -192,3 +194,27 @@ class LocalExecutor:
             weight, record = run_job(job, self.device)
             done(job, weight, {**record, "rank": 0})
             del weight  # else the last result lives through the next solve (940 MiB at 70B)
+
+
+def solve_needs(run: RunShape) -> StageNeeds:
+    """What the layer solves need on one rank: the largest layer's solver memory (its float32
+    working weight and result, two ``d_in x d_in`` factorisations), and the seconds of the cost
+    model (:func:`~nmprune.distributed.plan_cost`, at the rank's :attr:`~.needs.RunShape.solve_speed`)
+    spread as the run spreads them: when blocks are solved one at a time (with reconstruction or
+    pruned inputs) the busiest rank's share of each block, under the executor's own choice
+    between shares of rows and whole layers (:func:`~nmprune.distributed.busiest_rank_cost`);
+    otherwise the mean, since a window of blocks keeps the ranks near balance
+    (:func:`~nmprune.distributed.balance_window`)."""
+    from ..distributed import busiest_rank_cost, plan_cost, splittable
+
+    s = run.settings
+    solver = max(4 * (2 * r * d + 2 * d * d) for r, d in run.shapes.values())
+    active = [run.pruned(block) for block in run.per_block]
+    costs = [[plan_cost(block[n], run.plans[n], run.device) for n in names] for block, names in zip(run.per_block, active)]
+    if s.reconstruct != "none" or s.hessian_inputs == "pruned":
+        seconds = sum(busiest_rank_cost(c, [block[n][0] for n in names], splittable([run.plans[n] for n in names]),
+                                        run.ranks, run.device)
+                      for c, block, names in zip(costs, run.per_block, active))
+    else:
+        seconds = sum(map(sum, costs)) / run.ranks
+    return StageNeeds(block_bytes=solver, seconds={"layer_solves": seconds / run.solve_speed})

@@ -12,7 +12,8 @@ order on the pruned stream and moves that stream past the reconstructed block. T
 of ``submodule`` are the block's direct children that hold a pruned layer, in the order the
 block calls them (attention, then MLP, in the Llama, Qwen2, Mistral and Gemma families; a
 family whose MLP matrices are direct children of the block, such as OPT's ``fc1``/``fc2``,
-fits them one by one).
+fits them one by one). :func:`reconstruction_needs` states what the stage needs beyond the
+statistics it collects (:mod:`.needs`).
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ from ..progress import bar as progress_bar
 from ..reconstruct import (FitOptions, KeptEntries, ReconstructionDiverged, channel_weights, epoch_steps,
                            fit_masked, lane_of)
 from .block_runner import BlockCall, BlockInputs, block_hidden, run_block
+from .needs import RunShape, StageNeeds
 from .statistics import CalibrationStatistics, InputStats
-from .token_shares import (TokenSharing, attention_on_share, computing_share, layer_reach, share_attention_candidates,
-                           token_cost, token_shares, widest)
+from .token_shares import (TokenSharing, attention_on_share, busiest_token_share, computing_share, layer_reach,
+                           share_attention_candidates, token_cost, token_shares, widest)
 
 GRANULARITIES = ("none", "submodule", "block")
 RECONSTRUCTION_TEXT = {  # what `nmprune methods` says of each granularity
@@ -582,3 +584,38 @@ class ReconstructingStatistics:
                 f"block it kept lowered its own held-out error; rerun with --reconstruct none --restart "
                 f"for the solved model")
         return record
+
+
+def reconstruction_needs(run: RunShape) -> StageNeeds:
+    """What :class:`ReconstructingStatistics` needs on one rank beyond the statistics it
+    collects (:func:`~nmprune.stages.statistics.statistics_needs`, whose two sets of hidden
+    states it replaces). Its streams of the rank's hidden states: two with ``block`` (the dense
+    stream, also the targets, and the pruned stream, whose states in wait on disk while its
+    states out are computed), four with ``submodule`` (whose targets are their own), and the
+    pruned stream in float32 besides for a model narrower than float32. While a block trains:
+    the block in float32, 16 bytes per kept entry of its pruned weights (the position and
+    :class:`~nmprune.reconstruct.CompactAdamW`'s compact gradient and two moments; the solved
+    weights' backup waits on disk) and 4 more per lane the rank computes when there are
+    several, one layer's dense gradient and autograd's activations of one batch. Its time: the
+    passes before and after training over the rank's share of the batches, and the training,
+    3 passes' work per epoch at the training rate: for whole blocks in one lane (the default)
+    every step's sample is shared by tokens, the busiest rank's share of the work
+    (:func:`~nmprune.stages.token_shares.busiest_token_share`); otherwise a round runs the
+    batches of every lane's step on the ranks that hold them, so ranks beyond the round's
+    batches wait (:mod:`nmprune.reconstruct`)."""
+    s, fit = run.settings, run.settings.fit_options()
+    sets = {"block": 2, "submodule": 4}[s.reconstruct]
+    streams = run.rank_tokens * run.hidden_size * (run.itemsize * sets + (4 if run.itemsize < 4 else 0))
+    slots = 0 if fit.lanes == 1 else -(-fit.lanes // run.ranks)
+    pruned = max(sum(r * d for n, (r, d) in block.items() if run.plans[n] is not None) for block in run.per_block)
+    training = ((4 - run.itemsize) * max(run.block_params) + pruned * (16 + 4 * slots) * run.kept
+                + 4 * max(r * d for r, d in run.shapes.values())
+                + run.batch_tokens * (16 * run.hidden_size + 4 * run.intermediate) * 4)
+    if s.reconstruct == "block" and fit.lanes == 1:
+        share = busiest_token_share(run.shapes, run.ranks)
+    else:
+        batches = fit.lanes * fit.batches_per_step
+        share = -(-batches // run.ranks) / batches
+    work = 3 * fit.epochs * run.forward * share
+    return StageNeeds(block_bytes=training, stream_bytes=streams,
+                      seconds={"reconstruction": work / run.train_rate + 2 * run.forward / run.ranks / run.rate})

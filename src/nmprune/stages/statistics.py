@@ -7,7 +7,8 @@ every process's sums are added, so the reduction is exact. :func:`accumulate` is
 tensor code; the hooks of :class:`HessianCollector` route inputs to it, one accumulator per
 distinct input tensor (q/k/v and gate/up share one). A method names the statistics beyond
 ``H`` it takes when it registers; :data:`STATISTICS` computes each from the sums. The
-pipeline's statistics stage is :class:`CalibrationStatistics` or :class:`PrecomputedStatistics`.
+pipeline's statistics stage is :class:`CalibrationStatistics` or :class:`PrecomputedStatistics`;
+:func:`statistics_needs` states what the first needs (:mod:`.needs`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from .block_runner import BlockInputs, run_block
+from .needs import RunShape, StageNeeds
 
 
 @dataclass
@@ -228,3 +230,39 @@ class PrecomputedStatistics:
 
     def advance(self, index: int, block: nn.Module) -> None:
         return None
+
+
+#: layers that read one input tensor when they sit side by side in one module (q/k/v after one
+#: norm, gate/up): :class:`HessianCollector` finds them by the tensor itself as the block runs,
+#: :func:`hessian_inputs` (the dry run, which runs nothing) by these names
+SHARED_INPUTS = ({"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"}, {"w1", "w3"})
+
+
+def hessian_inputs(shapes: Mapping[str, tuple[int, int]]) -> list[int]:
+    """``d_in`` of each distinct layer input of one block, whose layers' ``(d_out, d_in)`` are
+    ``shapes`` by full name: one accumulator per input, as :class:`HessianCollector` keeps them
+    (:data:`SHARED_INPUTS`)."""
+    seen: dict[tuple[str, int], int] = {}
+    widths = []
+    for name, (_, d_in) in shapes.items():
+        parent, _, leaf = name.rpartition(".")
+        group = next((i for i, g in enumerate(SHARED_INPUTS) if leaf in g), None)
+        key = (parent, group) if group is not None else (name, -1)
+        if key not in seen:
+            seen[key] = d_in
+            widths.append(d_in)
+    return widths
+
+
+def statistics_needs(run: RunShape) -> StageNeeds:
+    """What :class:`CalibrationStatistics` needs on one rank: while a block is worked on, its
+    float32 Hessians (one per distinct input, :func:`hessian_inputs`) and the float32
+    activations of one calibration batch through it; two sets of the rank's hidden states in the
+    run's dtype (a block's inputs and its outputs); and the passes of every block over the
+    calibration tokens, shared out between the ranks: the statistics and the propagation, and
+    with pruned inputs (``hessian_inputs="pruned"``) one more for the pruned stream."""
+    hessians = max(sum(4 * d * d for d in hessian_inputs(block)) for block in run.per_block)
+    activations = run.batch_tokens * (3 * run.intermediate + 4 * run.hidden_size) * 4
+    passes = 2 + (1 if run.settings.hessian_inputs == "pruned" else 0)
+    return StageNeeds(block_bytes=hessians + activations, stream_bytes=run.rank_tokens * run.hidden_size * run.itemsize * 2,
+                      seconds={"calibration_passes": passes * run.forward / run.rate / run.ranks})

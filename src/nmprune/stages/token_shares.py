@@ -235,3 +235,22 @@ def attention_on_share(run: Callable[[], Tensor], layers: Mapping[str, nn.Module
         return []
     tolerance = 1e-4 * float(whole.abs().max()) + 1e-6
     return list(candidates) if part.shape == whole.shape and float((part - whole).abs().max()) <= tolerance else []
+
+
+#: layers whose output at one token reaches later tokens (keys and values; fused ones too), by
+#: name: :func:`layer_reach` measures them in a run; :func:`busiest_token_share` (the dry run,
+#: which runs nothing) reads these names
+CAUSAL_LAYERS = ("k_proj", "v_proj", "qkv_proj", "c_attn", "query_key_value", "Wqkv")
+
+
+def busiest_token_share(shapes: Mapping[str, tuple[int, int]], ranks: int) -> float:
+    """The part of a block's training step the busiest of ``ranks`` computes when the sample
+    is shared by tokens (:func:`token_shares`), from the block's layers' ``(d_out, d_in)`` by
+    full name: the keys' and values' layers (:data:`CAUSAL_LAYERS`) run on every token up to
+    the end of a share, the other layers on the share alone."""
+    if ranks < 2:
+        return 1.0
+    sizes = [(r * d, name.rsplit(".", 1)[-1] in CAUSAL_LAYERS) for name, (r, d) in shapes.items()]
+    total = sum(size for size, _ in sizes)
+    c = 1.0 - sum(size for size, causal in sizes if causal) / total if total else 1.0
+    return 1.0 / ranks if c >= 1.0 else (1 - c) / (1 - c ** ranks)
