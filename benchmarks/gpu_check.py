@@ -223,29 +223,31 @@ def prox_kernel(device: torch.device, shapes: list[tuple[int, int]], repeats: in
     """Part 0: the 2:4 prox of a whole layer against one gradient product (module docstring)."""
     import importlib.util
 
-    from nmprune.prox import prox_2of4
-
     # the path prox_2of4 takes for float32 cells (nmprune.prox.two_four)
     kernel = "numba (CPU)" if device.type == "cpu" else \
         "triton" if importlib.util.find_spec("triton") is not None else "torch float64"
 
-    rows = []
-    for d_out, d_in in shapes:
-        w, h, mean = (t.to(device) for t in correlated_layer(d_out, d_in, seed=2))
-        z = w + 0.01 * torch.randn_like(w)
-        lam = torch.tensor(float(z.abs().median()) ** 3, device=device)  # near the median threshold
-        cells = z.reshape(-1, 4)
-        h_low, diff = h.to(torch.bfloat16), (z - w).to(torch.bfloat16)
-        gradient = _timed(lambda: torch.mm(diff, h_low), device, repeats)
-        prox = _timed(lambda: prox_2of4(cells, lam), device, repeats)
-        method = _timed(lambda: _solve(w, h, mean, "prox", None), device, max(1, repeats // 2))
-        whole = _timed(lambda: _solve(w, h, mean, "prox", "exact"), device, max(1, repeats // 2))
-        rows.append({"shape": [d_out, d_in], "kernel": kernel,
-                     "gradient_product_seconds": gradient, "prox_seconds": prox,
-                     "prox_over_gradient": prox / gradient, "prox_method_seconds": method,
-                     "exact_refine_seconds": whole - method, "prox_exact_seconds": whole})
-        del w, h, mean, z, cells, h_low, diff
-    return rows
+    # one shape at a time in its own call: its tensors are freed before the next one's
+    return [_prox_row(device, d_out, d_in, kernel, repeats) for d_out, d_in in shapes]
+
+
+def _prox_row(device: torch.device, d_out: int, d_in: int, kernel: str, repeats: int) -> dict:
+    """Part 0 on one layer shape."""
+    from nmprune.prox import prox_2of4
+
+    w, h, mean = (t.to(device) for t in correlated_layer(d_out, d_in, seed=2))
+    z = w + 0.01 * torch.randn_like(w)
+    lam = torch.tensor(float(z.abs().median()) ** 3, device=device)  # near the median threshold
+    cells = z.reshape(-1, 4)
+    h_low, diff = h.to(torch.bfloat16), (z - w).to(torch.bfloat16)
+    gradient = _timed(lambda: torch.mm(diff, h_low), device, repeats)
+    prox = _timed(lambda: prox_2of4(cells, lam), device, repeats)
+    method = _timed(lambda: _solve(w, h, mean, "prox", None), device, max(1, repeats // 2))
+    whole = _timed(lambda: _solve(w, h, mean, "prox", "exact"), device, max(1, repeats // 2))
+    return {"shape": [d_out, d_in], "kernel": kernel,
+            "gradient_product_seconds": gradient, "prox_seconds": prox,
+            "prox_over_gradient": prox / gradient, "prox_method_seconds": method,
+            "exact_refine_seconds": whole - method, "prox_exact_seconds": whole}
 
 
 def report_markdown(result: dict) -> str:

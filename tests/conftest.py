@@ -15,6 +15,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from test_models_tiny import save_tiny_model_dir, write_text  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -23,3 +24,17 @@ def one_intra_op_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A tiny 3-block Llama directory with its tokenizer, a text, and a run.yaml pruning it
+    with wanda + gd on that text: ``(folder, model folder, text file, run.yaml)``."""
+    base = tmp_path_factory.mktemp("cli")
+    text = write_text(base / "text.txt")
+    model_dir = save_tiny_model_dir(base / "model", "llama", layers=3, text=text.read_text())
+    yaml_file = base / "run.yaml"
+    yaml_file.write_text(f"model: {model_dir}\nmethod: wanda\nrefine: gd\ncalib: {text}\n"
+                         f"nsamples: 4\nseqlen: 16\nbatch_size: 2\neval: ['{text}']\n"
+                         f"eval_seqlen: 16\neval_max_tokens: 256\n")
+    return base, model_dir, text, yaml_file

@@ -15,7 +15,6 @@ from nmprune.cli import build_parser, config_from_args, main
 from nmprune.job import run as run_prune
 from nmprune.models import find_blocks, find_linears, weight_matrix
 from nmprune.pattern import is_nm_sparse
-from test_models_tiny import save_tiny_model_dir, write_text
 
 
 def _config(argv):
@@ -63,18 +62,6 @@ def test_methods_lists_registry(capsys):
     assert main(["methods"]) == 0
     out = capsys.readouterr().out
     assert "wanda" in out and "exact" in out and "refine_" in out
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    base = tmp_path_factory.mktemp("cli")
-    text = write_text(base / "text.txt")
-    model_dir = save_tiny_model_dir(base / "model", "llama", layers=3, text=text.read_text())
-    yaml_file = base / "run.yaml"
-    yaml_file.write_text(f"model: {model_dir}\nmethod: wanda\nrefine: gd\ncalib: {text}\n"
-                         f"nsamples: 4\nseqlen: 16\nbatch_size: 2\neval: ['{text}']\n"
-                         f"eval_seqlen: 16\neval_max_tokens: 256\n")
-    return base, model_dir, text, yaml_file
 
 
 def test_global_distillation_from_the_command_line_and_its_refusal_on_a_streamed_model(tiny_dir, tmp_path, capsys):

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_cli import tiny_dir  # noqa: F401 - the fixture: a tiny Llama directory and its run.yaml
 from test_models_tiny import token_batch
 
 from nmprune.checkpoint import Checkpoint

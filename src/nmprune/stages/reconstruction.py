@@ -408,7 +408,8 @@ class ReconstructingStatistics:
                         targets, mine = [unit.targets[j] for j in train], [rank[self.positions[j]] for j in train]
                     result = fit_masked(run, targets, trained, mine, len(rank), options, self.all_reduce,
                                         bar.update, kept, channel_weights(unit.targets, self.all_reduce), lanes)
-                    del inputs, run, targets
+                    inputs = []  # the closure of run reads it: emptied, not deleted
+                    del run, targets
                     done["steps"] += result.steps
                     done["train_dtype"] = result.dtype
                     unit.targets.clear()
