@@ -7,14 +7,15 @@ held-out eighth, the keep-if-better rule) and measures wiki and Austen perplexit
 distribution here comes from the dense model's forward pass, which is what the pipeline carries
 through the blocks. A row's ``nsamples`` may exceed the run's calibration set: the calibration
 text is drawn again with that many windows (the first ones are not the same windows), which
-measures what more distillation data alone would give.
+measures what more distillation data alone would give; ``seed=N`` draws them with another
+calibration seed, which measures how much one draw of the windows moves the result.
 
 Rows are written to ``benchmarks/results/distill_sweep/BASE/ROW.json`` (BASE: the base run's
 folder name) when done and skipped by a later run (``--force`` redoes them); the summary of
 every base's rows is ``benchmarks/results/distill_sweep.{json,md}``.
 
     flock /tmp/nmprune-bench.lock python benchmarks/distill_sweep.py --base runs/d0 \\
-        --rows lr=1e-3 --rows lr=2e-3 --rows lr=1e-3,nsamples=128
+        --rows lr=1e-3 --rows lr=2e-3 --rows lr=1e-3,nsamples=128 --rows nsamples=128,seed=1
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ EVAL = ("wiki", "austen")
 EVAL_TOKENS, EVAL_SEQLEN = 8192, 512
 #: a row's settings and their defaults (the pipeline's: one epoch, lr 1e-3, the run's 64 x 512)
 DEFAULTS = {"lr": 1e-3, "epochs": 1, "nsamples": 64, "seqlen": 512, "topk": 64}
+#: a row's draw of its windows from the text (the calibration seed; 0: the runs' own seed), left
+#: out of the names of rows drawn with 0
+SEED = "seed"
 
 
 def parse_row(spec: str) -> dict[str, Any]:
@@ -42,14 +46,17 @@ def parse_row(spec: str) -> dict[str, Any]:
     row = dict(DEFAULTS)
     for item in filter(None, spec.split(",")):
         key, _, value = item.partition("=")
+        if key == SEED:
+            row[SEED] = int(value)
+            continue
         if key not in DEFAULTS:
-            raise SystemExit(f"unknown row setting {key!r}; one of {', '.join(DEFAULTS)}")
+            raise SystemExit(f"unknown row setting {key!r}; one of {', '.join([*DEFAULTS, SEED])}")
         row[key] = type(DEFAULTS[key])(float(value)) if key != "lr" else float(value)
     return row
 
 
 def row_name(row: dict[str, Any]) -> str:
-    return ",".join(f"{k}={row[k]:g}" for k in DEFAULTS)
+    return ",".join([f"{k}={row[k]:g}" for k in DEFAULTS] + ([f"{SEED}={row[SEED]}"] if row.get(SEED) else []))
 
 
 def run_row(base: str, row: dict[str, Any], precision: str) -> dict[str, Any]:
@@ -64,7 +71,7 @@ def run_row(base: str, row: dict[str, Any], precision: str) -> dict[str, Any]:
     torch.manual_seed(0)
     dense, tokenizer, _ = open_model(None, None, "float32", False)
     pruned, _, _ = open_model(base, None, "float32", False)
-    calibration = calibration_batch(tokenizer, "wiki", row["nsamples"], row["seqlen"], seed=0)
+    calibration = calibration_batch(tokenizer, "wiki", row["nsamples"], row["seqlen"], seed=row.get(SEED, 0))
     batches = list(calibration.split(1))
     started = time.perf_counter()
     with torch.no_grad():
@@ -126,7 +133,7 @@ def main() -> None:
         print(row_name(row), result["perplexity"], flush=True)
     bases = {p.name: json.loads((p / "base.json").read_text()) for p in sorted(ROWS_DIR.iterdir()) if p.is_dir()}
     rows = [json.loads(p.read_text()) for p in sorted(ROWS_DIR.glob("*/*=*.json"))]
-    rows.sort(key=lambda r: [r["base"], *(r["row"][k] for k in DEFAULTS)])
+    rows.sort(key=lambda r: [r["base"], *(r["row"][k] for k in DEFAULTS), r["row"].get(SEED, 0)])
     (RESULTS / "distill_sweep.json").write_text(json.dumps({"bases": bases, "cpu": machine, "rows": rows}, indent=1))
     (RESULTS / "distill_sweep.md").write_text(markdown(bases, rows, machine))
     print(markdown(bases, rows, machine))
