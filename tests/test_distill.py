@@ -233,11 +233,13 @@ def test_the_held_out_divergence_computes_in_the_training_dtype():
 
 
 def test_auto_draws_as_many_windows_again_for_the_pass_apart_from_the_runs():
-    """``distill_nsamples: auto``: twice the run's windows; a number says the total; the
-    pass's own windows are none where they would add nothing."""
+    """``distill_nsamples: auto``: AUTO_DISTILL_WINDOWS times the run's windows; a number says
+    the total; the pass's own windows are none where they would add nothing."""
+    from nmprune.config import AUTO_DISTILL_WINDOWS
     from nmprune.pipeline import distill_windows
 
-    assert PruneSettings(nsamples=64).distill_extra_windows() == 64
+    assert AUTO_DISTILL_WINDOWS > 1
+    assert PruneSettings(nsamples=64).distill_extra_windows() == 64 * (AUTO_DISTILL_WINDOWS - 1)
     assert PruneSettings(nsamples=64, distill_nsamples=96).distill_extra_windows() == 32
     assert PruneSettings(nsamples=64, distill_nsamples=64).distill_extra_windows() == 0
     assert distill_windows(None, PruneSettings(nsamples=4, distill_nsamples=4)) is None

@@ -10,7 +10,7 @@ from transformers import LlamaConfig
 
 from nmprune.distributed import busiest_rank_cost, job_cost, makespan, split_cost
 from nmprune.cli import main
-from nmprune.config import build_config
+from nmprune.config import AUTO_DISTILL_WINDOWS, build_config
 from nmprune.resources import BF16_TRAINING_SPEEDUP, CPU_THREAD_SCALING, cpu_threads, plan_run
 from nmprune.stages.statistics import hessian_inputs
 from nmprune.stages.token_shares import busiest_token_share, token_shares
@@ -156,13 +156,16 @@ def test_the_plan_prices_the_global_distillation_pass(tmp_path):
 
     base = plan(distill_epochs=0)
     one, two = (plan(distill_epochs=e) for e in (1, 2))
-    # only the run's own windows (distill_nsamples = nsamples): no forward pass before, half the tokens
+    # only the run's own windows (distill_nsamples = nsamples): no forward pass before, a
+    # fraction of the tokens (auto: AUTO_DISTILL_WINDOWS times the run's 64)
     bare_one, bare_two = (plan(distill_epochs=e, distill_nsamples=64) for e in (1, 2))
-    assert one.distill_windows == 128 and bare_one.distill_windows == 64
+    times = AUTO_DISTILL_WINDOWS
+    assert one.distill_windows == 64 * times and bare_one.distill_windows == 64
     assert bare_two.seconds["distillation"] == pytest.approx(2 * bare_one.seconds["distillation"])
     epoch = two.seconds["distillation"] - one.seconds["distillation"]
-    assert epoch == pytest.approx(2 * bare_one.seconds["distillation"])
-    assert one.seconds["distillation"] - epoch == pytest.approx(bare_one.seconds["distillation"] / 3)
+    assert epoch == pytest.approx(times * bare_one.seconds["distillation"])
+    # the dense forward over the pass's own windows: a third of an epoch's work on each
+    assert one.seconds["distillation"] - epoch == pytest.approx((times - 1) * bare_one.seconds["distillation"] / 3)
     assert one.distill_peak_per_rank > bare_one.distill_peak_per_rank
     assert "distillation" not in base.seconds
     # the default, auto: one epoch on a model loaded whole, none on a streamed one

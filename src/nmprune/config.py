@@ -29,10 +29,10 @@ AUTO = "auto"
 #: (benchmarks/results/reconstruct_sweep.md, reconstruct_gemma3_sweep.md)
 AUTO_DISTILL_EPOCHS = 1
 #: ``distill_nsamples: auto`` trains the global distillation on this many times the run's
-#: ``nsamples`` calibration windows (the run's own and as many more drawn for it): 128 windows
-#: instead of 64 lowered SmolLM2's wiki perplexity from 22.37 to 20.39 and Austen's from 100.1
-#: to 95.0 (benchmarks/results/distill_sweep.md)
-AUTO_DISTILL_WINDOWS = 2
+#: ``nsamples`` calibration windows (the run's own and the rest drawn for it): the pass alone on
+#: one pruned SmolLM2 gave wiki / Austen perplexity 22.37 / 100.1 on 64 windows, 20.39 / 94.97
+#: on 128 and 19.88 / 94.21 on 192 (benchmarks/results/distill_sweep.md)
+AUTO_DISTILL_WINDOWS = 3
 #: the extra windows of the global distillation are drawn with the run's seed plus this, apart
 #: from the run's own (which stay the same windows with or without the pass)
 DISTILL_SEED_OFFSET = 1
