@@ -220,5 +220,5 @@ def test_the_plan_skips_the_auto_distillation_where_the_device_cannot_hold_it(tm
     out = capsys.readouterr().out
     assert "| global distillation | none |" in out and "is skipped: the global distillation pass needs" in out
     assert main(args + ["--device-memory", f"{roomy.distill_peak_per_rank * 1.01 / GIB:.3f}"]) == 0
-    assert "| global distillation | 1 epoch(s) on 128 windows |" in capsys.readouterr().out
+    assert f"| global distillation | 1 epoch(s) on {64 * AUTO_DISTILL_WINDOWS} windows |" in capsys.readouterr().out
     assert main(args + ["--device-memory", between, "--distill-epochs", "1"]) == 2
