@@ -43,9 +43,13 @@ GIB = float(1 << 30)
 #: the resident set of a run's process before its model: 440 MiB per rank with a 1 MiB model
 #: (benchmarks/results/memory_ranks.json, 2 ranks on the CPU)
 PROCESS_BYTES = 440 * (1 << 20)
-#: sustained float32 operations per second of the passes through a block: the reference CPU
-#: (2 threads, SmolLM2's reconstruction) and an H200 (an 8B-shaped block, gpu.md)
-FLOPS = {"cpu": 9e10, "cuda": 6e13}
+#: sustained float32 operations per second of the passes through a block: the reference CPU (AMD
+#: EPYC znver5 at 2 threads) and an H200 (an 8B-shaped block, gpu.md). The CPU's: the SmolLM2 main
+#: job's passes, reconstruction and distillation took 590 s (code of afa951d, 2 threads) and the
+#: scaling Llama's passes and training 75.8 s on one rank of one thread (5406168,
+#: benchmarks/results/distributed_scaling.md), where 9e10 planned 1.83x and 1.47x that; 1.35e11
+#: plans them 1.22x and 0.98x
+FLOPS = {"cpu": 1.35e11, "cuda": 6e13}
 #: the reference CPU's constants (FLOPS["cpu"], the solvers' registered costs) were measured
 #: with this many threads per process; one process of 2 threads ran the default job 1.73x as
 #: fast as one of 1 thread (the scaling benchmark's Llama, medians of 3: 61.4 s against
