@@ -3,8 +3,9 @@
 
 The model is built on the meta device, without initialising weights, to count its
 parameters and its prunable layers' shapes, as a streamed run does
-(:class:`nmprune.stages.source.DecoderBlocks`). Each stage states what it needs beside its own code, from a :class:`~nmprune.stages.needs.RunShape`
-(the layers' shapes and plans, the blocks' sizes, the settings, the ranks and their rates):
+(:class:`nmprune.stages.source.DecoderBlocks`). Each stage states what it needs beside its own
+code, from a :class:`~nmprune.stages.needs.RunShape` (the layers' shapes and plans, the blocks'
+sizes, the settings, the ranks and their rates):
 the layer solves (:func:`nmprune.stages.executor.solve_needs`), the statistics stage
 (:func:`nmprune.stages.statistics.statistics_needs`), the reconstruction
 (:func:`nmprune.stages.reconstruction.reconstruction_needs`) and the global distillation

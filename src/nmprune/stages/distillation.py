@@ -146,7 +146,7 @@ def distillation_needs(run: RunShape, epochs: int, windows: int) -> StageNeeds:
     and its time at the training rate: the dense model's forward pass on the pass's own
     windows, then every window's forward and backward each epoch, shared out between the ranks."""
     s = run.settings
-    pruned = sum(r * d for n, (r, d) in run.shapes.items() if run.plans[n] is not None)
+    pruned = sum(block[n][0] * block[n][1] for block in run.per_block for n in run.pruned(block))
     peak = distill_bytes(run.params, pruned, run.kept, len(run.per_block), run.batch_tokens, run.hidden_size,
                          run.intermediate, run.vocab_size, -(-windows // run.ranks) * s.seqlen)
     own_tokens = s.distill_extra_windows() * s.seqlen

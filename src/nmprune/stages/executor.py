@@ -8,8 +8,8 @@ step's gradients) and solves a block's :class:`LayerJob` s (:meth:`solve`), call
 exchanges between processes (rank 0's checkpoint state, the hidden states a checkpoint
 saves, every rank's busy time) and runs each phase of local work so that an error in one
 process reaches all of them (:meth:`phase`). :class:`LocalExecutor` does all of it in this
-process; :class:`nmprune.distributed.DistributedExecutor` spreads the same calls over ranks. :func:`solve_needs` states what the solves need
-(:mod:`.needs`).
+process; :class:`nmprune.distributed.DistributedExecutor` spreads the same calls over ranks.
+:func:`solve_needs` states what the solves need (:mod:`.needs`).
 """
 
 from __future__ import annotations
@@ -210,7 +210,8 @@ def solve_needs(run: RunShape) -> StageNeeds:
     s = run.settings
     solver = max(4 * (2 * r * d + 2 * d * d) for r, d in run.shapes.values())
     active = [run.pruned(block) for block in run.per_block]
-    costs = [[plan_cost(block[n], run.plans[n], run.device) for n in names] for block, names in zip(run.per_block, active)]
+    costs = [[plan_cost(block[n], run.plans[n], run.device) for n in names]
+             for block, names in zip(run.per_block, active)]
     if s.reconstruct != "none" or s.hessian_inputs == "pruned":
         seconds = sum(busiest_rank_cost(c, [block[n][0] for n in names], splittable([run.plans[n] for n in names]),
                                         run.ranks, run.device)

@@ -608,7 +608,7 @@ def reconstruction_needs(run: RunShape) -> StageNeeds:
     sets = {"block": 2, "submodule": 4}[s.reconstruct]
     streams = run.rank_tokens * run.hidden_size * (run.itemsize * sets + (4 if run.itemsize < 4 else 0))
     slots = 0 if fit.lanes == 1 else -(-fit.lanes // run.ranks)
-    pruned = max(sum(r * d for n, (r, d) in block.items() if run.plans[n] is not None) for block in run.per_block)
+    pruned = max(sum(block[n][0] * block[n][1] for n in run.pruned(block)) for block in run.per_block)
     training = ((4 - run.itemsize) * max(run.block_params) + pruned * (16 + 4 * slots) * run.kept
                 + 4 * max(r * d for r, d in run.shapes.values())
                 + run.batch_tokens * (16 * run.hidden_size + 4 * run.intermediate) * 4)

@@ -264,5 +264,6 @@ def statistics_needs(run: RunShape) -> StageNeeds:
     hessians = max(sum(4 * d * d for d in hessian_inputs(block)) for block in run.per_block)
     activations = run.batch_tokens * (3 * run.intermediate + 4 * run.hidden_size) * 4
     passes = 2 + (1 if run.settings.hessian_inputs == "pruned" else 0)
-    return StageNeeds(block_bytes=hessians + activations, stream_bytes=run.rank_tokens * run.hidden_size * run.itemsize * 2,
+    streams = run.rank_tokens * run.hidden_size * run.itemsize * 2
+    return StageNeeds(block_bytes=hessians + activations, stream_bytes=streams,
                       seconds={"calibration_passes": passes * run.forward / run.rate / run.ranks})
