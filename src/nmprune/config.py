@@ -224,6 +224,13 @@ class PruneSettings:
         return FitOptions(self.reconstruct_epochs, self.reconstruct_lr, step // self.batch_size, self.seed,
                           self.reconstruct_lanes, self.train_precision)
 
+    def blocks_in_windows(self) -> bool:
+        """Whether several consecutive blocks' layers may be solved together
+        (:func:`nmprune.distributed.balance_window`): only with dense inputs and no
+        reconstruction, where no block's statistics wait for an earlier block's solved weights;
+        otherwise the blocks are solved one at a time."""
+        return self.hessian_inputs == "dense" and self.reconstruct == "none"
+
     def distill_passes(self, whole: bool = True) -> int:
         """The epochs of global distillation a run makes: ``distill_epochs`` when it is a
         number; with ``"auto"``, :data:`AUTO_DISTILL_EPOCHS` for a run that reconstructs and

@@ -270,7 +270,7 @@ class _BlockLoop:
         shapes, plans, world = self.source.layer_shapes(), self.plans, self.executor.world
         active = [[n for n in self.source.layers(i) if plans[n] is not None] for i in range(len(self.source))]
         costs = [[plan_cost(shapes[n], plans[n], self.executor.device.type) for n in names] for names in active]
-        windows = self.settings.hessian_inputs == "dense" and self.settings.reconstruct == "none"
+        windows = self.settings.blocks_in_windows()
         groups, i = [], start
         while i < len(self.source):
             alone = split_rows([shapes[n][0] for n in active[i]], costs[i], splittable([plans[n] for n in active[i]]),

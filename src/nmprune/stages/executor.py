@@ -207,12 +207,11 @@ def solve_needs(run: RunShape) -> StageNeeds:
     (:func:`~nmprune.distributed.balance_window`)."""
     from ..distributed import busiest_rank_cost, plan_cost, splittable
 
-    s = run.settings
     solver = max(4 * (2 * r * d + 2 * d * d) for r, d in run.shapes.values())
     active = [run.pruned(block) for block in run.per_block]
     costs = [[plan_cost(block[n], run.plans[n], run.device) for n in names]
              for block, names in zip(run.per_block, active)]
-    if s.reconstruct != "none" or s.hessian_inputs == "pruned":
+    if not run.settings.blocks_in_windows():  # one block at a time: the busiest rank's share of each
         seconds = sum(busiest_rank_cost(c, [block[n][0] for n in names], splittable([run.plans[n] for n in names]),
                                         run.ranks, run.device)
                       for c, block, names in zip(costs, run.per_block, active))
