@@ -92,7 +92,8 @@ def markdown(bases: dict[str, dict[str, Any]], rows: list[dict[str, Any]], machi
              "at their defaults, `reconstruct-epochs-1` with one reconstruction epoch (`d0`: the default of "
              "cac73b4, the same pruned model as `default`); "
              f"CPU {machine.get('model', '?')} ({machine.get('llvm_target', '?')}). Compare the rows' perplexities; "
-             "their times only where both ran alone (the 192-window row shared the CPU with the test suite, the seed-1 row its teacher s). "
+             "their times only where both ran alone (the 192-window row shared the CPU with the test suite, "
+             "the seed-1 row its teacher s). "
              "`code`: the commit checked out when the row was written.", "",
              "| base | base wiki | base Austen |", "|---|---:|---:|"]
     lines += [f"| {name} | {b['wiki']:.2f} | {b['austen']:.2f} |" for name, b in bases.items()]
@@ -101,8 +102,8 @@ def markdown(bases: dict[str, dict[str, Any]], rows: list[dict[str, Any]], machi
     for r in rows:
         s, d, p = r["row"], r["distillation"], r["perplexity"]
         seed = f" (seed {s[SEED]})" if s.get(SEED) else ""
-        lines.append(f"| {r['base']} | {s['lr']:g} | {s['epochs']} | {s['nsamples']}{seed} | {s['topk']} | {p['wiki']:.2f} | "
-                     f"{p['austen']:.2f} | {d['heldout_before']:.4f} -> {d['heldout_trained']:.4f} | {d['kept']} | "
+        lines.append(f"| {r['base']} | {s['lr']:g} | {s['epochs']} | {s['nsamples']}{seed} | {s['topk']} | "
+                     f"{p['wiki']:.2f} | {p['austen']:.2f} | {d['heldout_before']:.4f} -> {d['heldout_trained']:.4f} | {d['kept']} | "
                      f"{r['teacher_seconds']:.0f} | {d['seconds']:.0f} | {r['commit']} |")
     return "\n".join(lines) + "\n"
 
