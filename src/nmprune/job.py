@@ -176,6 +176,166 @@ def check_run(config: RunConfig, writes: bool = True, device_here: bool = True):
     return resolved, model_config, downstream
 
 
+class _Lead:
+    """What rank 0 of a prune run does beside pruning (the only rank of a run in one process):
+    it speaks to the user, holds the lock on ``--out`` and the checkpoint folder
+    (:class:`~nmprune.output.RunLock`), keeps the checkpoint, evaluates the dense and the
+    pruned model and saves (:func:`run`). :class:`_Helper` is every other rank's part: the
+    same calls, doing nothing. :func:`run` calls them alike, whatever its rank."""
+
+    writes = True
+
+    def __init__(self, config: RunConfig, ckpt_dir: Path, progress: bool):
+        from .output import RunLock
+
+        self.config, self.ckpt_dir, self.progress = config, ckpt_dir, progress
+        self.out = Path(config.out) if config.out else None
+        # one lock per folder written, however it was named: a second run that names this run's
+        # default checkpoint with --checkpoint-dir is refused too
+        self.lock = RunLock([self.out, ckpt_dir] if self.out else [])
+        self.checkpoint = None
+        self.dense: tuple[dict[str, float], dict[str, Any]] = ({}, {})
+
+    def say(self, text: str) -> None:
+        from .progress import stage
+
+        stage(text, enabled=self.progress)
+
+    def warn(self, text: str) -> None:
+        print(text, file=sys.stderr)
+
+    def clear_completed(self) -> None:
+        """Remove the checkpoint a completed run left beside its ``--out`` (killed after its rename)."""
+        from .checkpoint import Checkpoint
+
+        if self.out is not None and Checkpoint.discard_completed(self.ckpt_dir, self.out):
+            self.lock.acquire().release()  # and the lock files of the run killed after its rename
+            self.warn(f"removed {self.ckpt_dir}, left by the completed run that saved {self.out}")
+
+    def tokenise(self, tokenizer, cache: dict[str, Any]) -> None:
+        """The evaluation text, tokenised before the checkpoint exists: a text too short is
+        refused with nothing written."""
+        c = self.config
+        token_streams(tokenizer, c.eval, c.eval_seqlen, c.eval_max_tokens or None, cache)
+
+    def open_checkpoint(self, digest: str):
+        """Lock the run's folders (another run on the same ``--out`` or checkpoint is refused
+        here), clear what a killed save left and open the checkpoint, bound to the model's files."""
+        from .checkpoint import Checkpoint
+        from .output import remove_partial_save
+
+        self.lock.acquire()
+        remove_partial_save(self.out)
+        self.checkpoint = Checkpoint.open(self.ckpt_dir, self.config.identity(), restart=self.config.restart)
+        self.checkpoint.bind("model files", digest)
+        return self.checkpoint
+
+    def release(self) -> None:
+        self.lock.release()
+
+    def before_pruning(self, model: BlockSource, tokenizer, cache: dict[str, Any], timings: dict[str, float],
+                       device) -> None:
+        if self.checkpoint.done_blocks:
+            self.warn(f"resuming from {self.checkpoint.directory}: {self.checkpoint.done_blocks} blocks already pruned")
+        self.dense = _dense_results(self.config, model, tokenizer, self.checkpoint, cache, timings, device,
+                                    self.progress)
+
+    @staticmethod
+    def pruned_model(sink, tokenizer, model: BlockSource) -> BlockSource:
+        """The pruned model to evaluate: the sink's (in memory, the model itself)."""
+        return sink.finish(tokenizer)
+
+    def publish(self, settings, distill_skipped: str | None, prune_report, pruned_model: BlockSource,
+                model: BlockSource, tokenizer, source, sink, cache: dict[str, Any], timings: dict[str, float],
+                t0: float, device) -> dict[str, Any]:
+        """Evaluate the pruned model, then save it with its tokenizer and the report into
+        ``OUT.partial/``, renamed to ``--out`` (all three appear at once); delete the
+        checkpoint. Returns the report."""
+        from .downstream import evaluate_tasks
+
+        config, ckpt, out = self.config, self.checkpoint, self.out
+        downstream = downstream_settings(config)
+        dense, dense_acc = self.dense
+        t = time.perf_counter()
+        if config.eval:
+            self.say(f"evaluating the pruned model (perplexity on {', '.join(config.eval)})")
+        pruned = evaluate(pruned_model, tokenizer, config.eval, config.eval_seqlen,
+                          config.eval_max_tokens or None, device, self.progress, cache, "pruned") if config.eval else {}
+        timings["eval_pruned"] = time.perf_counter() - t
+        pruned_acc = {}
+        if downstream.tasks:
+            t = time.perf_counter()
+            self.say(f"evaluating the pruned model (lm-eval: {', '.join(downstream.tasks)})")
+            pruned_acc = evaluate_tasks(pruned_model.whole_model("--eval-tasks"), tokenizer, downstream,
+                                        device=device)
+            timings["downstream_pruned"] = time.perf_counter() - t
+        layers = [r for r in prune_report.layers if not r.get("skipped")]
+        ratios = [r["loss_vs_wanda"] for r in layers if r.get("loss_vs_wanda") is not None]
+        report = {
+            "model": str(source), "run": _run_label(config), "model_files": ckpt.get("model files"),
+            "config": to_dict(config), "identity": config.identity(),
+            "versions": versions(), "device": str(device), "streamed": model.streamed,
+            "perplexity": {"dense": {d: dense[d] for d in config.eval}, "pruned": pruned,
+                           "seqlen": config.eval_seqlen, "max_tokens": config.eval_max_tokens},
+            "downstream": {"dense": dense_acc, "pruned": pruned_acc, "settings": downstream.to_dict()},
+            "summary": {"layers_pruned": len(layers),
+                        "layers_skipped": len(prune_report.layers) - len(layers),
+                        "mean_loss_vs_wanda": sum(ratios) / len(ratios) if ratios else None},
+            "reconstruction": _reconstruction_summary(settings, prune_report.blocks, prune_report.end_to_end),
+            "distillation": prune_report.distillation if distill_skipped is None else {"skipped": distill_skipped},
+            "resumed_from_block": prune_report.resumed_from_block,
+            "ranks": prune_report.ranks, "per_rank": prune_report.per_rank,
+            "seconds": {**timings, "pipeline": prune_report.seconds},
+            "layers": prune_report.layers,
+        }
+        report["seconds"]["total_before_save"] = time.perf_counter() - t0
+        # model, tokenizer and report go to OUT.partial/ and appear together under OUT by one rename
+        extra = {REPORT_FILE: json.dumps(report, indent=1, default=str)}
+        self.say(f"saving the pruned model to {out}")
+        ckpt.put("published_to", str(out.resolve()))  # a kill after the rename: the next run cleans up
+        sink.publish(extra)
+        ckpt.remove()
+        report["saved_to"] = str(out)  # for the caller; not in the saved report (the folder may move)
+        return report
+
+
+class _Helper:
+    """Every rank but 0 of a prune run (:class:`_Lead`): it prunes its share, then returns
+    the pruning report; it writes nothing, says nothing and keeps no checkpoint."""
+
+    writes = False
+    checkpoint = None
+
+    def say(self, text: str) -> None:
+        pass
+
+    warn = say
+
+    def clear_completed(self) -> None:
+        pass
+
+    def tokenise(self, tokenizer, cache: dict[str, Any]) -> None:
+        pass
+
+    def open_checkpoint(self, digest: str) -> None:
+        return None
+
+    release = clear_completed
+
+    def before_pruning(self, model: BlockSource, tokenizer, cache: dict[str, Any], timings: dict[str, float],
+                       device) -> None:
+        pass
+
+    @staticmethod
+    def pruned_model(sink, tokenizer, model: BlockSource) -> BlockSource:
+        return model
+
+    def publish(self, settings, distill_skipped: str | None, prune_report, pruned_model: BlockSource,
+                model: BlockSource, tokenizer, source, sink, cache: dict[str, Any], timings: dict[str, float],
+                t0: float, device) -> dict[str, Any]:
+        return prune_report.to_dict()
+
+
 def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict[str, Any]:
     """The whole ``nmprune prune`` job; returns the report written next to the model
     (:func:`result_table` makes its table of perplexities and accuracies).
@@ -201,28 +361,19 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
     once pruning is done.
     """
     from . import distributed
-    from .checkpoint import Checkpoint
     from .checks import NonFiniteModel
     from .data import calibration_batch
     from .identity import model_digest
     from .memory import release_memory
-    from .output import RunLock, remove_partial_save
-    from .progress import stage
     from .streaming.fit import ranks_offload
 
     ranks = distributed.job_ranks(config.device)
-    main_rank, phase = ranks.is_main, ranks.phase
-    out = Path(config.out) if config.out else None
-    ckpt_dir = Path(config.checkpoint_dir or f"{out}.checkpoint")
-    # one lock per folder written, however it was named: a second run that names this run's
-    # default checkpoint with --checkpoint-dir is refused too
-    lock = RunLock([out, ckpt_dir] if main_rank and out else [])
+    phase = ranks.phase
+    ckpt_dir = Path(config.checkpoint_dir or f"{config.out}.checkpoint")
+    role = _Lead(config, ckpt_dir, progress) if ranks.is_main else _Helper()
     with phase("checking the settings"):
-        # rank 0 alone writes --out and the checkpoint
-        if main_rank and out is not None and Checkpoint.discard_completed(ckpt_dir, out):
-            lock.acquire().release()  # and the lock files of the run killed after its rename
-            print(f"removed {ckpt_dir}, left by the completed run that saved {out}", file=sys.stderr)
-        resolved, model_config, downstream = check_run(config, writes=main_rank)
+        role.clear_completed()
+        resolved, model_config, downstream = check_run(config, writes=role.writes)
         digest = model_digest(resolved)
         offload = ranks_offload(config.offload, ranks.world, resolved)
         shortfall = (_distill_shortfall(config, ranks.world, resolved, model_config)
@@ -234,9 +385,8 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
 
-    say = partial(stage, enabled=progress and main_rank)
-    say(f"loading {resolved}" + (" (transformers de-quantises the GGUF file's tensors: its 'Converting and "
-                                 "de-quantizing GGUF tensors' bar)" if resolved.gguf_file else ""))
+    role.say(f"loading {resolved}" + (" (transformers de-quantises the GGUF file's tensors: its 'Converting and "
+                                      "de-quantizing GGUF tensors' bar)" if resolved.gguf_file else ""))
     with phase("loading the model"):
         model, tokenizer, source = open_model(config.model, config.gguf_file, config.dtype, offload,
                                               config.allow_pickle, ranks.local_world,
@@ -259,10 +409,8 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
         # the text is tokenised before the checkpoint exists: a text too short is refused with
         # nothing written
         cache: dict[str, Any] = {}
-        say("tokenising the evaluation and calibration text")
-        if main_rank:
-            token_streams(tokenizer, config.eval, config.eval_seqlen, config.eval_max_tokens or None,
-                          cache)
+        role.say("tokenising the evaluation and calibration text")
+        role.tokenise(tokenizer, cache)
         p = config.prune
         try:
             calibration = calibration_batch(tokenizer, source=p.calib, nsamples=p.nsamples,
@@ -271,112 +419,56 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
             raise ValueError(f"--calib {p.calib}: {e}") from e
         release_memory()  # the tokenised corpora, before the evaluation's activations
     settings, distill_skipped = _auto_distillation(config.prune, model.streamed, shortfall, ranks)
-    if distill_skipped is not None and main_rank:
-        print(f"nmprune: skipping the global distillation (distill_epochs: auto): {distill_skipped}",
-              file=sys.stderr)
+    if distill_skipped is not None:
+        role.warn(f"nmprune: skipping the global distillation (distill_epochs: auto): {distill_skipped}")
     with phase("drawing the global distillation's windows"):
         own_windows = _distill_windows(tokenizer, settings) if settings.distill_passes(whole=not model.streamed) \
             else None
-    ckpt = None
     try:
         with phase("opening the checkpoint"):
-            if main_rank:  # only rank 0 keeps the checkpoint (and evaluates and saves)
-                lock.acquire()  # another run on the same --out or checkpoint is refused here
-                remove_partial_save(out)  # what a save killed in an earlier run left
-                ckpt = Checkpoint.open(ckpt_dir, config.identity(), restart=config.restart)
-                ckpt.bind("model files", digest)
-        return _prune_and_save(config, settings, distill_skipped, model, tokenizer, source, ckpt,
-                               (calibration, own_windows),
-                               cache, timings, t0, progress, on_block_done, ranks, ckpt_dir)
+            role.open_checkpoint(digest)
+        return _prune_and_save(config, settings, distill_skipped, model, tokenizer, source, role,
+                               (calibration, own_windows), cache, timings, t0, progress, on_block_done, ranks,
+                               ckpt_dir)
     except ValueError as e:
         # refused before any progress, or the model itself overflows (its corrected weights
         # are another model): leave no checkpoint of this run
+        ckpt = role.checkpoint
         if ckpt is not None and (ckpt.created and ckpt.done_blocks == 0 or isinstance(e, NonFiniteModel)):
             ckpt.remove()
         raise
     finally:
-        lock.release()
+        role.release()
 
 
 def _prune_and_save(config: RunConfig, settings, distill_skipped: str | None, model: BlockSource, tokenizer,
-                    source, ckpt, calibration, cache, timings: dict[str, float], t0: float, progress: bool,
-                    on_block_done, ranks, ckpt_dir: Path) -> dict[str, Any]:
+                    source, role: _Lead | _Helper, calibration, cache, timings: dict[str, float], t0: float,
+                    progress: bool, on_block_done, ranks, ckpt_dir: Path) -> dict[str, Any]:
     """:func:`run` after loading: dense perplexity and accuracy, pruning with ``settings``
     (``config.prune`` with the run's choice of global distillation; ``distill_skipped``: why
     ``auto`` made none) on ``calibration`` (the run's windows and the distillation's own, or
-    None), pruned perplexity and accuracy, save (``ckpt`` is None on ranks other than 0, which
-    return the pruning report once pruning is done)."""
-    from .downstream import evaluate_tasks
+    None), pruned perplexity and accuracy, save: what ``role`` does of them (rank 0 all,
+    the other ranks only the pruning, after which they return its report)."""
     from .pipeline import prune_model
-    from .progress import stage
 
-    out = Path(config.out)
-    main_rank, device = ranks.is_main, ranks.device
-    downstream = downstream_settings(config)
-    say = partial(stage, enabled=progress and main_rank)
-    if main_rank:
-        if ckpt.done_blocks:
-            print(f"resuming from {ckpt.directory}: {ckpt.done_blocks} blocks already pruned", file=sys.stderr)
-        dense, dense_acc = _dense_results(config, model, tokenizer, ckpt, cache, timings, device, progress)
-
+    role.before_pruning(model, tokenizer, cache, timings, ranks.device)
     t = time.perf_counter()
     # in memory, the model is pruned in place; streamed, each pruned block goes straight into
     # a shard of OUT.partial/unfinished/, written by rank 0 alone
-    sink = model.output(out, writes=main_rank)
-    say(f"pruning block by block: {_run_label(config)}")
+    sink = model.output(Path(config.out), writes=role.writes)
+    role.say(f"pruning block by block: {_run_label(config)}")
     try:
         prune_report = prune_model(None, tokenizer, settings, calibration=calibration[0],
-                                   distill_calibration=calibration[1], device=device,
-                                   checkpoint=ckpt, progress=progress, on_block_done=on_block_done,
+                                   distill_calibration=calibration[1], device=ranks.device,
+                                   checkpoint=role.checkpoint, progress=progress, on_block_done=on_block_done,
                                    source=model, sink=sink, scratch=ckpt_dir)
-        pruned_model = sink.finish(tokenizer) if main_rank else model
+        pruned_model = role.pruned_model(sink, tokenizer, model)
     except BaseException:
         sink.abandon()
         raise
     timings["prune"] = time.perf_counter() - t
-    if not main_rank:
-        return prune_report.to_dict()
-
-    t = time.perf_counter()
-    if config.eval:
-        say(f"evaluating the pruned model (perplexity on {', '.join(config.eval)})")
-    pruned = evaluate(pruned_model, tokenizer, config.eval, config.eval_seqlen,
-                      config.eval_max_tokens or None, device, progress, cache, "pruned") if config.eval else {}
-    timings["eval_pruned"] = time.perf_counter() - t
-    pruned_acc = {}
-    if downstream.tasks:
-        t = time.perf_counter()
-        say(f"evaluating the pruned model (lm-eval: {', '.join(downstream.tasks)})")
-        pruned_acc = evaluate_tasks(pruned_model.whole_model("--eval-tasks"), tokenizer, downstream, device=device)
-        timings["downstream_pruned"] = time.perf_counter() - t
-    layers = [r for r in prune_report.layers if not r.get("skipped")]
-    ratios = [r["loss_vs_wanda"] for r in layers if r.get("loss_vs_wanda") is not None]
-    report = {
-        "model": str(source), "run": _run_label(config), "model_files": ckpt.get("model files"), "config": to_dict(config),
-        "identity": config.identity(),
-        "versions": versions(), "device": str(device), "streamed": model.streamed,
-        "perplexity": {"dense": {d: dense[d] for d in config.eval}, "pruned": pruned,
-                       "seqlen": config.eval_seqlen, "max_tokens": config.eval_max_tokens},
-        "downstream": {"dense": dense_acc, "pruned": pruned_acc, "settings": downstream.to_dict()},
-        "summary": {"layers_pruned": len(layers),
-                    "layers_skipped": len(prune_report.layers) - len(layers),
-                    "mean_loss_vs_wanda": sum(ratios) / len(ratios) if ratios else None},
-        "reconstruction": _reconstruction_summary(settings, prune_report.blocks, prune_report.end_to_end),
-        "distillation": prune_report.distillation if distill_skipped is None else {"skipped": distill_skipped},
-        "resumed_from_block": prune_report.resumed_from_block,
-        "ranks": prune_report.ranks, "per_rank": prune_report.per_rank,
-        "seconds": {**timings, "pipeline": prune_report.seconds},
-        "layers": prune_report.layers,
-    }
-    report["seconds"]["total_before_save"] = time.perf_counter() - t0
-    # model, tokenizer and report go to OUT.partial/ and appear together under OUT by one rename
-    extra = {REPORT_FILE: json.dumps(report, indent=1, default=str)}
-    say(f"saving the pruned model to {out}")
-    ckpt.put("published_to", str(out.resolve()))  # a kill after the rename: the next run cleans up
-    sink.publish(extra)
-    ckpt.remove()
-    report["saved_to"] = str(out)  # for the caller; not in the saved report (the folder may move)
-    return report
+    return role.publish(settings, distill_skipped, prune_report, pruned_model, model, tokenizer, source, sink,
+                        cache, timings, t0, ranks.device)
 
 
 def _dense_results(config: RunConfig, model: BlockSource, tokenizer, ckpt, cache: dict[str, Any],
