@@ -1,6 +1,6 @@
 """Every implementation of a pipeline stage has the methods of the stage's written
 interface, with the same parameters: the block source, the sink, the statistics stage and
-the executor (docs/architecture.md)."""
+the executor, and the roles of a prune run's ranks (docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import inspect
 import pytest
 
 from nmprune.distributed import DistributedExecutor
+from nmprune.job import HelperRank, LeadRank, RunRole
 from nmprune.stages.executor import Executor, LocalExecutor
 from nmprune.stages.reconstruction import ReconstructingStatistics
 from nmprune.stages.sink import BlockSink, ModelSink
@@ -21,6 +22,7 @@ STAGES = {
     "sink": (BlockSink, [ModelSink, ShardedWriter]),
     "statistics": (StatisticsStage, [CalibrationStatistics, PrecomputedStatistics, ReconstructingStatistics]),
     "executor": (Executor, [LocalExecutor, DistributedExecutor]),
+    "rank role": (RunRole, [LeadRank, HelperRank]),
 }
 
 

@@ -14,7 +14,7 @@ import time
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from . import __version__
 from .config import AUTO, RunConfig, to_dict
@@ -176,11 +176,49 @@ def check_run(config: RunConfig, writes: bool = True, device_here: bool = True):
     return resolved, model_config, downstream
 
 
-class _Lead:
+class RunRole(Protocol):
+    """What a rank of a prune run does beside pruning (:func:`run` calls these, whatever its
+    rank): :class:`LeadRank` on rank 0, :class:`HelperRank` on every other rank."""
+
+    writes: bool  # whether this rank writes --out and the checkpoint
+    checkpoint: Any  # the run's Checkpoint once opened (None on the other ranks)
+
+    def say(self, text: str) -> None:
+        """Tell the user what the run does now."""
+
+    def warn(self, text: str) -> None:
+        """A line on stderr."""
+
+    def clear_completed(self) -> None:
+        """Remove what a completed run left beside ``--out``."""
+
+    def tokenise(self, tokenizer, cache: dict[str, Any]) -> None:
+        """Tokenise the evaluation text into ``cache``."""
+
+    def open_checkpoint(self, digest: str) -> Any:
+        """Lock the run's folders and open its checkpoint."""
+
+    def release(self) -> None:
+        """Let go of the lock."""
+
+    def before_pruning(self, model: BlockSource, tokenizer, cache: dict[str, Any], timings: dict[str, float],
+                       device) -> None:
+        """The dense model's results."""
+
+    def pruned_model(self, sink, tokenizer, model: BlockSource) -> BlockSource:
+        """The pruned model, once pruning is done."""
+
+    def publish(self, settings, distill_skipped: str | None, prune_report, pruned_model: BlockSource,
+                model: BlockSource, tokenizer, source, sink, cache: dict[str, Any], timings: dict[str, float],
+                t0: float, device) -> dict[str, Any]:
+        """What the rank returns: the report."""
+
+
+class LeadRank:
     """What rank 0 of a prune run does beside pruning (the only rank of a run in one process):
     it speaks to the user, holds the lock on ``--out`` and the checkpoint folder
     (:class:`~nmprune.output.RunLock`), keeps the checkpoint, evaluates the dense and the
-    pruned model and saves (:func:`run`). :class:`_Helper` is every other rank's part: the
+    pruned model and saves (:func:`run`). :class:`HelperRank` is every other rank's part: the
     same calls, doing nothing. :func:`run` calls them alike, whatever its rank."""
 
     writes = True
@@ -240,8 +278,7 @@ class _Lead:
         self.dense = _dense_results(self.config, model, tokenizer, self.checkpoint, cache, timings, device,
                                     self.progress)
 
-    @staticmethod
-    def pruned_model(sink, tokenizer, model: BlockSource) -> BlockSource:
+    def pruned_model(self, sink, tokenizer, model: BlockSource) -> BlockSource:
         """The pruned model to evaluate: the sink's (in memory, the model itself)."""
         return sink.finish(tokenizer)
 
@@ -299,8 +336,8 @@ class _Lead:
         return report
 
 
-class _Helper:
-    """Every rank but 0 of a prune run (:class:`_Lead`): it prunes its share, then returns
+class HelperRank:
+    """Every rank but 0 of a prune run (:class:`LeadRank`): it prunes its share, then returns
     the pruning report; it writes nothing, says nothing and keeps no checkpoint."""
 
     writes = False
@@ -326,8 +363,7 @@ class _Helper:
                        device) -> None:
         pass
 
-    @staticmethod
-    def pruned_model(sink, tokenizer, model: BlockSource) -> BlockSource:
+    def pruned_model(self, sink, tokenizer, model: BlockSource) -> BlockSource:
         return model
 
     def publish(self, settings, distill_skipped: str | None, prune_report, pruned_model: BlockSource,
@@ -370,7 +406,7 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
     ranks = distributed.job_ranks(config.device)
     phase = ranks.phase
     ckpt_dir = Path(config.checkpoint_dir or f"{config.out}.checkpoint")
-    role = _Lead(config, ckpt_dir, progress) if ranks.is_main else _Helper()
+    role = LeadRank(config, ckpt_dir, progress) if ranks.is_main else HelperRank()
     with phase("checking the settings"):
         role.clear_completed()
         resolved, model_config, downstream = check_run(config, writes=role.writes)
@@ -442,7 +478,7 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
 
 
 def _prune_and_save(config: RunConfig, settings, distill_skipped: str | None, model: BlockSource, tokenizer,
-                    source, role: _Lead | _Helper, calibration, cache, timings: dict[str, float], t0: float,
+                    source, role: RunRole, calibration, cache, timings: dict[str, float], t0: float,
                     progress: bool, on_block_done, ranks, ckpt_dir: Path) -> dict[str, Any]:
     """:func:`run` after loading: dense perplexity and accuracy, pruning with ``settings``
     (``config.prune`` with the run's choice of global distillation; ``distill_skipped``: why
