@@ -12,7 +12,6 @@ import platform
 import sys
 import time
 from dataclasses import replace
-from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -273,10 +272,41 @@ class LeadRank:
 
     def before_pruning(self, model: BlockSource, tokenizer, cache: dict[str, Any], timings: dict[str, float],
                        device) -> None:
-        if self.checkpoint.done_blocks:
-            self.warn(f"resuming from {self.checkpoint.directory}: {self.checkpoint.done_blocks} blocks already pruned")
-        self.dense = _dense_results(self.config, model, tokenizer, self.checkpoint, cache, timings, device,
-                                    self.progress)
+        """Say where a resumed run starts, then :attr:`dense`: the dense model's perplexities and
+        lm-eval results, from the checkpoint where a run before the resume measured them, else
+        measured now and kept there. A perplexity that is not finite (the model overflows) is
+        refused before any pruning."""
+        from .downstream import evaluate_tasks
+        from .memory import release_memory
+        from .validate import check_finite_value
+
+        config, ckpt = self.config, self.checkpoint
+        if ckpt.done_blocks:
+            self.warn(f"resuming from {ckpt.directory}: {ckpt.done_blocks} blocks already pruned")
+        downstream = downstream_settings(config)
+        key = f"dense_perplexity/{config.eval_seqlen}/{config.eval_max_tokens}"
+        dense = ckpt.get(key, {})
+        missing = [d for d in config.eval if d not in dense]
+        if missing:
+            t = time.perf_counter()
+            self.say(f"evaluating the dense model (perplexity on {', '.join(missing)})")
+            dense.update(evaluate(model, tokenizer, missing, config.eval_seqlen,
+                                  config.eval_max_tokens or None, device, self.progress, cache, "dense"))
+            for name in missing:
+                check_finite_value(dense[name], f"the dense model's perplexity on {name}")
+            release_memory()
+            ckpt.put(key, dense)
+            timings["eval_dense"] = time.perf_counter() - t
+        acc_key = "dense_downstream/" + json.dumps(downstream.to_dict(), sort_keys=True)
+        dense_acc = ckpt.get(acc_key, {})
+        if downstream.tasks and not dense_acc:
+            t = time.perf_counter()
+            self.say(f"evaluating the dense model (lm-eval: {', '.join(downstream.tasks)})")
+            dense_acc = evaluate_tasks(model.whole_model("--eval-tasks"), tokenizer, downstream, device=device)
+            release_memory()
+            ckpt.put(acc_key, dense_acc)
+            timings["downstream_dense"] = time.perf_counter() - t
+        self.dense = dense, dense_acc
 
     def pruned_model(self, sink, tokenizer, model: BlockSource) -> BlockSource:
         """The pruned model to evaluate: the sink's (in memory, the model itself)."""
@@ -505,43 +535,6 @@ def _prune_and_save(config: RunConfig, settings, distill_skipped: str | None, mo
     timings["prune"] = time.perf_counter() - t
     return role.publish(settings, distill_skipped, prune_report, pruned_model, model, tokenizer, source, sink,
                         cache, timings, t0, ranks.device)
-
-
-def _dense_results(config: RunConfig, model: BlockSource, tokenizer, ckpt, cache: dict[str, Any],
-                   timings: dict[str, float], device, progress: bool) -> tuple[dict[str, float], dict[str, Any]]:
-    """The dense model's perplexities and lm-eval results, from the checkpoint where a run
-    before the resume measured them, else measured now and kept there. A perplexity that is
-    not finite (the model overflows) is refused before any pruning."""
-    from .downstream import evaluate_tasks
-    from .memory import release_memory
-    from .progress import stage
-    from .validate import check_finite_value
-
-    say = partial(stage, enabled=progress)
-    downstream = downstream_settings(config)
-    key = f"dense_perplexity/{config.eval_seqlen}/{config.eval_max_tokens}"
-    dense = ckpt.get(key, {})
-    missing = [d for d in config.eval if d not in dense]
-    if missing:
-        t = time.perf_counter()
-        say(f"evaluating the dense model (perplexity on {', '.join(missing)})")
-        dense.update(evaluate(model, tokenizer, missing, config.eval_seqlen,
-                              config.eval_max_tokens or None, device, progress, cache, "dense"))
-        for name in missing:
-            check_finite_value(dense[name], f"the dense model's perplexity on {name}")
-        release_memory()
-        ckpt.put(key, dense)
-        timings["eval_dense"] = time.perf_counter() - t
-    acc_key = "dense_downstream/" + json.dumps(downstream.to_dict(), sort_keys=True)
-    dense_acc = ckpt.get(acc_key, {})
-    if downstream.tasks and not dense_acc:
-        t = time.perf_counter()
-        say(f"evaluating the dense model (lm-eval: {', '.join(downstream.tasks)})")
-        dense_acc = evaluate_tasks(model.whole_model("--eval-tasks"), tokenizer, downstream, device=device)
-        release_memory()
-        ckpt.put(acc_key, dense_acc)
-        timings["downstream_dense"] = time.perf_counter() - t
-    return dense, dense_acc
 
 
 def _reconstruction_summary(s, blocks: list[dict[str, Any]], end_to_end: dict[str, Any] | None) -> dict[str, Any]:
