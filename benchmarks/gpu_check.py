@@ -291,12 +291,12 @@ def report_markdown(result: dict) -> str:
     if "block" in result:
         rows = result["block"]
         lines += ["", "## One Llama-3.1-8B-shaped block: wanda, then block reconstruction (bfloat16 weights)", "",
-                  "| samples x tokens | training | layer solves s | reconstruction s | steps | error before | "
-                  "error after | kept | peak device MiB |", "|---|---|---:|---:|---:|---:|---:|---|---:|"]
+                  "| samples x tokens | training | layer solves s | reconstruction s | steps | held-out error "
+                  "before | held-out after | kept | peak device MiB |", "|---|---|---:|---:|---:|---:|---:|---|---:|"]
         lines += [f"| {b['settings']['nsamples']} x {b['settings']['seqlen']} | {b['train_dtype']} | "
                   f"{b['layer_seconds']:.1f} | {b['reconstruction_seconds']:.1f} | {b['steps']} | "
-                  f"{b['error_before']:.4g} | {b['error_after']:.4g} | {b['kept']} | {mib(b['peak_device_bytes'])} |"
-                  for b in rows]
+                  f"{b['heldout_before']:.4g} | {b['heldout_after']:.4g} | {b['kept']} | "
+                  f"{mib(b['peak_device_bytes'])} |" for b in rows]
         lines += ["", f"Reconstruction in {rows[0]['train_dtype']} over {rows[-1]['train_dtype']}: "
                   f"{rows[0]['reconstruction_seconds'] / rows[-1]['reconstruction_seconds']:.2f}x the time "
                   "(resources.BF16_TRAINING_SPEEDUP prices bfloat16 training on this device kind)."]

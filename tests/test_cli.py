@@ -160,7 +160,8 @@ def test_prune_with_reconstruction_reports_each_block_before_and_after(tiny_dir,
     for b in recon["blocks"]:
         assert b["heldout_after"] <= b["heldout_before"] and b["heldout_batches"] == 1  # of 8
         assert (f"| {b['block']} | {b['heldout_before']:.4g} | {b['heldout_after']:.4g} | "
-                f"{b['error_before']:.4g} | {b['error_after']:.4g} | {b['kept']} |") in printed
+                f"{'-' if b['error_before'] is None else format(b['error_before'], '.4g')} | "
+                f"{b['error_after']:.4g} | {b['kept']} |") in printed
     assert recon["mean_heldout_after"] < recon["mean_heldout_before"]
     saved = _weights(out)
     for name, w in saved.items():

@@ -225,7 +225,8 @@ def test_reconstruction_on_two_ranks_matches_one_process_with_as_many_lanes(fami
     for a, b in zip(one["blocks"], two["blocks"]):
         assert a["kept"] == b["kept"] and a["steps"] == b["steps"]
         assert a["token_shares"] == 1 and b["token_shares"] == shared
-        assert b["error_before"] == pytest.approx(a["error_before"], rel=1e-3)
+        assert b["heldout_before"] == pytest.approx(a["heldout_before"], rel=1e-3)
+        assert b["heldout_after"] == pytest.approx(a["heldout_after"], rel=1e-3)
         assert b["error_after"] == pytest.approx(a["error_after"], rel=1e-3)
     assert any(b["kept"] == "reconstructed" for b in two["blocks"])
     for k in state_one:

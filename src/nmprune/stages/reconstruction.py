@@ -22,7 +22,7 @@ import math
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
@@ -298,32 +298,48 @@ class ReconstructingStatistics:
         inside = {id(m) for m in unit.module.modules()}
         return [m.weight for m in self._active.values() if id(m) in inside]
 
-    def _propagate(self, index: int, block: nn.Module, keep: bool = True,
-                   spill: Spill | None = None) -> tuple[list[Tensor], float, float | None]:
-        """The block's outputs on the pruned stream (only with ``keep``: otherwise each is
-        dropped once its error is summed) and their squared error relative to the dense
-        outputs, channel-weighted (summed over all processes' batches): on the training
+    def _propagate(self, index: int, block: nn.Module, spill: Spill | None = None
+                   ) -> tuple[list[Tensor], float, float | None]:
+        """The block's outputs on the pruned stream and their squared error relative to the
+        dense outputs, channel-weighted (summed over all processes' batches): on the training
         batches and on the held-out ones (None without). With ``spill``, each pruned input
         moves there once its output is computed, so that inputs and outputs are not held
         together."""
         outs = []
+        sums = self._errors(index, block, range(len(self.dense)), outs, spill)
+        train, held = (float(s[0] / s[1]) if s[1] > 0 else 0.0 for s in sums)
+        return outs, train, held if self.held else None
+
+    def _deciding_error(self, index: int, block: nn.Module) -> tuple[float | None, float | None]:
+        """The error (training, held-out) of the block's outputs on the batches that decide
+        whether trained weights are kept (:meth:`_improved`): the held-out ones alone, the
+        training error then unknown (None), or the training ones where none is held out."""
+        sums = self._errors(index, block, self.held_local if self.held else range(len(self.dense)))
+        train, held = (float(s[0] / s[1]) if s[1] > 0 else 0.0 for s in sums)
+        return (None, held) if self.held else (train, None)
+
+    def _errors(self, index: int, block: nn.Module, batches: Iterable[int], outs: list[Tensor] | None = None,
+                spill: Spill | None = None) -> Tensor:
+        """The channel-weighted squared error of the block's outputs on this process's
+        ``batches`` of the pruned stream and the dense outputs' own (rows: training, held-out;
+        columns: error, reference), summed over all processes; each output appended to
+        ``outs`` if given, and with ``spill``, each pruned input moved there (:meth:`_propagate`)."""
         sums = torch.zeros(2, 2, dtype=torch.float64, device=self.dense[0].device if self.dense else "cpu")
         weight = self._weight.to(sums.device)
-        for j, target in enumerate(self.dense):
-            h = self.pruned[j]
+        for j in batches:
+            target, h = self.dense[j], self.pruned[j]
             out = run_block(block, h, self._call(index, h))
             part = int(self.positions[j] in self.held)
             sums[part, 0] += ((out.float() - target.float()).square() * weight).sum().double()
             sums[part, 1] += (target.float().square() * weight).sum().double()
-            if keep:
+            if outs is not None:
                 outs.append(out)
             if spill is not None:
                 spill.append(h)
                 self.pruned[j] = None
             del h
         self.all_reduce([sums])
-        train, held = (float(s[0] / s[1]) if s[1] > 0 else 0.0 for s in sums)
-        return outs, train, held if self.held else None
+        return sums
 
     def _unit_inputs(self, index: int, block: nn.Module, unit: _Unit, dtype: torch.dtype,
                      before: Sequence[_Unit] = ()) -> tuple[list[tuple[tuple, dict]], list[Tensor]]:
@@ -474,17 +490,20 @@ class ReconstructingStatistics:
         return run, Targets()
 
     @staticmethod
-    def _improved(before: tuple[float, float | None], after: tuple[float, float | None]) -> bool:
+    def _improved(before: tuple[float | None, float | None], after: tuple[float, float | None]) -> bool:
         """Whether trained weights with errors ``after`` (training, held-out) beat the solved
-        ones with ``before``: on the held-out batches, or on the training ones without."""
+        ones with ``before`` (:meth:`_deciding_error`): on the held-out batches, or on the
+        training ones without."""
         return after[1] < before[1] if before[1] is not None else after[0] < before[0]
 
     def advance(self, index: int, block: nn.Module) -> dict[str, Any]:
         """Fit the submodels of block ``index`` in order (pruned weights already in it),
         then move the pruned stream past it. Returns the block's record: the channel-weighted
         squared error of its outputs relative to the dense ones before and after, on the
-        training batches (``error_before``, ``error_after``) and on the held-out ones
-        (``heldout_before``, ``heldout_after``; None with a single batch), the errors the
+        held-out batches (``heldout_before``, ``heldout_after``; None with a single batch) and
+        on the training ones (``error_before``, ``error_after``; the solved weights' training
+        error ``error_before`` is computed only where it decides, with a single batch, or
+        where the solve is kept, and is None otherwise), the errors the
         trained weights reached (``error_trained``, ``heldout_trained``), and ``kept``:
         ``"reconstructed"``, or ``"solved"`` when training did not lower the held-out error
         (the training error with a single batch; the solved weights are then restored, and
@@ -495,7 +514,7 @@ class ReconstructingStatistics:
         started = time.perf_counter()
         if self.solved is not None:  # the block holds its solved weights until the fit
             self.solved = [run_block(block, h, self._call(index, h)) for h in self.solved]
-        _, error_before, held_before = self._propagate(index, block, keep=False)  # recomputed if the solve is kept
+        error_before, held_before = self._deciding_error(index, block)
         weights = [w for u in self._units for w in self._weights(u)]
         # the solved weights, kept compact (their nonzeros and where they are) while training
         where = {id(w): KeptEntries(w) for w in weights}
@@ -519,7 +538,7 @@ class ReconstructingStatistics:
                         where[id(w)].scatter(solved[i], w.zero_())
                 self.pruned = [entering[j] for j in range(len(entering))]
                 after, error_after, held_after = self._propagate(index, block)
-                kept = "solved"
+                error_before, kept = error_after, "solved"  # the solved weights' errors, now on every batch
         finally:
             solved.close()
             entering.close()
