@@ -52,6 +52,44 @@ def test_topk_kl_is_the_kl_of_the_coarsened_distributions_and_exact_with_the_who
     assert abs(float(same)) < 1e-4
 
 
+@pytest.mark.parametrize("k", [1, 5, 40])
+@pytest.mark.parametrize("chunk", [1 << 20, 50])
+def test_topk_kl_and_its_closed_form_gradient_match_float64_autograd(k, chunk, monkeypatch):
+    """The fused loss against autograd through the float64 reference, whole and read in
+    chunks of one row and a bit (50 entries of 40-wide rows)."""
+    import nmprune.distill as distill
+
+    monkeypatch.setattr(distill, "ROW_CHUNK_ENTRIES", chunk)
+    g = torch.Generator().manual_seed(1)
+    teacher, base = torch.randn(2, 7, 40, generator=g) * 3, torch.randn(2, 7, 40, generator=g) * 3
+    student = base.clone().requires_grad_(True)
+    reference = base.double().requires_grad_(True)
+    kl, _ = topk_kl(student, teacher_topk(teacher, k))
+    kl.backward()
+    _coarse_kl(teacher, reference, k).sum().backward()
+    assert float(kl.detach()) == pytest.approx(float(_coarse_kl(teacher, base, k).sum()), rel=1e-4, abs=1e-5)
+    assert torch.allclose(student.grad.double(), reference.grad, rtol=1e-4, atol=1e-5)
+    # bfloat16 logits: the gradient comes back in their dtype, computed in float32
+    low = base.bfloat16().requires_grad_(True)
+    kl_low, _ = topk_kl(low, teacher_topk(teacher, k))
+    kl_low.backward()
+    assert low.grad.dtype == torch.bfloat16
+    assert torch.allclose(low.grad.double(), reference.grad, rtol=5e-2, atol=5e-3)
+
+
+def test_teacher_topk_reads_the_logits_in_chunks_as_whole(monkeypatch):
+    import nmprune.distill as distill
+
+    logits = torch.randn(3, 5, 40, generator=torch.Generator().manual_seed(2)) * 3
+    whole = teacher_topk(logits, 6)
+    monkeypatch.setattr(distill, "ROW_CHUNK_ENTRIES", 90)
+    parts = teacher_topk(logits, 6)
+    assert torch.equal(whole.ids, parts.ids) and torch.equal(whole.logp, parts.logp)
+    reference = torch.log_softmax(logits.double(), -1).topk(6, -1)
+    assert torch.equal(whole.ids.long(), reference.indices)
+    assert torch.allclose(whole.logp.double(), reference.values, atol=1e-5)
+
+
 def test_topk_kl_gradient_is_finite_where_the_top_tokens_hold_all_the_mass():
     teacher = torch.full((1, 3, 10), -1e4)
     teacher[..., 0] = 10.0  # one certain token: the rest holds no mass at all
