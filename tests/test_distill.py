@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from test_models_tiny import tiny_model, token_batch
+from test_models_tiny import FAMILIES, tiny_model, token_batch
 
 from nmprune.config import PruneSettings
 from nmprune.distill import teacher_topk, topk_kl
@@ -99,6 +99,29 @@ def test_topk_kl_gradient_is_finite_where_the_top_tokens_hold_all_the_mass():
     assert torch.isfinite(kl) and torch.isfinite(student.grad).all()
     # the student learns to put its mass on the certain token
     assert (student.grad[..., 0] < 0).all()
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_pass_attention_is_eager_only_for_short_bfloat16_windows_on_the_cpu_and_computes_the_same_model(family):
+    from nmprune.stages.distillation import EAGER_ATTENTION_MAX_TOKENS, pass_attention
+
+    model = tiny_model(family, layers=2)
+    try:
+        model.set_attn_implementation("sdpa")  # what a loaded model asks for (the tiny ones ask for eager)
+    except ValueError:
+        assert family == "gemma2"  # eager only in transformers
+    cpu, asked = torch.device("cpu"), model.config._attn_implementation
+    ids = token_batch(2, 16, seed=3)  # longer than Mistral's and Gemma 2's sliding windows
+    with torch.no_grad():
+        reference = model(ids).logits
+    with torch.no_grad(), pass_attention(model, cpu, torch.bfloat16, 16):
+        assert model.config._attn_implementation == "eager"
+        # the model's own causal (and sliding-window) masks, whichever path computes them
+        assert torch.allclose(model(ids).logits, reference, rtol=1e-4, atol=1e-4)
+    assert model.config._attn_implementation == asked
+    for dtype, tokens in ((None, 16), (torch.bfloat16, EAGER_ATTENTION_MAX_TOKENS + 1)):
+        with pass_attention(model, cpu, dtype, tokens):
+            assert model.config._attn_implementation == asked
 
 
 def test_teacher_topk_refuses_no_tokens():

@@ -181,12 +181,13 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None, mo
         speed = (cpu_threads(ranks) / CPU_REFERENCE_THREADS) ** CPU_THREAD_SCALING
         rate = rate * speed
     wide = max((min(shape) for shape in shapes.values()), default=0) >= BF16_MIN_WIDTH
-    train_rate = rate * (BF16_TRAINING_SPEEDUP[device] if _trains_in_bfloat16(s.train_precision, device, wide) else 1)
+    low = _trains_in_bfloat16(s.train_precision, device, wide)
+    train_rate = rate * (BF16_TRAINING_SPEEDUP[device] if low else 1)
     run = RunShape(s, ranks, device, itemsize, [{n: shapes[n] for n in source.layers(i)} for i in range(len(source))],
                    s.planner().plan_layers(shapes, warn=False),
                    [sum(p.numel() for p in b.parameters()) for b in source.blocks],
                    sum(p.numel() for p in model.parameters()), model.config.hidden_size, model.config.vocab_size,
-                   rate, train_rate, speed)
+                   getattr(model.config, "num_attention_heads", 0) or 0, low, rate, train_rate, speed)
     # the stages the run will have (nmprune.pipeline): the solves, the statistics stage (with
     # reconstruction, the one that also fits each block and carries the streams) and the pass
     recon = s.reconstruct != "none"

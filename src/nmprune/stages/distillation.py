@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -36,6 +37,41 @@ from .needs import RunShape, StageNeeds
 from .reconstruction import Spill, float32_training
 
 
+#: the longest windows for which the pass computes attention by transformers' eager path,
+#: on the CPU with products in bfloat16, where the model asks for sdpa: through SmolLM2 on 512
+#: tokens, eager's training step (forward and backward) takes 1.00 s against sdpa's 1.22 s and
+#: its forward without gradients 308 ms against 374 (medians, AMD EPYC znver5, 2 threads); at
+#: 1,024 tokens torch's flash kernel runs one attention twice as fast as eager's products. Eager
+#: holds each block's attention probabilities for the backward pass (:func:`distill_bytes`).
+EAGER_ATTENTION_MAX_TOKENS = 512
+
+
+def uses_eager_attention(device: str, bfloat16: bool, tokens: int) -> bool:
+    """Whether the pass computes attention by the eager path on a ``device`` kind, with its
+    products in bfloat16 or not, on windows of ``tokens`` (:data:`EAGER_ATTENTION_MAX_TOKENS`)."""
+    return device == "cpu" and bfloat16 and tokens <= EAGER_ATTENTION_MAX_TOKENS
+
+
+@contextmanager
+def pass_attention(model: nn.Module, device: torch.device, dtype: torch.dtype | None,
+                   tokens: int) -> Iterator[None]:
+    """Inside, ``model`` computes attention by transformers' eager path where
+    :func:`uses_eager_attention` says so and the model asks for sdpa; as before afterwards."""
+    current = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    switch = current == "sdpa" and uses_eager_attention(device.type, dtype == torch.bfloat16, tokens)
+    if switch:
+        model.set_attn_implementation("eager")
+    try:
+        yield
+    finally:
+        if switch:
+            model.set_attn_implementation(current)
+
+
+def _tokens(batches: Sequence[Tensor]) -> int:
+    return max((b.shape[-1] for b in batches), default=0)
+
+
 def teacher(logits: Iterable[tuple[Tensor, Tensor]], k: int) -> list[TeacherTopK]:
     """The dense model's ``k`` most likely tokens per position of each batch, from its
     ``(ids, logits)`` (one batch at a time: only ``k`` entries a position are kept)."""
@@ -48,10 +84,11 @@ def dense_teachers(model: nn.Module, batches: Sequence[Tensor], k: int, device: 
     whole ``model`` (still dense), which visits ``device`` meanwhile; kept on the CPU. With
     ``dtype`` (the dtype the pass trains in, :func:`~nmprune.reconstruct.training_dtype`) the
     products run under autocast to it: on SmolLM2 bfloat16 moves the teacher by a KL divergence
-    of 0.0007 per position from float32's, beside the 0.5 the pass starts from, at half the time."""
+    of 0.0007 per position from float32's, beside the 0.5 the pass starts from, at half the time
+    (and attention as :func:`pass_attention` computes it)."""
     model.to(device)
     try:
-        with torch.no_grad(), products_in(device, dtype):
+        with torch.no_grad(), products_in(device, dtype), pass_attention(model, device, dtype, _tokens(batches)):
             return [teacher_topk(model(b.to(device)).logits, k).to("cpu") for b in batches]
     finally:
         model.to("cpu")
@@ -82,12 +119,22 @@ def distill(model: nn.Module, weights: Sequence[Tensor], batches: Sequence[Tenso
     result is kept only if it lowers the divergence on them. Returns the record: windows,
     held-out divergence before and after (``heldout_before``, ``heldout_after``,
     ``heldout_trained``: what training reached), training divergence of the first and last
-    epoch, steps, ``kept`` (``"distilled"`` or ``"solved"``) and seconds."""
+    epoch, steps, ``kept`` (``"distilled"`` or ``"solved"``) and seconds. Attention is
+    computed as :func:`pass_attention` says."""
+    low = training_dtype(options.precision, weights)  # the held-out judgement computes as training does
+    with pass_attention(model, device, low, _tokens(batches)):
+        return _distill(model, weights, batches, teachers, positions, total, held, options, all_reduce, device,
+                        low, progress, scratch)
+
+
+def _distill(model: nn.Module, weights: Sequence[Tensor], batches: Sequence[Tensor], teachers: Sequence[TeacherTopK],
+             positions: Sequence[int], total: int, held: frozenset[int], options: FitOptions,
+             all_reduce: Callable[[Sequence[Tensor]], None], device: torch.device, low: torch.dtype | None,
+             progress: bool, scratch: str | os.PathLike | None) -> dict[str, Any]:
     started = time.perf_counter()
     held_local = [j for j, g in enumerate(positions) if g in held]
     train = [j for j, g in enumerate(positions) if g not in held]
     order = {g: r for r, g in enumerate(g for g in range(total) if g not in held)}
-    low = training_dtype(options.precision, weights)  # the held-out judgement computes as training does
     before = mean_divergence(model, batches, teachers, held_local, all_reduce, device, low) if held else None
     where = [KeptEntries(w) for w in weights]
     saved = Spill(scratch)
@@ -127,17 +174,19 @@ def distill(model: nn.Module, weights: Sequence[Tensor], batches: Sequence[Tenso
 
 
 def distill_bytes(params: int, pruned: int, kept: float, blocks: int, batch_tokens: int, hidden_size: int,
-                  intermediate: int, vocab: int, positions: int = 0) -> int:
+                  intermediate: int, vocab: int, positions: int = 0, attention: int = 0) -> int:
     """Memory of the pass on its device: the whole model in float32, 16 bytes per kept entry of
     a pruned weight (its position, compact gradient and AdamW's two moments) and the solved
     values kept aside (4 per kept entry), autograd's activations of one batch through every
-    block, its logits four times over (logits, log-probabilities and their gradients), and the
-    dense distribution of the rank's ``positions`` (DISTILL_TOPK tokens of 8 bytes each)."""
+    block and ``attention`` bytes of attention probabilities per block (eager attention's,
+    :func:`pass_attention`), its logits twice over (they and their gradient, float32 at most;
+    :func:`~nmprune.distill.topk_kl` reads them a few rows at a time), and the dense
+    distribution of the rank's ``positions`` (DISTILL_TOPK tokens of 8 bytes each)."""
     from ..distill import DISTILL_TOPK
 
     return int(4 * params + pruned * 20 * kept
-               + blocks * batch_tokens * (16 * hidden_size + 4 * intermediate) * 4
-               + 4 * batch_tokens * vocab * 4 + positions * min(DISTILL_TOPK, vocab) * 8)
+               + blocks * (batch_tokens * (16 * hidden_size + 4 * intermediate) * 4 + attention)
+               + 2 * batch_tokens * vocab * 4 + positions * min(DISTILL_TOPK, vocab) * 8)
 
 
 def distillation_needs(run: RunShape, epochs: int, windows: int) -> StageNeeds:
@@ -147,8 +196,11 @@ def distillation_needs(run: RunShape, epochs: int, windows: int) -> StageNeeds:
     windows, then every window's forward and backward each epoch, shared out between the ranks."""
     s = run.settings
     pruned = sum(block[n][0] * block[n][1] for block in run.per_block for n in run.pruned(block))
+    # eager attention's probabilities of one batch: in float32 and their bfloat16 copy
+    eager = uses_eager_attention(run.device, run.trains_in_bfloat16, s.seqlen)
+    attention = 6 * s.batch_size * run.attention_heads * s.seqlen ** 2 if eager else 0
     peak = distill_bytes(run.params, pruned, run.kept, len(run.per_block), run.batch_tokens, run.hidden_size,
-                         run.intermediate, run.vocab_size, -(-windows // run.ranks) * s.seqlen)
+                         run.intermediate, run.vocab_size, -(-windows // run.ranks) * s.seqlen, attention)
     own_tokens = s.distill_extra_windows() * s.seqlen
     seconds = (2.0 * run.params * own_tokens / run.train_rate
                + 3 * epochs * 2.0 * run.params * windows * s.seqlen / run.train_rate) / run.ranks

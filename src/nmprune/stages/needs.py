@@ -21,9 +21,10 @@ class RunShape:
     prunable layers' ``(d_out, d_in)`` by full name (``per_block``) and each layer's
     :class:`~nmprune.stages.plan.LayerPlan` (``plans``; None: left dense), each block's
     parameter count (``block_params``) and the whole model's (``params``), its hidden and
-    vocabulary sizes, and the rates of one rank: float32 operations per second of its passes
-    (``rate``), of its training passes (``train_rate``: bfloat16 where it trains in it), and how
-    many times faster than the reference CPU it solves a layer (``solve_speed``)."""
+    vocabulary sizes, its attention heads, whether it trains in bfloat16
+    (``trains_in_bfloat16``), and the rates of one rank: float32 operations per second of its
+    passes (``rate``), of its training passes (``train_rate``: bfloat16 where it trains in it),
+    and how many times faster than the reference CPU it solves a layer (``solve_speed``)."""
 
     settings: Any
     ranks: int
@@ -35,6 +36,8 @@ class RunShape:
     params: int
     hidden_size: int
     vocab_size: int
+    attention_heads: int
+    trains_in_bfloat16: bool
     rate: float
     train_rate: float
     solve_speed: float
