@@ -166,9 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "decayed linearly to 0 (default 0.001)")
     p.add_argument("--distill-nsamples", dest="distill_nsamples", type=_count_or_auto, metavar="{auto,N}",
                    help="calibration windows the global distillation trains on: the run's --nsamples and "
-                        "N - nsamples more drawn for it alone (at least --nsamples; default auto: twice "
-                        "--nsamples: 64, 128 and 192 windows gave SmolLM2 22.37, 20.39 and 19.88 wiki "
-                        "perplexity; 192 made the main job 13.1 min against 11.0)")
+                        "N - nsamples more drawn for it alone (at least --nsamples; default auto: three "
+                        "times --nsamples: 64, 128 and 192 windows gave SmolLM2 22.37, 20.39 and 19.88 wiki "
+                        "perplexity; each further 64 windows add about 1.5 min to the main job)")
     p.add_argument("--damp", type=float,
                    help="Hessian dampening: solvers see H + DAMP * mean(diag H) * I (default 0.01; "
                         "0 = the paper's undamped loss)")
