@@ -121,39 +121,31 @@ def distill(model: nn.Module, weights: Sequence[Tensor], batches: Sequence[Tenso
     ``heldout_trained``: what training reached), training divergence of the first and last
     epoch, steps, ``kept`` (``"distilled"`` or ``"solved"``) and seconds. Attention is
     computed as :func:`pass_attention` says."""
-    low = training_dtype(options.precision, weights)  # the held-out judgement computes as training does
-    with pass_attention(model, device, low, _tokens(batches)):
-        return _distill(model, weights, batches, teachers, positions, total, held, options, all_reduce, device,
-                        low, progress, scratch)
-
-
-def _distill(model: nn.Module, weights: Sequence[Tensor], batches: Sequence[Tensor], teachers: Sequence[TeacherTopK],
-             positions: Sequence[int], total: int, held: frozenset[int], options: FitOptions,
-             all_reduce: Callable[[Sequence[Tensor]], None], device: torch.device, low: torch.dtype | None,
-             progress: bool, scratch: str | os.PathLike | None) -> dict[str, Any]:
     started = time.perf_counter()
     held_local = [j for j, g in enumerate(positions) if g in held]
     train = [j for j, g in enumerate(positions) if g not in held]
     order = {g: r for r, g in enumerate(g for g in range(total) if g not in held)}
-    before = mean_divergence(model, batches, teachers, held_local, all_reduce, device, low) if held else None
+    low = training_dtype(options.precision, weights)  # the held-out judgement computes as training does
     where = [KeptEntries(w) for w in weights]
     saved = Spill(scratch)
     try:
-        for w, entries in zip(weights, where):
-            saved.append(entries.gather(w))
-        steps = options.epochs * epoch_steps([0] * len(order), options.batches_per_step)
-        bar = progress_bar(total=steps, desc="distilling the whole model", enabled=progress, nested=True)
-        try:
-            with float32_training(model):
-                result = fit_masked(lambda i: model(batches[train[i]].to(device)).logits,
-                                    [teachers[j].to(device) for j in train], weights,
-                                    [order[positions[j]] for j in train], len(order), options, all_reduce,
-                                    bar.update, where, loss=topk_kl)
-        except (ReconstructionDiverged, NonFiniteModel) as e:
-            raise type(e)(f"global distillation: {e}") from e
-        finally:
-            bar.close()
-        after = mean_divergence(model, batches, teachers, held_local, all_reduce, device, low) if held else None
+        with pass_attention(model, device, low, _tokens(batches)):
+            before = mean_divergence(model, batches, teachers, held_local, all_reduce, device, low) if held else None
+            for w, entries in zip(weights, where):
+                saved.append(entries.gather(w))
+            steps = options.epochs * epoch_steps([0] * len(order), options.batches_per_step)
+            bar = progress_bar(total=steps, desc="distilling the whole model", enabled=progress, nested=True)
+            try:
+                with float32_training(model):
+                    result = fit_masked(lambda i: model(batches[train[i]].to(device)).logits,
+                                        [teachers[j].to(device) for j in train], weights,
+                                        [order[positions[j]] for j in train], len(order), options, all_reduce,
+                                        bar.update, where, loss=topk_kl)
+            except (ReconstructionDiverged, NonFiniteModel) as e:
+                raise type(e)(f"global distillation: {e}") from e
+            finally:
+                bar.close()
+            after = mean_divergence(model, batches, teachers, held_local, all_reduce, device, low) if held else None
         if after is not None and not after < float("inf"):
             raise ReconstructionDiverged(f"global distillation: the held-out divergence is {after}; lower "
                                          f"the learning rate (now {options.lr:g})")
