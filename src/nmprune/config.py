@@ -32,8 +32,9 @@ AUTO_DISTILL_EPOCHS = 1
 #: ``nsamples`` calibration windows (the run's own and the rest drawn for it): the pass alone on
 #: one pruned SmolLM2 gave wiki / Austen perplexity 22.37 / 100.1 on 64 windows, 20.39 / 94.97
 #: on 128 and 19.88 / 94.21 on 192 (benchmarks/results/distill_sweep.md). Three times: with
-#: 192 windows the SmolLM2 main job took 12.0 min against 9.3 for the default of c8021ee, the job
-#: issue 45 bounds at 1.3x (benchmarks/results/main_job*.md, AMD EPYC znver5)
+#: 192 windows the SmolLM2 main job took 12.4 min against 10.4 for the default of c8021ee, the
+#: job issue 45 bounds at 1.3x, run just before it (benchmarks/results/main_job*.md, AMD EPYC
+#: znver5)
 AUTO_DISTILL_WINDOWS = 3
 #: the extra windows of the global distillation are drawn with the run's seed plus this, apart
 #: from the run's own (which stay the same windows with or without the pass)
