@@ -144,7 +144,8 @@ def run_row(bench: Bench, method: str, granularity: str, fit: dict[str, Any], ta
             "layer_seconds": report.seconds["layers"],
             "reconstruct_seconds": sum(b["seconds"] for b in blocks),
             "peak_rss_bytes": peak, **result,
-            "mean_block_error_before": mean(b["error_before"] for b in blocks),
+            "mean_block_error_before": (mean(b["error_before"] for b in blocks)
+                                        if all(b["error_before"] is not None for b in blocks) else None),
             "mean_block_error_after": mean(b["error_after"] for b in blocks),
             "mean_block_heldout_before": mean(b.get("heldout_before") for b in blocks),
             "mean_block_heldout_after": mean(b.get("heldout_after") for b in blocks),

@@ -163,6 +163,9 @@ def test_prune_with_reconstruction_reports_each_block_before_and_after(tiny_dir,
                 f"{'-' if b['error_before'] is None else format(b['error_before'], '.4g')} | "
                 f"{b['error_after']:.4g} | {b['kept']} |") in printed
     assert recon["mean_heldout_after"] < recon["mean_heldout_before"]
+    # the training error before is a mean over every block, or unknown
+    known = [b["error_before"] for b in recon["blocks"]]
+    assert recon["mean_error_before"] == (None if None in known else pytest.approx(sum(known) / len(known)))
     saved = _weights(out)
     for name, w in saved.items():
         if name.endswith("proj.weight"):

@@ -545,8 +545,10 @@ def _reconstruction_summary(s, blocks: list[dict[str, Any]], end_to_end: dict[st
     perplexity of the dense, the solved and the reconstructed model)."""
 
     def mean(key: str) -> float | None:
+        """The mean over the blocks; None unless every block has the error (``error_before``
+        is known only where it is computed)."""
         values = [b[key] for b in blocks if b.get(key) is not None]
-        return sum(values) / len(values) if values else None
+        return sum(values) / len(values) if values and len(values) == len(blocks) else None
 
     return {"granularity": s.reconstruct, "epochs": s.reconstruct_epochs, "lr": s.reconstruct_lr,
             "batch_size": s.reconstruct_batch_size or s.batch_size, "lanes": s.reconstruct_lanes,
