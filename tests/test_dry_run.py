@@ -12,6 +12,7 @@ from nmprune.distributed import busiest_rank_cost, job_cost, makespan, split_cos
 from nmprune.cli import main
 from nmprune.config import AUTO_DISTILL_WINDOWS, build_config
 from nmprune.resources import BF16_TRAINING_SPEEDUP, CPU_THREAD_SCALING, cpu_threads, plan_run
+from nmprune.stages.reconstruction import held_out_batches
 from nmprune.stages.statistics import hessian_inputs
 from nmprune.stages.token_shares import busiest_token_share, token_shares
 
@@ -67,6 +68,14 @@ def test_the_plan_scales_with_blocks_ranks_and_settings(tmp_path, monkeypatch):
     assert bare.seconds["layer_solves"] == pytest.approx(one.seconds["layer_solves"] / 2)
 
 
+def _reconstruction_passes(model: str) -> float:
+    """The reconstruction's own passes in units of the two calibration passes: the pass after
+    training over every batch, and the one before it over the held-out batches alone."""
+    settings = build_config({"model": model}).prune
+    batches = -(-settings.nsamples // settings.batch_size)
+    return (1 + len(held_out_batches(batches)) / batches) / 2
+
+
 EIGHT_B_BLOCK = {"a.q_proj": (4096, 4096), "a.k_proj": (1024, 4096), "a.v_proj": (1024, 4096),
                  "a.o_proj": (4096, 4096), "m.gate_proj": (14336, 4096), "m.up_proj": (14336, 4096),
                  "m.down_proj": (4096, 14336)}
@@ -81,8 +90,8 @@ def test_the_plan_shares_one_lane_block_training_by_tokens_and_lanes_by_batches(
     plans = {(r, k, lanes): plan_run(build_config({"model": model, "device": "cpu", "reconstruct": k,
                                                     "reconstruct_lanes": lanes}), ranks=r)
              for r in (1, 2, 4) for k in ("block", "submodule") for lanes in (1, 2)}
-    # training alone: the passes before and after it take as long as the two calibration passes
-    training = {key: p.seconds["reconstruction"] - p.seconds["calibration_passes"] for key, p in plans.items()}
+    passes = _reconstruction_passes(model)
+    training = {key: p.seconds["reconstruction"] - passes * p.seconds["calibration_passes"] for key, p in plans.items()}
     # 8B shapes: k and v are 2 x 4096 x 1024 of 218M weights a block
     c = 1 - 2 * 4096 * 1024 / sum(r * d for r, d in EIGHT_B_BLOCK.values())
     for ranks in (2, 4):
@@ -196,7 +205,8 @@ def test_the_plan_prices_training_at_the_precision_the_run_trains_in(tmp_path, m
     speedup = BF16_TRAINING_SPEEDUP[device]
     for key in ("layer_solves", "calibration_passes", "evaluation"):
         assert bf16[key] == pytest.approx(full[key])
-    training = {k: s["reconstruction"] - s["calibration_passes"] for k, s in (("full", full), ("bf16", bf16))}
+    passes = _reconstruction_passes(wide)
+    training = {k: s["reconstruction"] - passes * s["calibration_passes"] for k, s in (("full", full), ("bf16", bf16))}
     assert training["bf16"] == pytest.approx(training["full"] / speedup)
     assert bf16["distillation"] == pytest.approx(full["distillation"] / speedup)
     for has_bf16 in (True, False):

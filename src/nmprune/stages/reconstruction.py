@@ -617,7 +617,9 @@ def reconstruction_needs(run: RunShape) -> StageNeeds:
     :class:`~nmprune.reconstruct.CompactAdamW`'s compact gradient and two moments; the solved
     weights' backup waits on disk) and 4 more per lane the rank computes when there are
     several, one layer's dense gradient and autograd's activations of one batch. Its time: the
-    passes before and after training over the rank's share of the batches, and the training,
+    pass before training over the held-out batches (:meth:`ReconstructingStatistics._deciding_error`;
+    every batch where none is held out), the pass after it over all, each on the rank's share,
+    and the training,
     3 passes' work per epoch at the training rate: for whole blocks in one lane (the default)
     every step's sample is shared by tokens, the busiest rank's share of the work
     (:func:`~nmprune.stages.token_shares.busiest_token_share`); otherwise a round runs the
@@ -637,5 +639,8 @@ def reconstruction_needs(run: RunShape) -> StageNeeds:
         batches = fit.lanes * fit.batches_per_step
         share = -(-batches // run.ranks) / batches
     work = 3 * fit.epochs * run.forward * share
+    batches = -(-s.nsamples // s.batch_size)
+    deciding = len(held_out_batches(batches)) / batches or 1.0
     return StageNeeds(block_bytes=training, stream_bytes=streams,
-                      seconds={"reconstruction": work / run.train_rate + 2 * run.forward / run.ranks / run.rate})
+                      seconds={"reconstruction": work / run.train_rate
+                               + (1 + deciding) * run.forward / run.ranks / run.rate})
