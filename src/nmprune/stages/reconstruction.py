@@ -306,24 +306,23 @@ class ReconstructingStatistics:
         moves there once its output is computed, so that inputs and outputs are not held
         together."""
         outs = []
-        sums = self._errors(index, block, range(len(self.dense)), outs, spill)
-        train, held = (float(s[0] / s[1]) if s[1] > 0 else 0.0 for s in sums)
+        train, held = self._errors(index, block, range(len(self.dense)), outs, spill)
         return outs, train, held if self.held else None
 
     def _deciding_error(self, index: int, block: nn.Module) -> tuple[float | None, float | None]:
         """The error (training, held-out) of the block's outputs on the batches that decide
         whether trained weights are kept (:meth:`_improved`): the held-out ones alone, the
         training error then unknown (None), or the training ones where none is held out."""
-        sums = self._errors(index, block, self.held_local if self.held else range(len(self.dense)))
-        train, held = (float(s[0] / s[1]) if s[1] > 0 else 0.0 for s in sums)
+        train, held = self._errors(index, block, self.held_local if self.held else range(len(self.dense)))
         return (None, held) if self.held else (train, None)
 
     def _errors(self, index: int, block: nn.Module, batches: Iterable[int], outs: list[Tensor] | None = None,
-                spill: Spill | None = None) -> Tensor:
+                spill: Spill | None = None) -> tuple[float, float]:
         """The channel-weighted squared error of the block's outputs on this process's
-        ``batches`` of the pruned stream and the dense outputs' own (rows: training, held-out;
-        columns: error, reference), summed over all processes; each output appended to
-        ``outs`` if given, and with ``spill``, each pruned input moved there (:meth:`_propagate`)."""
+        ``batches`` of the pruned stream relative to the dense outputs', summed over all
+        processes: on the training batches and on the held-out ones (0 where there are none);
+        each output appended to ``outs`` if given, and with ``spill``, each pruned input moved
+        there (:meth:`_propagate`)."""
         sums = torch.zeros(2, 2, dtype=torch.float64, device=self.dense[0].device if self.dense else "cpu")
         weight = self._weight.to(sums.device)
         for j in batches:
@@ -339,7 +338,8 @@ class ReconstructingStatistics:
                 self.pruned[j] = None
             del h
         self.all_reduce([sums])
-        return sums
+        train, held = (float(s[0] / s[1]) if s[1] > 0 else 0.0 for s in sums)
+        return train, held
 
     def _unit_inputs(self, index: int, block: nn.Module, unit: _Unit, dtype: torch.dtype,
                      before: Sequence[_Unit] = ()) -> tuple[list[tuple[tuple, dict]], list[Tensor]]:
