@@ -108,6 +108,10 @@ def runs(tmp_path_factory):
         "median_lam": ("cells", *median, BLOCK),
         "hard_prox": ("prox", *hard, BLOCK),
         "default_block": ("prox", median[0][:300], median[1][:300], None),
+        "small_blocks": ("cells", hard[0][:1024], hard[1][:1024], 8),
+        "loops_small_lam": ("loops", *_f32(_gauss_cells(512, 2, (-8.0, -1.0))), 128),
+        "loops_matrix": ("loops", *_f32(_gauss_cells(1024, 1, (-1.0, 1.0))), 128),
+        "loops_lam_huge": ("loops", gauss, torch.full((600,), 1e30), 128),
         "nan": ("prox", nan, torch.full((8,), 0.3), BLOCK),
         "inf": ("prox", inf, torch.full((8,), 0.3), BLOCK),
         "empty": ("prox", torch.zeros(0, 4), torch.zeros(0), BLOCK),
@@ -164,6 +168,33 @@ def test_the_default_block_gives_the_same_answers(runs):
     ref = runs["median_lam"][1]
     w, undecided = ref["w"][:300], ref["undecided"][:300]
     assert torch.equal(res["w"], torch.where(undecided[:, None], _exact(z, lam).float(), w))
+
+
+def test_a_cell_answer_does_not_depend_on_the_cells_beside_it(runs):
+    """The loops run while any cell of the program needs them: programs of 8 adjacent hard
+    cells (most of which skip the dense stage or stop early) give every cell the bits that
+    programs of 4096 give it."""
+    _, res = runs["small_blocks"]
+    ref = runs["hard"][1]
+    assert torch.equal(res["undecided"], ref["undecided"][:1024])
+    assert torch.equal(res["w"][~res["undecided"]], ref["w"][:1024][~res["undecided"]])
+
+
+def test_loop_counts_stay_within_the_caps_and_skip_what_no_cell_needs(runs):
+    """``loop_counts``: one row per program of 128 cells, each loop within its cap; the dense
+    stage runs where cells are dense (small lam) and nothing iterates where every cell is
+    2-sparse (huge lam)."""
+    from nmprune.prox.two_four_triton import LOOP_NAMES
+
+    caps = torch.tensor([12, 12, 16, 16 * 8, 16 * 8], dtype=torch.int32)
+    for name, programs in (("loops_small_lam", 4), ("loops_matrix", 8), ("loops_lam_huge", 5)):
+        loops = runs[name][1]["loops"]
+        assert loops.shape == (programs, len(LOOP_NAMES)) and bool((loops >= 0).all() and (loops <= caps).all())
+    dense = runs["loops_small_lam"][1]["loops"]
+    assert bool((dense[:, 2] >= 1).all() and (dense[:, 3] >= dense[:, 2] - 1).all())
+    mixed = runs["loops_matrix"][1]["loops"]
+    assert bool((mixed[:, 0] >= 1).all() and (mixed[:, 2] < 16).any())  # 3-sparse roots; dense steps stop early
+    assert not bool(runs["loops_lam_huge"][1]["loops"].any())
 
 
 @pytest.mark.parametrize("name", ["nan", "inf"])

@@ -54,7 +54,8 @@ docs/methods.md#the-proximal-loop-srcnmprunealgorithmsproxpy).
 from __future__ import annotations
 
 import warnings
-from typing import Annotated, Callable, Literal
+from collections.abc import Mapping
+from typing import Annotated, Any, Callable, Literal
 
 import torch
 from torch import Tensor
@@ -63,7 +64,7 @@ from ..devices import PRECISIONS, low_precision
 from ..linalg import column_scale, gd_step_size, rescale
 from ..pattern import NMPattern, count_dense_cells, from_cells, to_cells, topn_mask
 from ..prox import prox_2of4, prox_l0, prox_l1, prox_l2, prox_nm
-from ..prox.two_four import SOLVERS
+from ..prox.two_four import SOLVERS, triton_installed
 from ..registry import NonNegativeInt, PositiveFloat, Range, RowShards, register_method
 
 CellProx = Callable[[Tensor, Tensor], Tensor]  # (cells (..., M), lambda per cell) -> cells
@@ -179,6 +180,17 @@ def gradient_dtype(precision: str, w: Tensor) -> torch.dtype | None:
     return low_precision(precision, w.device, w.dtype == torch.float32 and w.shape[0] >= BF16_MIN_ROWS)
 
 
+#: the default 2:4 prox solver of ``prox`` (:func:`nmprune.prox.prox_2of4`)
+PROX_SOLVER = "reduced"
+
+
+def uses_triton_kernel(pattern: NMPattern, options: Mapping[str, Any]) -> bool:
+    """Whether ``prox`` with these method ``options`` sends its cells to the Triton kernel on
+    CUDA: the 2:4 prox with ``solver="reduced"`` (the default) where triton is installed."""
+    return ((pattern.n, pattern.m) == (2, 4) and options.get("solver", PROX_SOLVER) == "reduced"
+            and triton_installed())
+
+
 def _exact_prox(pattern: NMPattern, solver: str) -> CellProx:
     if (pattern.n, pattern.m) == (2, 4):
         return lambda z, lam: prox_2of4(z, lam, solver=solver)
@@ -188,7 +200,7 @@ def _exact_prox(pattern: NMPattern, solver: str) -> CellProx:
 @register_method("prox", description="proximal gradient with the exact N:M prox (paper Alg. prox_e2e)",
                  cost=3.5e-10, entry_cost=3.8e-7, rows="reduced")
 def prox(w: Tensor, h: Tensor, pattern: NMPattern, *, lambda0: PositiveFloat = 0.001,
-         beta: Growth = 1.05, lambda_adapt: bool = True, solver: Literal[SOLVERS] = "reduced",
+         beta: Growth = 1.05, lambda_adapt: bool = True, solver: Literal[SOLVERS] = PROX_SOLVER,
          max_iter: NonNegativeInt = 5000, finish: Finish = 0.005, accelerate: bool = True,
          shrink_momentum: Momentum | Literal["auto"] = "auto",
          gradient_precision: Literal[GRADIENT_PRECISIONS] = "auto",

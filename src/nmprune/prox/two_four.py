@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
 from collections.abc import Callable
 
 import torch
@@ -74,6 +75,12 @@ def _kernel(z: Tensor, solver: str) -> Callable[[Tensor, Tensor], Tensor] | None
     if z.device.type == "cuda" and z.dtype != torch.float64:
         return _triton_prox()
     return None
+
+
+def triton_installed() -> bool:
+    """Whether triton can be imported, so that CUDA's float32 and 16-bit cells go to the Triton
+    kernel (:func:`_kernel`); nothing is imported."""
+    return importlib.util.find_spec("triton") is not None
 
 
 @functools.cache

@@ -1,8 +1,8 @@
 """The exact 2:4 prox (``solver="reduced"``) as a Triton kernel: the path of
 :func:`nmprune.prox.prox_2of4` for float32, bfloat16 and float16 CUDA tensors.
 
-One program takes ``BLOCK`` cells and runs, in float32, without branches and with fixed step
-counts, the case analysis of the CPU kernel (:mod:`nmprune.prox.reduced_simd`; Algorithm
+One program takes ``BLOCK`` cells (one per thread) and runs, in float32, the case analysis of
+the CPU kernel (:mod:`nmprune.prox.reduced_simd`; Algorithm
 ``alg:prox_enumerate``, derivations in ``docs/prox.md``): ``|z|`` of each cell sorted by a
 sorting network (Lemma ``lemma:sorted_prox``) and scaled by a power of two (exact) to
 ``1 <= z_1 < 2``; the 2-sparse point ``[z_1, z_2, 0, 0]``; the PSD stationary point of ``g``
@@ -14,7 +14,11 @@ interior stationary point is the PSD stationary point of ``f`` (eq. ``prox_sorte
 Corollary ``corollary:no_spurious``), with the case and ``(x, y)`` boxes and the convexity
 lower bound that prove for most cells that no dense point beats the best sparse one. The best
 candidate is polished by one fixed-point step where that contracts, and mapped back to the
-positions and signs of ``z``.
+positions and signs of ``z``. Each loop runs while any cell of the program still needs it
+(at most its cap: ``ITER_3SPARSE``, ...): a program skips the dense stage when none of its cells
+is open to it, and stops it when every open cell is settled. A settled cell keeps its point, so
+its answer does not depend on the cells beside it. On real layers this takes a tenth of the
+instructions of running every loop to its cap (``benchmarks/results/prox_kernel_cost.md``).
 
 Cells the kernel cannot settle in float32 are flagged undecided, and :func:`prox_2of4_triton`
 re-solves them with the float64 torch solver :func:`nmprune.prox.reduced.solve_sorted_reduced`:
@@ -41,7 +45,7 @@ from ..checks import non_finite_error
 from .cells import sort_abs, unsort
 from .reduced import solve_sorted_reduced
 
-BLOCK = 128  # cells per program, one per thread of 4 warps (sm_90: 127 registers, no spills; not timed)
+BLOCK = 128  # cells per program, one per thread of 4 warps (sm_90: 96 registers, no spills; not timed)
 ITER_3SPARSE = tl.constexpr(12)  # Newton steps on Phi(u) = 0
 ITER_CONVEX = tl.constexpr(16)  # damped Newton steps on min_R G
 CONVEX_PULLS = tl.constexpr(12)  # halvings of the start towards the origin, into R
@@ -56,6 +60,13 @@ MARGIN = tl.constexpr(1e-5)
 BOX_ROUNDS = tl.constexpr(4)  # rounds of the case box (reduced_kernel.case_box)
 XY_ROUNDS = tl.constexpr(3)  # rounds of the (x, y) box (reduced_kernel.xy_box)
 BOX_SLACK = tl.constexpr(1e-5)  # the boxes widened by this much of the cell's scale
+
+
+@triton.jit
+def _any(flags):
+    """Is any of the program's ``flags`` set? (The loops below run while one of their cells
+    still needs them: a cell's answer never depends on the other cells of its program.)"""
+    return tl.max(flags.to(tl.int32), axis=0) > 0
 
 
 @triton.jit
@@ -89,13 +100,15 @@ def _phi(u, big_a, big_b, c):
 
 
 @triton.jit
-def _three_sparse(a1, a2, a3, lam):
-    """``(u, found, none, K)`` of :func:`nmprune.prox.reduced.three_sparse_root`: monotone Newton
+def _three_sparse(a1, a2, a3, lam, run):
+    """``(u, found, none, K, steps)`` of :func:`nmprune.prox.reduced.three_sparse_root`: monotone Newton
     on ``Phi(u) = 0`` (``u = lam w_3``, eq. ``stationarity_3sparse``) from the inflection point
     ``u*``, or from ``c = lam z_3`` where the root lies left of ``u*`` (``Phi`` convex) and
     ``c < u*``: every valid root is below ``c``, and a root near 0 is then not lost to the
     rounding of ``u* - step``. ``none`` where it is proven that no valid PSD root exists
-    (``K >= 1``, or an iterate leaves the region that holds it)."""
+    (``K >= 1``, or an iterate leaves the region that holds it). Only the ``run`` cells iterate,
+each until one step after it converged (then it stays where it is) or until it is ruled out,
+at most ``ITER_3SPARSE`` steps; ``steps``: how many the program took."""
     s = a1 + a2
     d = a1 - a2
     root = tl.sqrt(d * s)
@@ -118,15 +131,26 @@ def _three_sparse(a1, a2, a3, lam):
     # from c: Phi < 0 puts the root beyond c, Phi' <= 0 every point left of c outside the PSD region
     none = (k >= 1.0) | (from_c & ((phi < 0.0) | (dphi <= 0.0))) | (~left & (u >= umax))
     step = tl.zeros_like(u)
-    for _ in range(ITER_3SPARSE):
-        step = phi / dphi
-        u = u - step
-        phi, dphi, mag = _phi(u, big_a, big_b, c)
+    converged = tl.zeros_like(u) > 0.0
+    active = run & ~none
+    steps = 0
+    go = _any(active)
+    while go:
+        step = tl.where(active, phi / dphi, step)
+        u = tl.where(active, u - step, u)
+        phi_u, dphi_u, mag_u = _phi(u, big_a, big_b, c)
+        phi = tl.where(active, phi_u, phi)
+        dphi = tl.where(active, dphi_u, dphi)
+        mag = tl.where(active, mag_u, mag)
         # left of u* the iterates stay above the root, right of it below (tangent lines)
-        none = none | tl.where(left, u <= 0.0, u >= umax) | (dphi <= 0.0)
-    converged = ~none & ((tl.abs(step) <= STEP_TOL * u) | (tl.abs(phi) <= RES_TOL * mag))
+        none = none | (active & (tl.where(left, u <= 0.0, u >= umax) | (dphi <= 0.0)))
+        polished = active & converged  # one step past convergence: float32's accuracy
+        converged = ~none & ((tl.abs(step) <= STEP_TOL * u) | (tl.abs(phi) <= RES_TOL * mag))
+        active = active & ~none & ~polished
+        steps += 1
+        go = _any(active) & (steps < ITER_3SPARSE)
     invalid = converged & ((u <= 0.0) | (u >= umax))
-    return u, converged & ~invalid, none | invalid, k
+    return u, converged & ~invalid, none | invalid, k, steps
 
 
 @triton.jit
@@ -237,7 +261,7 @@ def _lp_min_box(g1, g2, xlo, xhi, ylo, yhi, a1, a2, a3, b1, b2, b3, c1, c2, c3):
 
 
 @triton.jit
-def _dense(a1, a2, a3, a4, lam, target, xlo, xhi, ylo, yhi):
+def _dense(a1, a2, a3, a4, lam, target, xlo, xhi, ylo, yhi, open4):
     """The dense case on ``G(x, y)`` (``x = lam (w_1 + w_2)``, ``y = lam (w_3 + w_4)``): damped
     Newton on the convex problem ``min_R G`` from ``(S_1, S_2)/2`` pulled into ``R``, with the
     line search and the slide along the boundary of ``R`` of the CPU kernel's convex stage
@@ -247,19 +271,30 @@ def _dense(a1, a2, a3, a4, lam, target, xlo, xhi, ylo, yhi):
     ``w_2 >= 0``. Returns ``(w_1..w_4, state)``: state 1 an interior stationary point (the
     unique PSD stationary point of ``f``, Corollary ``corollary:no_spurious``; ``w`` after one
     more Newton step), 3 proven that no dense point beats ``target`` (``4 lam^2`` times the
-    best sparse objective), 0 or 2 undecided."""
+    best sparse objective), 0 or 2 undecided, 4 not run (``open4`` False); then the program's
+    counts of pulls, Newton steps, line-search trials and slide trials. Every loop stops once
+    none of its cells needs it: the ``open4`` cells are the only ones that hold it."""
     s1 = lam * (a1 + a2)
     s2 = lam * (a3 + a4)
     d1 = lam * (a1 - a2)
     d2 = lam * (a3 - a4)
     x = 0.5 * s1
     y = 0.5 * s2
-    for _ in range(CONVEX_PULLS):  # R is convex and holds the origin (d1, d2 < 1)
-        inside = _in_r(x, y, s1, s2, d1, d2)
+    inside = _in_r(x, y, s1, s2, d1, d2)
+    pulls = 0
+    go = _any(open4 & ~inside)
+    while go:  # R is convex and holds the origin (d1, d2 < 1)
         x = tl.where(inside, x, 0.5 * x)
         y = tl.where(inside, y, 0.5 * y)
-    state = tl.zeros_like(x)
-    for _ in range(ITER_CONVEX):
+        inside = _in_r(x, y, s1, s2, d1, d2)
+        pulls += 1
+        go = _any(open4 & ~inside) & (pulls < CONVEX_PULLS)
+    state = tl.where(open4, 0.0, 4.0)
+    steps = 0
+    trials = 0
+    slides = 0
+    go = _any(state == 0.0)
+    while go:
         g1, g2, h11, h12, h22 = _g_derivs(x, y, s1, s2, d1, d2)
         det = h11 * h22 - h12 * h12
         dx = (h12 * g2 - h22 * g1) / det
@@ -283,7 +318,9 @@ def _dense(a1, a2, a3, a4, lam, target, xlo, xhi, ylo, yhi):
         yn = y
         moved = state != 0.0
         t = 1.0
-        for _ in range(CONVEX_HALVINGS):
+        halvings = 0
+        more = _any(~moved)
+        while more:
             cx = x + t * dx
             cy = y + t * dy
             gn = _g_value(cx, cy, s1, s2, d1, d2)[0]
@@ -292,25 +329,35 @@ def _dense(a1, a2, a3, a4, lam, target, xlo, xhi, ylo, yhi):
             yn = tl.where(ok, cy, yn)
             moved = moved | ok
             t = t * 0.5
+            halvings += 1
+            more = _any(~moved) & (halvings < CONVEX_HALVINGS)
+        trials += halvings
         # near the boundary of R, where grad^2 G turns singular, Newton steps are cut short:
         # minus the gradient projected onto the tangent of phi = 0 slides along it
         proj = (g1 * ax + g2 * ay) / (ax * ax + ay * ay)
         tx = proj * ax - g1
         ty = proj * ay - g2
         norm = tl.sqrt(tx * tx + ty * ty)
-        t = tl.where(norm > 0.0, 0.1 / norm, 0.0)
-        for _ in range(CONVEX_HALVINGS):
-            cx = x + t * tx
-            cy = y + t * ty
+        ts = tl.where(norm > 0.0, 0.1 / norm, 0.0)
+        halvings = 0
+        more = _any(~moved)
+        while more:
+            cx = x + ts * tx
+            cy = y + ts * ty
             gn = _g_value(cx, cy, s1, s2, d1, d2)[0]
             ok = ~moved & _in_r(cx, cy, s1, s2, d1, d2) & (gn < gv)
             xn = tl.where(ok, cx, xn)
             yn = tl.where(ok, cy, yn)
             moved = moved | ok
-            t = t * 0.5
+            ts = ts * 0.5
+            halvings += 1
+            more = _any(~moved) & (halvings < CONVEX_HALVINGS)
+        slides += halvings
         state = tl.where((state == 0.0) & ~moved, 2.0, state)  # stalled
         x = tl.where(state == 0.0, xn, x)
         y = tl.where(state == 0.0, yn, y)
+        steps += 1
+        go = _any(state == 0.0) & (steps < ITER_CONVEX)
     g1, g2, h11, h12, h22 = _g_derivs(x, y, s1, s2, d1, d2)
     det = h11 * h22 - h12 * h12
     x = x + (h12 * g2 - h22 * g1) / det
@@ -319,7 +366,7 @@ def _dense(a1, a2, a3, a4, lam, target, xlo, xhi, ylo, yhi):
     q = y / lam
     da = (a1 - a2) / (1.0 - y)
     db = (a3 - a4) / (1.0 - x)
-    return (p + da) * 0.5, (p - da) * 0.5, (q + db) * 0.5, (q - db) * 0.5, state
+    return (p + da) * 0.5, (p - da) * 0.5, (q + db) * 0.5, (q - db) * 0.5, state, pulls, steps, trials, slides
 
 
 @triton.jit
@@ -424,9 +471,12 @@ def _store(out_ptr, i, mask, z, rank, w1, w2, w3, w4, scale):
 
 
 @triton.jit
-def _prox_kernel(z_ptr, lam_ptr, out_ptr, undecided_ptr, n, BLOCK: tl.constexpr):
+def prox_kernel(z_ptr, lam_ptr, out_ptr, undecided_ptr, loops_ptr, n, BLOCK: tl.constexpr,
+                 LOOPS: tl.constexpr):
     """The 2:4 prox of cells ``z[4 i : 4 i + 4]`` with ``lam[i]`` into ``out`` (same layout);
-    ``undecided[i]`` 1 where the cell must be re-solved (its ``out`` is then not valid)."""
+    ``undecided[i]`` 1 where the cell must be re-solved (its ``out`` is then not valid). With
+    ``LOOPS``, program ``p`` writes how many times each of its loops ran to ``loops[p, :]``
+    (:data:`LOOP_NAMES`; for ``benchmarks/prox_kernel_cost.py``)."""
     cell = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = cell < n
     z0 = tl.load(z_ptr + 4 * cell, mask=mask, other=0.0).to(tl.float32)
@@ -473,8 +523,8 @@ def _prox_kernel(z_ptr, lam_ptr, out_ptr, undecided_ptr, n, BLOCK: tl.constexpr)
     # K >= 1 (the 2-sparse answer) for every lam >= 4 now: the cap only avoids overflow
     lam = tl.minimum(lam * scale, 4.0)
 
-    u, found, none, k = _three_sparse(a1, a2, a3, lam)
     run3 = lam * a3 > 0.0
+    u, found, none, k, newton3 = _three_sparse(a1, a2, a3, lam, run3)
     den = 1.0 - u * u
     v1 = (a1 - u * a2) / den
     v2 = (a2 - u * a1) / den
@@ -500,7 +550,8 @@ def _prox_kernel(z_ptr, lam_ptr, out_ptr, undecided_ptr, n, BLOCK: tl.constexpr)
     xlo = tl.where(box, xlo, 2.0)  # an empty case box: an empty (x, y) box (x < 1)
     f_sparse = 0.5 * ((s1 - a1) * (s1 - a1) + (s2 - a2) * (s2 - a2) + (s3 - a3) * (s3 - a3) + a4 * a4)
     f_sparse = f_sparse + lam * s1 * s2 * s3
-    x1, x2, x3, x4, state = _dense(a1, a2, a3, a4, lam, 4.0 * lam * lam * f_sparse, xlo, xhi, ylo, yhi)
+    x1, x2, x3, x4, state, pulls, steps, trials, slides = _dense(
+        a1, a2, a3, a4, lam, 4.0 * lam * lam * f_sparse, xlo, xhi, ylo, yhi, open4)
     converged = state == 1.0
     open4 = open4 & (state < 3.0)
     ok4 = open4 & converged & (x2 > 0.0) & (x4 > 0.0)
@@ -535,6 +586,13 @@ def _prox_kernel(z_ptr, lam_ptr, out_ptr, undecided_ptr, n, BLOCK: tl.constexpr)
     _store(out_ptr, 4 * cell + 1, mask, z1, r1, w1, w2, w3, w4, scale)
     _store(out_ptr, 4 * cell + 2, mask, z2, r2, w1, w2, w3, w4, scale)
     _store(out_ptr, 4 * cell + 3, mask, z3, r3, w1, w2, w3, w4, scale)
+    if LOOPS:
+        row = loops_ptr + tl.program_id(0).to(tl.int64) * 5
+        tl.store(row, newton3)
+        tl.store(row + 1, pulls)
+        tl.store(row + 2, steps)
+        tl.store(row + 3, trials)
+        tl.store(row + 4, slides)
 
 
 def triton_cells(zc: Tensor, lam_c: Tensor, block: int = BLOCK) -> tuple[Tensor, Tensor]:
@@ -543,14 +601,34 @@ def triton_cells(zc: Tensor, lam_c: Tensor, block: int = BLOCK) -> tuple[Tensor,
     ``zc`` and valid where ``undecided`` (bool, n) is False. CUDA tensors, or CPU tensors when
     ``TRITON_INTERPRET=1`` was set before triton was first imported (Triton's interpreter, for
     tests: its cost is per operation, so large blocks run faster there)."""
+    out, undecided, _ = _launch(zc, lam_c, block, loops=False)
+    return out, undecided
+
+
+#: the kernel's loops, in the order :func:`loop_counts` reports them: the 3-sparse Newton
+#: steps, the pulls of the dense start into R, the dense Newton steps, and the trials of its
+#: line search and of its slide (summed over the Newton steps)
+LOOP_NAMES = ("newton3", "pulls", "convex_steps", "line_search", "slide")
+
+
+def loop_counts(zc: Tensor, lam_c: Tensor, block: int = BLOCK) -> Tensor:
+    """How many times each loop of :data:`LOOP_NAMES` ran in each program of ``block`` cells
+    on these cells (int32, ``(programs, 5)``); what the kernel's time depends on beside the
+    number of cells (``benchmarks/prox_kernel_cost.py``)."""
+    return _launch(zc, lam_c, block, loops=True)[2]
+
+
+def _launch(zc: Tensor, lam_c: Tensor, block: int, loops: bool) -> tuple[Tensor, Tensor, Tensor]:
     if zc.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"the Triton 2:4 prox needs CUDA tensors (or TRITON_INTERPRET=1), got {zc.device}")
     zk, lk = zc.contiguous(), lam_c.contiguous()
     out = torch.empty_like(zk)
     undecided = torch.zeros(zk.shape[0], dtype=torch.int8, device=zk.device)
+    programs = triton.cdiv(zk.shape[0], block)
+    counts = torch.zeros((programs if loops else 0, len(LOOP_NAMES)), dtype=torch.int32, device=zk.device)
     if zk.shape[0]:
-        _prox_kernel[(triton.cdiv(zk.shape[0], block),)](zk, lk, out, undecided, zk.shape[0], BLOCK=block)
-    return out, undecided.bool()
+        prox_kernel[(programs,)](zk, lk, out, undecided, counts, zk.shape[0], BLOCK=block, LOOPS=loops)
+    return out, undecided.bool(), counts
 
 
 def prox_2of4_triton(zc: Tensor, lam_c: Tensor, block: int = BLOCK) -> Tensor:
