@@ -50,7 +50,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _machine import code_commit, cpu_description  # noqa: E402
 
-from nmprune.distributed import CUDA_SPEEDUP, balance_window, makespan  # noqa: E402
+from nmprune.distributed import CUDA_SPEEDUP, TRITON_ENTRY_SPEEDUP, balance_window, makespan  # noqa: E402
+from nmprune.prox.two_four import triton_installed  # noqa: E402
 from nmprune.pattern import same_mask_cells  # noqa: E402
 from nmprune.resources import BF16_TRAINING_SPEEDUP  # noqa: E402
 
@@ -155,6 +156,7 @@ def main(extra: list[str]) -> None:
         "flops_per_row_din2": factor * cpu_flops,
         "projection_8b": projection(factor * cpu_flops),
         "projection_streamed": projection_streamed(),
+        "projection_streamed_triton": triton_installed(),
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "distributed.json").write_text(json.dumps(result, indent=1))
@@ -248,11 +250,14 @@ def markdown(r: dict) -> str:
                   "calibration tokens and solves its share of each block's layers; rank 0 writes. "
                   "nmprune's defaults (prox + exact, block reconstruction, bfloat16). Memory and the "
                   "passes' time come from `nmprune prune --dry-run` (nmprune/resources.py: layer solves "
-                  f"at the cost model's products with H / {CUDA_SPEEDUP['products']:g} and its work on every "
-                  f"weight / {CUDA_SPEEDUP['entries']:g} (nmprune.distributed.CUDA_SPEEDUP), and passes at "
-                  "60 TFLOP/s, both from an H200 in "
-                  "benchmarks/results/gpu.md, measured with the float64 torch prox before the Triton "
-                  "kernel, which no GPU has run yet; the reconstruction's training in bfloat16 at "
+                  f"at the cost model's products with H / {CUDA_SPEEDUP['products']:g} "
+                  "(nmprune.distributed.CUDA_SPEEDUP) and passes at 60 TFLOP/s, both measured on an H200 "
+                  "(benchmarks/results/gpu.md); the prox's work on every weight "
+                  + (f"/ {TRITON_ENTRY_SPEEDUP:g} in the Triton kernel (nmprune.distributed.TRITON_ENTRY_SPEEDUP, "
+                     "an estimate from benchmarks/results/prox_kernel_cost.md: no GPU has run the kernel)"
+                     if r.get("projection_streamed_triton") else
+                     f"/ {CUDA_SPEEDUP['entries']:g} (the float64 torch prox, measured; triton was not installed)")
+                  + "; the reconstruction's training in bfloat16 at "
                   f"{BF16_TRAINING_SPEEDUP['cuda']:g}x that rate, an estimate no GPU has checked); "
                   "the ranks solve shares of every layer's rows or whole layers, whichever the cost model "
                   "says is faster (nmprune.distributed.split_rows), "
@@ -403,6 +408,7 @@ if __name__ == "__main__":
     elif sys.argv[1:] == ["--projection-only"]:  # redo the projection, keep the measured runs
         result = json.loads((RESULTS / "distributed.json").read_text())
         result["projection_streamed"] = projection_streamed()
+        result["projection_streamed_triton"] = triton_installed()
         (RESULTS / "distributed.json").write_text(json.dumps(result, indent=1))
         (RESULTS / "distributed.md").write_text(markdown(result))
         print(markdown(result))

@@ -19,7 +19,7 @@ estimated on a machine without a GPU, and the CUDA constant of the plan that fol
    ``BANDWIDTH``. Against one bfloat16 gradient product ``(Y - W*) H`` at the issue's measured
    rate (4096x14336 in about 2 ms on an H200). The ratio of the CPU kernel's seconds per
    weight to these is the plan's estimate for the prox's work on every weight on CUDA
-   (:data:`nmprune.distributed.CUDA_SPEEDUP`).
+   (:data:`nmprune.distributed.TRITON_ENTRY_SPEEDUP`).
 
 No GPU runs here: the figures are estimates, and ``benchmarks/gpu_check.py --parts prox``
 measures the real ones when a GPU is lent.
@@ -280,7 +280,7 @@ def report(r: dict) -> str:
         f"per clock x {a['clock_hz'] / 1e9:.2f} GHz x efficiency {a['efficiency']} (assumed). The last column "
         f"adds the loop's other work on every weight ({a['elementwise_bytes']:.0f} bytes per weight at "
         f"{a['bandwidth'] / 1e12:.1f} TB/s) to the GPU side: median **{r['entries_speedup_median']:.0f}x**, "
-        "the plan's CUDA speed-up of the prox's work on every weight (`nmprune.distributed.CUDA_SPEEDUP`).",
+        "the plan's CUDA speed-up of the prox's work on every weight in the kernel (`nmprune.distributed.TRITON_ENTRY_SPEEDUP`).",
         "",
         "## Llama-3.1-8B shapes: one prox against one bfloat16 gradient product",
         "",

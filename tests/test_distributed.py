@@ -86,11 +86,13 @@ def test_job_cost_scales_with_rows_and_between_linearly_and_squared_with_input_w
 
 
 def test_plan_cost_prices_a_plan_by_its_method_and_refiner():
+    from nmprune.algorithms.prox import uses_triton_kernel
     from nmprune.stages.plan import resolve_plan
 
     for refine, device in (("exact", "cpu"), (None, "cuda")):
         plan = resolve_plan("prox", refine, "2:4", {}, 0.01)
-        assert plan_cost((64, 32), plan, device) == job_cost(64, 32, "prox", refine, device)
+        kernel = device == "cuda" and uses_triton_kernel(plan.pattern, {})  # tests/test_solver_costs.py
+        assert plan_cost((64, 32), plan, device) == job_cost(64, 32, "prox", refine, device, kernel)
 
 
 def test_balance_window_takes_the_fewest_blocks_that_balance():

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from nmprune import methods, refiners
-from nmprune.distributed import CUDA_SPEEDUP, job_cost
+from nmprune.distributed import CUDA_SPEEDUP, TRITON_ENTRY_SPEEDUP, job_cost, plan_cost
 from nmprune.registry import DEFAULT_COST, DEFAULT_ENTRY_COST, get_method, get_refiner, register_method, register_refiner
 
 MEASURED = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "solver_costs.json"
@@ -123,3 +123,28 @@ def test_cuda_prices_each_term_at_its_own_speed_up_and_match_the_h200_times():
     assert len(timed) == 3
     for r in timed:
         assert job_cost(*r["shape"], "prox", "exact", "cuda") == pytest.approx(r["seconds_median"], rel=0.2), r
+
+
+def test_the_triton_kernel_prices_the_prox_work_on_every_weight_at_its_estimate(monkeypatch):
+    """Where the 2:4 prox runs in the Triton kernel (the prox method, 2:4, solver "reduced",
+    triton installed) its work on every weight is priced at TRITON_ENTRY_SPEEDUP; every other
+    plan, and the CPU, keep their prices."""
+    from nmprune.algorithms import prox
+    from nmprune.stages.plan import resolve_plan
+
+    products = 4096 * 14336 ** 2 * (get_method("prox").cost + get_refiner("exact").cost)
+    entries = 4096 * 14336 * (get_method("prox").entry_cost + get_refiner("exact").entry_cost)
+    kernel = products / CUDA_SPEEDUP["products"] + entries / TRITON_ENTRY_SPEEDUP
+    torch_chain = job_cost(4096, 14336, "prox", "exact", "cuda")
+    assert job_cost(4096, 14336, "prox", "exact", "cuda", triton_prox=True) == pytest.approx(kernel, rel=1e-12)
+    assert kernel < torch_chain
+    shape = (4096, 14336)
+    monkeypatch.setattr(prox, "triton_installed", lambda: True)
+    assert plan_cost(shape, resolve_plan("prox", "exact", "2:4", {}, 0.01), "cuda") == pytest.approx(kernel)
+    for method, pattern, options in (("prox", "2:4", {"solver": "newton"}), ("prox", "4:8", {}),
+                                     ("prox-l1", "2:4", {})):
+        plan = resolve_plan(method, "exact", pattern, options, 0.01)
+        assert plan_cost(shape, plan, "cuda") == pytest.approx(job_cost(*shape, method, "exact", "cuda")), method
+    assert plan_cost(shape, resolve_plan("prox", "exact", "2:4", {}, 0.01), "cpu") == job_cost(*shape, "prox", "exact")
+    monkeypatch.setattr(prox, "triton_installed", lambda: False)
+    assert plan_cost(shape, resolve_plan("prox", "exact", "2:4", {}, 0.01), "cuda") == pytest.approx(torch_chain)

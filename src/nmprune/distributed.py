@@ -383,30 +383,46 @@ def teardown(error: BaseException | None = None) -> None:
 #: (``rows x d_in x entry_cost``: the prox's float64 torch chain per iteration) only 1.5x.
 #: Least-squares fit to prox + exact at Llama-3.1-8B's three shapes (5.2, 15.8 and 18.1 s;
 #: benchmarks/results/gpu.md); SparseGPT at 4096x14336 then comes out at 1.2 s against 1.7 s
-#: measured. The Triton prox kernel, which no GPU has run yet, should raise the second.
+#: measured. Where the prox's cells go to the Triton kernel, :data:`TRITON_ENTRY_SPEEDUP`
+#: replaces the second.
 CUDA_SPEEDUP = {"products": 350.0, "entries": 1.5}
+#: The work on every weight of a ``prox`` solve on CUDA where its 2:4 cells go to the Triton
+#: kernel (:func:`nmprune.algorithms.prox.uses_triton_kernel`), against the reference CPU. An
+#: ESTIMATE: no GPU has run the kernel. ``benchmarks/prox_kernel_cost.py`` compiles it for an
+#: H200 here, counts its instructions per cell on the loops' trips of real SmolLM2 prox loops
+#: (about 3,800), prices them at half the H200's issue rate and the loop's other work on every
+#: weight at 3 TB/s, and divides the CPU kernel's time on the same cells (AMD EPYC znver5, 2
+#: threads) by that: median 26x over six layers (benchmarks/results/prox_kernel_cost.md).
+#: ``benchmarks/gpu_check.py --parts prox`` measures it where a GPU is lent.
+TRITON_ENTRY_SPEEDUP = 26.0
 
 
-def job_cost(rows: int, d_in: int, method: str, refine: str | None, device_type: str = "cpu") -> float:
+def job_cost(rows: int, d_in: int, method: str, refine: str | None, device_type: str = "cpu",
+             triton_prox: bool = False) -> float:
     """Estimated seconds of one layer solve: ``rows x d_in^2 x cost + rows x d_in x
     entry_cost``, summed over its method and refiner (``None``: none), with the costs they
     were registered with (:func:`nmprune.registry.register_method`,
     :data:`nmprune.registry.DEFAULT_COST`): seconds on the reference CPU, or on CUDA
-    (``device_type``) each term divided by its :data:`CUDA_SPEEDUP`. An unregistered name is
-    a ValueError."""
+    (``device_type``) each term divided by its :data:`CUDA_SPEEDUP`, the entries by
+    :data:`TRITON_ENTRY_SPEEDUP` where the prox runs in the Triton kernel (``triton_prox``).
+    An unregistered name is a ValueError."""
     solvers = [get_method(method)] + ([get_refiner(refine)] if refine is not None else [])
     products = sum(float(rows) * float(d_in) ** 2 * s.cost for s in solvers)
     entries = sum(float(rows) * float(d_in) * s.entry_cost for s in solvers)
     if device_type == "cuda":
-        return products / CUDA_SPEEDUP["products"] + entries / CUDA_SPEEDUP["entries"]
+        return products / CUDA_SPEEDUP["products"] + entries / (TRITON_ENTRY_SPEEDUP if triton_prox
+                                                                else CUDA_SPEEDUP["entries"])
     return products + entries
 
 
 def plan_cost(shape: Sequence[int], plan: Any, device_type: str = "cpu") -> float:
     """:func:`job_cost` of a layer of ``shape`` (rows, d_in) solved as its
-    :class:`~nmprune.stages.plan.LayerPlan` ``plan`` says (its method and refiner)."""
+    :class:`~nmprune.stages.plan.LayerPlan` ``plan`` says (its method, its options and refiner)."""
+    from .algorithms.prox import uses_triton_kernel
+
+    triton_prox = plan.method.name == "prox" and uses_triton_kernel(plan.pattern, plan.method_options)
     return job_cost(shape[0], shape[1], plan.method.name, plan.refiner.name if plan.refiner is not None else None,
-                    device_type)
+                    device_type, triton_prox)
 
 
 def assign(costs: Sequence[float], world: int) -> list[int]:

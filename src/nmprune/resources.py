@@ -21,7 +21,9 @@ the layer solves (:func:`nmprune.stages.executor.solve_needs`), the statistics s
 * **Disk.** The output (every parameter in the run dtype) and the checkpoint (the pruned
   layers' weights and the hidden states of every stream).
 * **Time.** Each stage's seconds. The solvers' costs are seconds on the reference CPU
-  (:func:`nmprune.distributed.plan_cost`; on CUDA by :data:`nmprune.distributed.CUDA_SPEEDUP`);
+  (:func:`nmprune.distributed.plan_cost`; on CUDA by :data:`nmprune.distributed.CUDA_SPEEDUP`,
+  the prox's work on every weight by the estimate :data:`nmprune.distributed.TRITON_ENTRY_SPEEDUP`
+  where its Triton kernel runs it);
   the passes are floating-point operations (2 per parameter and token forward, 6 forward and
   backward) at :data:`FLOPS` per device kind. On the CPU both scale with the threads each rank
   has (:func:`cpu_threads`, :data:`CPU_THREAD_SCALING`). Training that computes in bfloat16
@@ -247,4 +249,8 @@ def needs_table(needs: RunNeeds) -> str:
              ("disk: checkpoint (deleted at the end)", f"{needs.checkpoint_disk / GIB:.2f} GiB")]
     rows += [(f"time: {k.replace('_', ' ')}", f"{v / 60:.1f} min") for k, v in needs.seconds.items()]
     rows.append(("time: total", f"{sum(needs.seconds.values()) / 60:.1f} min"))
+    if needs.device == "cuda":
+        rows.append(("not yet measured on a GPU", "the Triton 2:4 prox kernel's speed "
+                     "(distributed.TRITON_ENTRY_SPEEDUP) and bfloat16 training's speed-up "
+                     "(resources.BF16_TRAINING_SPEEDUP)"))
     return "\n".join(["| estimate | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows])
