@@ -24,7 +24,10 @@ peak device memory on Llama-3.1-8B-shaped layers. Writes ``benchmarks/results/gp
    (``nmprune.prox.prox_2of4``: the Triton kernel on CUDA where triton is installed, the
    float64 torch solver otherwise) at lambda near the median cell's threshold, against one
    bfloat16 gradient product ``(Y - W*) H`` (issue target: the prox at most one product), and
-   the prox method and the exact refinement of one solve timed apart.
+   the prox method and the exact refinement of one solve timed apart. With the Triton kernel,
+   the share of the issue rate it reached (``_issue_efficiency``), which
+   ``benchmarks/prox_kernel_cost.py`` assumes to be 0.5 for the plan's
+   ``distributed.TRITON_ENTRY_SPEEDUP``: a measured share there replaces the assumption.
 
 The parts run in the order ``prox, agreement, pipeline, speed, block`` (``--parts`` picks some) and
 the results are written after each, so a run stopped at a time limit keeps what it finished;
@@ -244,10 +247,29 @@ def _prox_row(device: torch.device, d_out: int, d_in: int, kernel: str, repeats:
     prox = _timed(lambda: prox_2of4(cells, lam), device, repeats)
     method = _timed(lambda: _solve(w, h, mean, "prox", None), device, max(1, repeats // 2))
     whole = _timed(lambda: _solve(w, h, mean, "prox", "exact"), device, max(1, repeats // 2))
-    return {"shape": [d_out, d_in], "kernel": kernel,
-            "gradient_product_seconds": gradient, "prox_seconds": prox,
-            "prox_over_gradient": prox / gradient, "prox_method_seconds": method,
-            "exact_refine_seconds": whole - method, "prox_exact_seconds": whole}
+    row = {"shape": [d_out, d_in], "kernel": kernel,
+           "gradient_product_seconds": gradient, "prox_seconds": prox,
+           "prox_over_gradient": prox / gradient, "prox_method_seconds": method,
+           "exact_refine_seconds": whole - method, "prox_exact_seconds": whole}
+    if kernel == "triton":
+        row["issue_efficiency"] = _issue_efficiency(device, cells, lam, prox)
+    return row
+
+
+def _issue_efficiency(device: torch.device, cells: torch.Tensor, lam: torch.Tensor, seconds: float) -> float:
+    """The share of the device's issue rate the Triton prox reached on ``cells`` in
+    ``seconds``: its instructions on them (its sm_90 machine code and the loops' trips it
+    reports, as benchmarks/prox_kernel_cost.py counts them) over the time at the full rate of
+    this device's SMs (4 warp instructions per clock at 1.98 GHz, an H200's). The estimate in
+    prox_kernel_cost.md assumes 0.5."""
+    from prox_kernel_cost import CLOCK_HZ, ISSUE_PER_CLOCK, kernel_sass, loop_structure, per_program
+
+    from nmprune.prox.two_four_triton import loop_counts
+
+    trips = loop_counts(cells.float(), lam.float().expand(cells.shape[0]).contiguous()).cpu()
+    instructions = float(per_program(loop_structure(kernel_sass()[0]), trips).sum()) * 128 / 32  # warp instructions
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return instructions / (sms * ISSUE_PER_CLOCK * CLOCK_HZ) / seconds
 
 
 def report_markdown(result: dict) -> str:
@@ -263,10 +285,12 @@ def report_markdown(result: dict) -> str:
     if "prox" in result:
         lines += ["## The 2:4 prox of a whole layer against one gradient product", "",
                   "| shape | prox kernel | gradient product s (bf16) | prox s | prox / product | "
-                  "prox method s | exact refinement s |", "|---|---|---:|---:|---:|---:|---:|"]
+                  "prox method s | exact refinement s | kernel's share of the issue rate |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|"]
         lines += [f"| {r['shape'][0]}x{r['shape'][1]} | {r['kernel']} | {r['gradient_product_seconds']:.4f} | "
                   f"{r['prox_seconds']:.4f} | {r['prox_over_gradient']:.2f} | {r['prox_method_seconds']:.2f} | "
-                  f"{r['exact_refine_seconds']:.2f} |" for r in result["prox"]]
+                  f"{r['exact_refine_seconds']:.2f} | "
+                  + (f"{r['issue_efficiency']:.2f} |" if "issue_efficiency" in r else "- |") for r in result["prox"]]
         lines.append("")
     if "agreement" in result:
         lines += ["## Agreement with the CPU", "",
