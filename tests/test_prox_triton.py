@@ -7,6 +7,7 @@ which sets TRITON_INTERPRET=1 before it imports triton; nothing here runs the ke
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -221,6 +222,27 @@ def test_lam_zero_returns_z_and_huge_lam_the_two_largest(runs):
     (z, _), res = runs["lam_huge"]
     keep = torch.zeros_like(z, dtype=torch.bool).scatter_(-1, sort_abs(z)[1][:, :2], True)
     assert torch.equal(res["w"], torch.where(keep, z, 0.0))
+
+
+def test_the_kernel_compiles_for_an_h200_without_one():
+    """Triton's interpreter accepts code its compiler rejects (types carried through the
+    loops, for one); the kernel is compiled here for sm_90 in each form the CUDA path and the
+    cost benchmark launch (float32 and 16-bit cells; loop counts off and on), without a GPU."""
+    code = (
+        "import sys, triton\n"
+        "from triton.backends.compiler import GPUTarget\n"
+        "from triton.compiler import ASTSource\n"
+        "from nmprune.prox.two_four_triton import BLOCK, prox_kernel\n"
+        "for z, loops in (('*fp32', False), ('*bf16', False), ('*fp32', True)):\n"
+        "    sig = {'z_ptr': z, 'lam_ptr': '*fp32', 'out_ptr': z, 'undecided_ptr': '*i8', 'loops_ptr': '*i32',\n"
+        "           'n': 'i32', 'BLOCK': 'constexpr', 'LOOPS': 'constexpr'}\n"
+        "    src = ASTSource(fn=prox_kernel, signature=sig, constexprs={'BLOCK': BLOCK, 'LOOPS': loops})\n"
+        "    print(len(triton.compile(src, target=GPUTarget('cuda', 90, 32)).asm['cubin']))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    sizes = [int(x) for x in out.stdout.split()]
+    assert len(sizes) == 3 and min(sizes) > 10_000
 
 
 def test_triton_is_imported_only_for_cuda_tensors():

@@ -50,6 +50,8 @@ def prox_2of4(
     if not gd_tol >= 0:
         raise ValueError(f"gd_tol must be non-negative, got {gd_tol!r}")
     work = z.dtype if solver == "gd" else torch.float64
+    if kernel is not None and z.device.type == "cuda":
+        work = torch.float32  # the Triton kernel computes in float32: half the bytes of lam
     lam_c = lam_tensor(lam, z, work).reshape(-1)
     zc = z.reshape(-1, 4)
     if kernel is not None:
