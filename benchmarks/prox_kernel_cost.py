@@ -204,9 +204,11 @@ def main() -> None:
     prox_2of4(torch.randn(4096, 4), 0.1)  # load the CPU kernel before it is timed
     layers = [record_layer(n, w, h, seed) for seed, (n, (w, h)) in enumerate(real_layers().items())]
     counts = interpreted_loop_counts({r["name"]: (r["cells"], r["lams"]) for r in layers})
-    from nmprune.prox.two_four_triton import LOOP_NAMES
+    from nmprune.prox import two_four_triton as k
 
-    caps = torch.tensor([[12, 12, 16, 16 * 8, 16 * 8]], dtype=torch.int32)
+    steps, halvings = k.ITER_CONVEX.value, k.CONVEX_HALVINGS.value
+    caps = torch.tensor([[k.ITER_3SPARSE.value, k.CONVEX_PULLS.value, steps, steps * halvings, steps * halvings]],
+                        dtype=torch.int32)  # every loop at its cap (LOOP_NAMES' order)
     worst = float(per_program(structure, caps)[0])
     rows = []
     for r in layers:
@@ -216,7 +218,7 @@ def main() -> None:
         elementwise_cell = 4 * ELEMENTWISE_BYTES / BANDWIDTH
         rows.append({"layer": r["name"], "shape": r["shape"], "iterations": r["iterations"],
                      "programs": int(trips.shape[0]),
-                     "mean_trips": {n: float(trips[:, j].double().mean()) for j, n in enumerate(LOOP_NAMES)},
+                     "mean_trips": {n: float(trips[:, j].double().mean()) for j, n in enumerate(k.LOOP_NAMES)},
                      "instructions_per_cell": instructions,
                      "gpu_kernel_seconds_per_cell": gpu_cell,
                      "cpu_kernel_seconds_per_cell": r["cpu_seconds_per_cell"],

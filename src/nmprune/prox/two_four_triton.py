@@ -107,8 +107,8 @@ def _three_sparse(a1, a2, a3, lam, run):
     ``c < u*``: every valid root is below ``c``, and a root near 0 is then not lost to the
     rounding of ``u* - step``. ``none`` where it is proven that no valid PSD root exists
     (``K >= 1``, or an iterate leaves the region that holds it). Only the ``run`` cells iterate,
-each until one step after it converged (then it stays where it is) or until it is ruled out,
-at most ``ITER_3SPARSE`` steps; ``steps``: how many the program took."""
+    each until one step after it converged (then it stays where it is) or until it is ruled
+    out, at most ``ITER_3SPARSE`` steps; ``steps``: how many the program took."""
     s = a1 + a2
     d = a1 - a2
     root = tl.sqrt(d * s)
