@@ -122,6 +122,7 @@ def row_path(method: str, granularity: str) -> Path:
 
 def run_row(bench: Bench, method: str, granularity: str, fit: dict[str, Any], tasks: bool) -> dict[str, Any]:
     from nmprune.config import PruneSettings
+    from nmprune.job import reconstruction_summary
     from nmprune.pipeline import distill_windows, prune_model
 
     name, refine = METHODS[method]
@@ -139,24 +140,17 @@ def run_row(bench: Bench, method: str, granularity: str, fit: dict[str, Any], ta
     peak = peak_rss()
     result = bench.evaluate(tasks)
     blocks = report.blocks
+    means = reconstruction_summary(settings, blocks, report.end_to_end)  # as the run's report has them
     return {"row": row_name(method, granularity), "method": method, "reconstruct": granularity,
             "settings": report.settings, "prune_seconds": prune_seconds,
             "layer_seconds": report.seconds["layers"],
             "reconstruct_seconds": sum(b["seconds"] for b in blocks),
             "peak_rss_bytes": peak, **result,
-            "mean_block_error_before": (mean(b["error_before"] for b in blocks)
-                                        if all(b["error_before"] is not None for b in blocks) else None),
-            "mean_block_error_after": mean(b["error_after"] for b in blocks),
-            "mean_block_heldout_before": mean(b.get("heldout_before") for b in blocks),
-            "mean_block_heldout_after": mean(b.get("heldout_after") for b in blocks),
+            **{f"mean_block_{k}": means[f"mean_{k}"]
+               for k in ("error_before", "error_after", "heldout_before", "heldout_after")},
             "end_to_end": report.end_to_end, "distillation": report.distillation,
             "blocks": blocks, "machine": cpu_description(), "load_average": os.getloadavg(),
             "commit": bench.commit}
-
-
-def mean(values) -> float | None:
-    values = [v for v in values if v is not None]
-    return sum(values) / len(values) if values else None
 
 
 def parse_variant(text: str) -> dict[str, Any]:

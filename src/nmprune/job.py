@@ -348,7 +348,7 @@ class LeadRank:
             "summary": {"layers_pruned": len(layers),
                         "layers_skipped": len(prune_report.layers) - len(layers),
                         "mean_loss_vs_wanda": sum(ratios) / len(ratios) if ratios else None},
-            "reconstruction": _reconstruction_summary(settings, prune_report.blocks, prune_report.end_to_end),
+            "reconstruction": reconstruction_summary(settings, prune_report.blocks, prune_report.end_to_end),
             "distillation": prune_report.distillation if distill_skipped is None else {"skipped": distill_skipped},
             "resumed_from_block": prune_report.resumed_from_block,
             "ranks": prune_report.ranks, "per_rank": prune_report.per_rank,
@@ -537,7 +537,7 @@ def _prune_and_save(config: RunConfig, settings, distill_skipped: str | None, mo
                         cache, timings, t0, ranks.device)
 
 
-def _reconstruction_summary(s, blocks: list[dict[str, Any]], end_to_end: dict[str, Any] | None) -> dict[str, Any]:
+def reconstruction_summary(s, blocks: list[dict[str, Any]], end_to_end: dict[str, Any] | None) -> dict[str, Any]:
     """The reconstruction part of a run's report: its settings ``s``, one record per block (the
     channel-weighted squared error of the block's outputs relative to the dense model's,
     before and after, on the held-out and the training calibration batches), the means
