@@ -264,10 +264,10 @@ def _issue_efficiency(device: torch.device, cells: torch.Tensor, lam: torch.Tens
     prox_kernel_cost.md assumes 0.5."""
     from prox_kernel_cost import CLOCK_HZ, ISSUE_PER_CLOCK, kernel_sass, loop_structure, per_program
 
-    from nmprune.prox.two_four_triton import loop_counts
+    from nmprune.prox.two_four_triton import BLOCK, loop_counts
 
     trips = loop_counts(cells.float(), lam.float().expand(cells.shape[0]).contiguous()).cpu()
-    instructions = float(per_program(loop_structure(kernel_sass()[0]), trips).sum()) * 128 / 32  # warp instructions
+    instructions = float(per_program(loop_structure(kernel_sass()[0]), trips).sum()) * BLOCK / 32  # warp instructions
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     return instructions / (sms * ISSUE_PER_CLOCK * CLOCK_HZ) / seconds
 

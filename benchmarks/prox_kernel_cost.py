@@ -47,11 +47,12 @@ RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from _machine import code_commit, cpu_description  # noqa: E402
 
+from nmprune.prox import two_four_triton as k  # noqa: E402
+
 LAYERS = ["model.layers.2.self_attn.q_proj", "model.layers.2.mlp.down_proj",
           "model.layers.15.self_attn.o_proj", "model.layers.15.mlp.gate_proj",
           "model.layers.28.self_attn.k_proj", "model.layers.28.mlp.down_proj"]
 PROGRAMS = 8  # sampled programs of 128 cells per prox iteration
-CELLS_PER_PROGRAM = 128  # the kernel's BLOCK on a GPU
 SMS, ISSUE_PER_CLOCK, CLOCK_HZ = 132, 4, 1.98e9  # H200 (GH100): warp instructions per SM per clock
 EFFICIENCY = 0.5  # assumed share of the issue rate the kernel reaches (20 of 64 warps per SM at 96 registers)
 ELEMENTWISE_BYTES = 100.0  # the loop's float32 reads and writes per weight and iteration besides the product
@@ -65,16 +66,8 @@ def kernel_sass() -> tuple[str, int]:
     """The kernel's machine code for sm_90, compiled by Triton here (no GPU needed), and its
     registers per thread."""
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
-    from nmprune.prox import two_four_triton as k
-
-    signature = {"z_ptr": "*fp32", "lam_ptr": "*fp32", "out_ptr": "*fp32", "undecided_ptr": "*i8",
-                 "loops_ptr": "*i32", "n": "i32", "BLOCK": "constexpr", "LOOPS": "constexpr"}
-    source = ASTSource(fn=k.prox_kernel, signature=signature,
-                       constexprs={"BLOCK": CELLS_PER_PROGRAM, "LOOPS": False})
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+    compiled = k.compile_kernel(90)
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "prox.cubin"
@@ -89,13 +82,11 @@ def loop_structure(sass: str) -> dict:
     without the loops inside it) and per loop entered (``entry``: the code between the branch
     that skips the loop and the loop). Loops are the backward branches, in address order:
     three at the top level, the last holding two."""
-    from nmprune.prox.two_four_triton import LOOP_NAMES
-
     ins = [(int(a, 16), text.strip()) for a, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
     branches = [(a, int(m.group(1), 16)) for a, text in ins if (m := re.search(r"BRA (?:!?P\d, )?(0x[0-9a-f]+)", text))]
     loops = sorted((target, a) for a, target in branches if target < a and a - target > 16)
-    if len(loops) != len(LOOP_NAMES):
-        raise SystemExit(f"expected {len(LOOP_NAMES)} loops in the kernel's SASS, found {len(loops)}: "
+    if len(loops) != len(k.LOOP_NAMES):
+        raise SystemExit(f"expected {len(k.LOOP_NAMES)} loops in the kernel's SASS, found {len(loops)}: "
                          "the loop structure changed; update loop_structure")
     inner = [(s, e) for s, e in loops if any(s2 < s and e <= e2 for s2, e2 in loops)]
     top = [loop for loop in loops if loop not in inner]
@@ -104,7 +95,7 @@ def loop_structure(sass: str) -> dict:
     size = lambda s, e: (e - s) // 16 + 1  # noqa: E731 (instructions from s to e inclusive)
     out = {"instructions": len(ins), "loops": {}}
     counted = 0
-    for name, (s, e) in zip(LOOP_NAMES, loops):
+    for name, (s, e) in zip(k.LOOP_NAMES, loops):
         guards = [a for a, t in branches if a < s and e < t <= e + 0x40]
         entry = size(max(guards) + 16, s - 16) if guards and (s, e) in top else 0
         body = size(s, e) - sum(size(s2, e2) for s2, e2 in inner if s < s2 and e2 <= e)
@@ -116,10 +107,8 @@ def loop_structure(sass: str) -> dict:
 
 def per_program(structure: dict, trips: torch.Tensor) -> torch.Tensor:
     """Instructions each program runs (per thread = per warp) for its loop ``trips`` (programs, 5)."""
-    from nmprune.prox.two_four_triton import LOOP_NAMES
-
     total = torch.full((trips.shape[0],), float(structure["base"]), dtype=torch.float64)
-    for j, name in enumerate(LOOP_NAMES):
+    for j, name in enumerate(k.LOOP_NAMES):
         loop = structure["loops"][name]
         t = trips[:, j].double()
         total += t * loop["body"] + (t > 0).double() * loop["entry"]
@@ -150,10 +139,10 @@ def record_layer(name: str, w: torch.Tensor, h: torch.Tensor, seed: int) -> dict
         out = kernel(z, lam, **options)
         cpu_seconds.append(time.perf_counter() - start)
         n_cells.append(flat.shape[0])
-        runs = max(1, flat.shape[0] // CELLS_PER_PROGRAM)
+        runs = max(1, flat.shape[0] // k.BLOCK)
         for p in torch.randperm(runs, generator=g)[:PROGRAMS].tolist():
-            cells.append(flat[p * CELLS_PER_PROGRAM:(p + 1) * CELLS_PER_PROGRAM].clone())
-            lams.append(lam_c[p * CELLS_PER_PROGRAM:(p + 1) * CELLS_PER_PROGRAM].clone())
+            cells.append(flat[p * k.BLOCK:(p + 1) * k.BLOCK].clone())
+            lams.append(lam_c[p * k.BLOCK:(p + 1) * k.BLOCK].clone())
         return out
 
     prox_module.prox_2of4 = recording_prox  # the pruner's cell prox looks it up at each call
@@ -176,10 +165,8 @@ def interpreted_loop_counts(jobs: dict) -> dict:
 
 
 def _loop_counts_worker(jobs_path: str, out_path: str) -> None:
-    from nmprune.prox.two_four_triton import loop_counts
-
     jobs = torch.load(jobs_path)
-    torch.save({name: torch.cat([loop_counts(z, lam, CELLS_PER_PROGRAM) for z, lam in zip(*job)])
+    torch.save({name: torch.cat([k.loop_counts(z, lam, k.BLOCK) for z, lam in zip(*job)])
                 for name, job in jobs.items()}, out_path)
 
 
@@ -204,8 +191,6 @@ def main() -> None:
     prox_2of4(torch.randn(4096, 4), 0.1)  # load the CPU kernel before it is timed
     layers = [record_layer(n, w, h, seed) for seed, (n, (w, h)) in enumerate(real_layers().items())]
     counts = interpreted_loop_counts({r["name"]: (r["cells"], r["lams"]) for r in layers})
-    from nmprune.prox import two_four_triton as k
-
     steps, halvings = k.ITER_CONVEX.value, k.CONVEX_HALVINGS.value
     caps = torch.tensor([[k.ITER_3SPARSE.value, k.CONVEX_PULLS.value, steps, steps * halvings, steps * halvings]],
                         dtype=torch.int32)  # every loop at its cap (LOOP_NAMES' order)
@@ -263,7 +248,7 @@ def report(r: dict) -> str:
         f"{s['base']} once per program, per trip: {loops}. With every loop at its cap a cell "
         f"costs {r['worst_instructions_per_cell']:.0f} instructions (one thread per cell).",
         "",
-        "## Real SmolLM2 layers, default prox: the loops' trips per program of 128 cells",
+        f"## Real SmolLM2 layers, default prox: the loops' trips per program of {k.BLOCK} cells",
         "",
         "| layer | shape | iterations | programs | 3-sparse steps | pulls | dense steps | line search | slide "
         "| instructions / cell | GPU ns / cell | CPU ns / cell | CPU / GPU per weight |",

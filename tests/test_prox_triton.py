@@ -228,16 +228,9 @@ def test_the_kernel_compiles_for_an_h200_without_one():
     """Triton's interpreter accepts code its compiler rejects (types carried through the
     loops, for one); the kernel is compiled here for sm_90 in each form the CUDA path and the
     cost benchmark launch (float32 and 16-bit cells; loop counts off and on), without a GPU."""
-    code = (
-        "import sys, triton\n"
-        "from triton.backends.compiler import GPUTarget\n"
-        "from triton.compiler import ASTSource\n"
-        "from nmprune.prox.two_four_triton import BLOCK, prox_kernel\n"
-        "for z, loops in (('*fp32', False), ('*bf16', False), ('*fp32', True)):\n"
-        "    sig = {'z_ptr': z, 'lam_ptr': '*fp32', 'out_ptr': z, 'undecided_ptr': '*i8', 'loops_ptr': '*i32',\n"
-        "           'n': 'i32', 'BLOCK': 'constexpr', 'LOOPS': 'constexpr'}\n"
-        "    src = ASTSource(fn=prox_kernel, signature=sig, constexprs={'BLOCK': BLOCK, 'LOOPS': loops})\n"
-        "    print(len(triton.compile(src, target=GPUTarget('cuda', 90, 32)).asm['cubin']))\n")
+    code = ("from nmprune.prox.two_four_triton import compile_kernel\n"
+            "for cells, loops in (('fp32', False), ('bf16', False), ('fp32', True)):\n"
+            "    print(len(compile_kernel(90, cells, loops).asm['cubin']))\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -631,6 +631,20 @@ def _launch(zc: Tensor, lam_c: Tensor, block: int, loops: bool) -> tuple[Tensor,
     return out, undecided.bool(), counts
 
 
+def compile_kernel(arch: int = 90, cells: str = "fp32", loops: bool = False):
+    """:func:`prox_kernel` compiled by Triton, with no GPU needed, for CUDA compute capability
+    ``arch`` (90: an H200), cells of Triton type ``cells`` and ``LOOPS`` as ``loops``: the
+    arguments :func:`triton_cells` launches it with (lam in float32, as
+    :func:`nmprune.prox.prox_2of4` passes it on CUDA). Not under ``TRITON_INTERPRET=1``."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {"z_ptr": f"*{cells}", "lam_ptr": "*fp32", "out_ptr": f"*{cells}", "undecided_ptr": "*i8",
+                 "loops_ptr": "*i32", "n": "i32", "BLOCK": "constexpr", "LOOPS": "constexpr"}
+    source = ASTSource(fn=prox_kernel, signature=signature, constexprs={"BLOCK": BLOCK, "LOOPS": loops})
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32))
+
+
 def prox_2of4_triton(zc: Tensor, lam_c: Tensor, block: int = BLOCK) -> Tensor:
     """``solver="reduced"`` on CUDA: :func:`triton_cells`, with the cells it leaves undecided
     re-solved by the float64 torch solver (as the CPU path does); ``ValueError`` for NaN or Inf
