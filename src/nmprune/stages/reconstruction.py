@@ -639,8 +639,8 @@ def reconstruction_needs(run: RunShape) -> StageNeeds:
         batches = fit.lanes * fit.batches_per_step
         share = -(-batches // run.ranks) / batches
     work = 3 * fit.epochs * run.forward * share
-    batches = -(-s.nsamples // s.batch_size)
-    deciding = len(held_out_batches(batches)) / batches or 1.0
+    calibration_batches = -(-s.nsamples // s.batch_size)
+    deciding = len(held_out_batches(calibration_batches)) / calibration_batches or 1.0
     return StageNeeds(block_bytes=training, stream_bytes=streams,
                       seconds={"reconstruction": work / run.train_rate
                                + (1 + deciding) * run.forward / run.ranks / run.rate})
