@@ -4,6 +4,8 @@ small for one block."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from transformers import LlamaConfig
@@ -11,6 +13,7 @@ from transformers import LlamaConfig
 from nmprune.distributed import busiest_rank_cost, job_cost, makespan, split_cost
 from nmprune.cli import main
 from nmprune.config import AUTO_DISTILL_WINDOWS, build_config
+from nmprune import resources
 from nmprune.resources import BF16_TRAINING_SPEEDUP, CPU_THREAD_SCALING, cpu_threads, plan_run
 from nmprune.stages.reconstruction import held_out_batches
 from nmprune.stages.statistics import hessian_inputs
@@ -86,6 +89,7 @@ def test_the_plan_shares_one_lane_block_training_by_tokens_and_lanes_by_batches(
     busiest share priced as token_shares balances it (keys and values run up to the share's
     end); several lanes or submodules train a step's batches on the ranks holding them."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setitem(resources.STEP_COSTS, "cpu", (0.0, 0.0, math.inf))  # the products alone (below: the rest)
     model = str(llama_config_dir(tmp_path / "m", 4))
     plans = {(r, k, lanes): plan_run(build_config({"model": model, "device": "cpu", "reconstruct": k,
                                                     "reconstruct_lanes": lanes}), ranks=r)
@@ -106,10 +110,46 @@ def test_the_plan_shares_one_lane_block_training_by_tokens_and_lanes_by_batches(
         assert training[(ranks, "block", 2)] == pytest.approx(training[(1, "block", 2)] / 2)
 
 
+def test_every_training_step_prices_its_weights_optimiser_and_collectives(tmp_path, monkeypatch):
+    """Beside its products, a step costs each rank its weights' own passes (whole on every
+    rank that shares its tokens, the busiest rank's share of batches otherwise), the
+    optimiser on the kept entries, and on several ranks the gradients' sum and, for token
+    shares, the broadcast of the step's inputs and targets."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the reference threads: the constants as they are
+    config = {"model": str(llama_config_dir(tmp_path / "m", 4)), "device": "cpu"}
+    settings = build_config(config).prune
+    batches = -(-settings.nsamples // settings.batch_size)
+    steps = settings.reconstruct_epochs * (batches - len(held_out_batches(batches))) * 4  # 4 blocks
+    weights = sum(r * d for r, d in EIGHT_B_BLOCK.values())
+    entries = weights // 2  # 2:4
+    tokens, hidden = settings.batch_size * settings.seqlen, 4096
+
+    def extra(costs: tuple[float, float, float], ranks: int, **more) -> float:
+        """The reconstruction's seconds with step costs ``costs`` over those without."""
+        seconds = []
+        for step_costs in (costs, (0.0, 0.0, math.inf)):
+            monkeypatch.setitem(resources.STEP_COSTS, "cpu", step_costs)
+            seconds.append(plan_run(build_config({**config, **more}), ranks=ranks).seconds["reconstruction"])
+        return seconds[0] - seconds[1]
+
+    for ranks in (1, 2, 4):
+        assert extra((1e-9, 0.0, math.inf), ranks) == pytest.approx(steps * weights * 1e-9)  # token shares: whole
+        assert extra((0.0, 1e-9, math.inf), ranks) == pytest.approx(steps * entries * 1e-9)
+        gradients, step = 2 * (ranks - 1) / ranks * 4 * entries, (ranks - 1) / ranks * 2 * 4 * tokens * hidden
+        assert extra((0.0, 0.0, 1e9), ranks) == pytest.approx(steps * (gradients + step) / 1e9)
+    # two lanes on two ranks: each computes one of a round's two steps, and no inputs move
+    two_lanes = {"reconstruct_lanes": 2}
+    assert extra((1e-9, 0.0, math.inf), 2, **two_lanes) == pytest.approx(steps * weights * 1e-9 / 2)
+    assert extra((0.0, 0.0, 1e9), 2, **two_lanes) == pytest.approx(steps * 4 * entries / 1e9)
+
+
 def test_the_cpu_plan_follows_the_threads_each_rank_has(tmp_path, monkeypatch):
     """The reference constants are of 2 threads; torchrun gives each of several ranks one
     thread unless OMP_NUM_THREADS says otherwise."""
     config = build_config({"model": str(llama_config_dir(tmp_path / "m", 4)), "device": "cpu"})
+    # the optimiser's step is bound by memory, not the threads: left out here
+    per_parameter, _, link = resources.STEP_COSTS["cpu"]
+    monkeypatch.setitem(resources.STEP_COSTS, "cpu", (per_parameter, 0.0, link))
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert cpu_threads(2) == 1 and cpu_threads(1) == torch.get_num_threads()
     plans = {}
@@ -195,6 +235,8 @@ def test_the_plan_prices_training_at_the_precision_the_run_trains_in(tmp_path, m
     bfloat16 where the layers are wide enough and the device has it: this CPU as
     devices.fast_bfloat16 says, a CUDA device planned from elsewhere always."""
     monkeypatch.setattr("nmprune.devices.fast_bfloat16", lambda d: d.type == "cpu" and has_bf16)
+    # a step's costs beside its products are priced alike in both precisions: left out
+    monkeypatch.setitem(resources.STEP_COSTS, device, (0.0, 0.0, math.inf))
     wide, narrow = (str(llama_config_dir(tmp_path / name, 2, hidden=h, intermediate=4 * h, sharded=False))
                     for name, h in (("wide", 512), ("narrow", 64)))
 

@@ -27,7 +27,9 @@ the layer solves (:func:`nmprune.stages.executor.solve_needs`), the statistics s
   the passes are floating-point operations (2 per parameter and token forward, 6 forward and
   backward) at :data:`FLOPS` per device kind. On the CPU both scale with the threads each rank
   has (:func:`cpu_threads`, :data:`CPU_THREAD_SCALING`). Training that computes in bfloat16
-  (:func:`nmprune.reconstruct.training_dtype`) runs :data:`BF16_TRAINING_SPEEDUP` faster. The
+  (:func:`nmprune.reconstruct.training_dtype`) runs :data:`BF16_TRAINING_SPEEDUP` faster; each
+  of its steps also costs what does not grow with the tokens (:data:`STEP_COSTS`: the weights'
+  own passes, the optimiser, the collectives between ranks). The
   evaluation: dense and pruned perplexity, forward passes over the evaluation tokens.
 
 Every figure is an estimate; ``benchmarks/memory.py`` checks the memory ones against
@@ -67,6 +69,18 @@ CPU_THREAD_SCALING = 0.79
 #: ``benchmarks/gpu_check.py`` times it (an H200's bfloat16 tensor cores against the float32
 #: rate measured there)
 BF16_TRAINING_SPEEDUP = {"cpu": 2.0, "cuda": 4.0}
+#: a training step's costs beside its floating-point work (:class:`~nmprune.stages.needs.StepCosts`),
+#: per device kind. CPU (AMD EPYC znver5, torch 2.13): one Llama block's forward and backward in
+#: bfloat16 on 8 tokens, 1.6-1.9 ns per trained weight at 2 threads (2.5 at 1; hidden sizes 512
+#: and 1024), scaled with the threads as :data:`FLOPS`; CompactAdamW's step and the gradient's
+#: compaction, 2.9-5.0 ns per kept entry at 1 or 2 threads (3.9 taken; memory-bound, not
+#: scaled); gloo between two processes, a sum of 6.4 MB in 5.4 ms and a broadcast of 1 MB in
+#: 0.36 ms (1.2 GB/s and 2.9 GB/s by the formulas of StepCosts; the sum's taken). CUDA: estimates
+#: no GPU has checked -- the bytes the code moves at 3 TB/s of an H200's 4.8 (about 14 per weight:
+#: its bfloat16 cast and its gradient's back; about 120 per kept entry: the compaction's gather
+#: and sum, 28, and CompactAdamW.step's nine elementwise passes, 92), and NCCL over NVLink at
+#: 350 GB/s per rank
+STEP_COSTS = {"cpu": (1.75e-9, 3.9e-9, 1.2e9), "cuda": (5e-12, 4e-11, 3.5e11)}
 
 
 @dataclass
@@ -165,7 +179,7 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None, mo
     from .reconstruct import BF16_MIN_WIDTH
     from .stages.distillation import distillation_needs
     from .stages.executor import solve_needs
-    from .stages.needs import RunShape
+    from .stages.needs import RunShape, StepCosts
     from .stages.reconstruction import reconstruction_needs
     from .stages.source import DecoderBlocks
     from .stages.statistics import statistics_needs
@@ -185,11 +199,13 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None, mo
     wide = max((min(shape) for shape in shapes.values()), default=0) >= BF16_MIN_WIDTH
     low = _trains_in_bfloat16(s.train_precision, device, wide)
     train_rate = rate * (BF16_TRAINING_SPEEDUP[device] if low else 1)
+    per_parameter, per_entry, link = STEP_COSTS[device]
     run = RunShape(s, ranks, device, itemsize, [{n: shapes[n] for n in source.layers(i)} for i in range(len(source))],
                    s.planner().plan_layers(shapes, warn=False),
                    [sum(p.numel() for p in b.parameters()) for b in source.blocks],
                    sum(p.numel() for p in model.parameters()), model.config.hidden_size, model.config.vocab_size,
-                   getattr(model.config, "num_attention_heads", 0) or 0, low, rate, train_rate, speed)
+                   getattr(model.config, "num_attention_heads", 0) or 0, low, rate, train_rate, speed,
+                   StepCosts(per_parameter / speed, per_entry, link))
     # the stages the run will have (nmprune.pipeline): the solves, the statistics stage (with
     # reconstruction, the one that also fits each block and carries the streams) and the pass
     recon = s.reconstruct != "none"

@@ -14,6 +14,29 @@ from typing import Any
 
 
 @dataclass(frozen=True)
+class StepCosts:
+    """What one training step costs one rank beside its floating-point work, which grows with
+    the tokens: ``per_parameter`` seconds for each weight it trains (the weight's own passes:
+    its cast to the products' dtype and its gradient's back, and the dense gradient's
+    compaction to the kept entries), ``per_entry`` seconds for each kept entry (the
+    optimiser's step), and the bytes per second of a collective between ranks
+    (``link_bytes_per_second``; a sum over ``n`` ranks moves ``2 (n - 1) / n`` of its bytes
+    over each rank's link, a broadcast ``(n - 1) / n``)."""
+
+    per_parameter: float
+    per_entry: float
+    link_bytes_per_second: float
+
+    def all_reduce(self, nbytes: float, ranks: int) -> float:
+        """Seconds of a sum of ``nbytes`` over ``ranks`` ranks (none for one)."""
+        return 2.0 * (ranks - 1) / ranks * nbytes / self.link_bytes_per_second
+
+    def broadcast(self, nbytes: float, ranks: int) -> float:
+        """Seconds of a broadcast of ``nbytes`` to ``ranks`` ranks (none for one)."""
+        return (ranks - 1) / ranks * nbytes / self.link_bytes_per_second
+
+
+@dataclass(frozen=True)
 class RunShape:
     """What every stage's estimate reads: the run's ``settings``
     (:class:`~nmprune.config.PruneSettings`), its ``ranks`` and ``device`` kind (``"cpu"``,
@@ -24,7 +47,8 @@ class RunShape:
     vocabulary sizes, its attention heads, whether it trains in bfloat16
     (``trains_in_bfloat16``), and the rates of one rank: float32 operations per second of its
     passes (``rate``), of its training passes (``train_rate``: bfloat16 where it trains in it),
-    and how many times faster than the reference CPU it solves a layer (``solve_speed``)."""
+    and how many times faster than the reference CPU it solves a layer (``solve_speed``); the
+    training steps' other costs (``step_costs``)."""
 
     settings: Any
     ranks: int
@@ -41,6 +65,7 @@ class RunShape:
     rate: float
     train_rate: float
     solve_speed: float
+    step_costs: StepCosts
 
     @property
     def shapes(self) -> dict[str, tuple[int, int]]:

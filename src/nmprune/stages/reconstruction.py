@@ -624,7 +624,11 @@ def reconstruction_needs(run: RunShape) -> StageNeeds:
     every step's sample is shared by tokens, the busiest rank's share of the work
     (:func:`~nmprune.stages.token_shares.busiest_token_share`); otherwise a round runs the
     batches of every lane's step on the ranks that hold them, so ranks beyond the round's
-    batches wait (:mod:`nmprune.reconstruct`)."""
+    batches wait (:mod:`nmprune.reconstruct`). Every step costs each rank more than its
+    products (:class:`~nmprune.stages.needs.StepCosts`): the passes' work on each trained
+    weight, which token shares do not divide, the optimiser's step on the kept entries, and
+    with several ranks the sum of the compact float32 gradients and, for token shares, the
+    broadcast of the step's inputs and targets."""
     s, fit = run.settings, run.settings.fit_options()
     sets = {"block": 2, "submodule": 4}[s.reconstruct]
     streams = run.rank_tokens * run.hidden_size * (run.itemsize * sets + (4 if run.itemsize < 4 else 0))
@@ -633,14 +637,29 @@ def reconstruction_needs(run: RunShape) -> StageNeeds:
     training = ((4 - run.itemsize) * max(run.block_params) + pruned * (16 + 4 * slots) * run.kept
                 + 4 * max(r * d for r, d in run.shapes.values())
                 + run.batch_tokens * (16 * run.hidden_size + 4 * run.intermediate) * 4)
-    if s.reconstruct == "block" and fit.lanes == 1:
+    tokens_shared = s.reconstruct == "block" and fit.lanes == 1
+    if tokens_shared:
         share = busiest_token_share(run.shapes, run.ranks)
     else:
         batches = fit.lanes * fit.batches_per_step
         share = -(-batches // run.ranks) / batches
     work = 3 * fit.epochs * run.forward * share
     calibration_batches = -(-s.nsamples // s.batch_size)
-    deciding = len(held_out_batches(calibration_batches)) / calibration_batches or 1.0
+    held = len(held_out_batches(calibration_batches))
+    deciding = held / calibration_batches or 1.0
+    # every step's costs beside its products, on every rank (each takes every step); the
+    # weights' own passes on the ranks that compute the step's batches (all of them where
+    # they share its tokens)
+    train = calibration_batches - held
+    steps = fit.epochs * epoch_steps([lane_of(g, train, fit.lanes) for g in range(train)], fit.batches_per_step)
+    cost = run.step_costs
+    stepping = 0.0
+    for block in run.per_block:
+        weights = sum(block[n][0] * block[n][1] for n in run.pruned(block))
+        entries = weights * run.kept
+        stepping += (weights * cost.per_parameter * (1.0 if tokens_shared else share) + entries * cost.per_entry
+                     + cost.all_reduce(4 * entries, run.ranks)
+                     + (cost.broadcast(2 * 4 * run.batch_tokens * run.hidden_size, run.ranks) if tokens_shared else 0))
     return StageNeeds(block_bytes=training, stream_bytes=streams,
-                      seconds={"reconstruction": work / run.train_rate
+                      seconds={"reconstruction": work / run.train_rate + steps * stepping
                                + (1 + deciding) * run.forward / run.ranks / run.rate})
