@@ -53,7 +53,7 @@ PROCESS_BYTES = 440 * (1 << 20)
 #: job's passes, reconstruction and distillation took 590 s (code of afa951d, 2 threads) and the
 #: scaling Llama's passes and training 75.8 s on one rank of one thread (5406168,
 #: benchmarks/results/distributed_scaling.md), where 9e10 planned 1.83x and 1.47x that; 1.35e11
-#: plans them 1.22x and 0.98x
+#: plans them 1.22x and 0.95x (code of c1d9dac, with the training steps' other costs, STEP_COSTS)
 FLOPS = {"cpu": 1.35e11, "cuda": 6e13}
 #: the reference CPU's constants (FLOPS["cpu"], the solvers' registered costs) were measured
 #: with this many threads per process; one process of 2 threads ran the default job 1.73x as
