@@ -29,7 +29,12 @@ peak device memory on Llama-3.1-8B-shaped layers. Writes ``benchmarks/results/gp
    ``benchmarks/prox_kernel_cost.py`` assumes to be 0.5 for the plan's
    ``distributed.TRITON_ENTRY_SPEEDUP``: a measured share there replaces the assumption.
 
-The parts run in the order ``prox, agreement, pipeline, speed, block`` (``--parts`` picks some) and
+5. **A reconstruction step's other costs.** On one Llama-3.1-8B-shaped block, 2:4-pruned: the
+   forward and backward passes on a few tokens per trained weight, and the optimiser's step and
+   the gradients' compaction per kept entry, beside the plan's ``resources.STEP_COSTS`` (on
+   CUDA estimates until this part replaces them).
+
+The parts run in the order ``prox, agreement, pipeline, speed, block, step`` (``--parts`` picks some) and
 the results are written after each, so a run stopped at a time limit keeps what it finished;
 ``--merge`` adds the parts of this run to an earlier ``gpu.json`` of the same device.
 
@@ -159,21 +164,28 @@ def pipeline(device: torch.device, model_dir: Path, work: Path, settings: dict) 
     return rows
 
 
+def block_config(scale: int, layers: int, vocab_size: int):
+    """A Llama configuration with Llama-3.1-8B's block (hidden 4096, MLP 14336, 32 query and 8
+    key-value heads; widths and head counts divided by ``scale``), ``layers`` blocks and tied
+    embeddings."""
+    from transformers import LlamaConfig
+
+    heads = max(1, 32 // scale)
+    return LlamaConfig(hidden_size=4096 // scale, intermediate_size=14336 // scale,
+                       num_attention_heads=heads, head_dim=4096 // scale // heads,
+                       num_key_value_heads=max(1, 8 // scale), num_hidden_layers=layers, vocab_size=vocab_size,
+                       tie_word_embeddings=True, max_position_embeddings=8192, rope_theta=500000.0,
+                       torch_dtype="bfloat16")
+
+
 def block_model_dir(folder: Path, tokenizer_dir: Path, scale: int = 1, layers: int = 1) -> Path:
-    """A random Llama with Llama-3.1-8B's block (hidden 4096, MLP 14336, 32 query and 8
-    key-value heads; widths and head counts divided by ``scale``), ``layers`` blocks, tied
-    embeddings and the tokenizer saved in ``tokenizer_dir``, saved as safetensors in bfloat16."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    """A random Llama of :func:`block_config` with the tokenizer saved in ``tokenizer_dir``,
+    saved as safetensors in bfloat16."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    heads = max(1, 32 // scale)
-    config = LlamaConfig(hidden_size=4096 // scale, intermediate_size=14336 // scale,
-                         num_attention_heads=heads, head_dim=4096 // scale // heads,
-                         num_key_value_heads=max(1, 8 // scale), num_hidden_layers=layers, vocab_size=len(tokenizer),
-                         tie_word_embeddings=True, max_position_embeddings=8192, rope_theta=500000.0,
-                         torch_dtype="bfloat16")
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model = LlamaForCausalLM(block_config(scale, layers, len(tokenizer))).to(torch.bfloat16)
     path = folder / "llama8b-block"
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -207,6 +219,74 @@ def block_reconstruction(device: torch.device, model_dir: Path, work: Path, sett
                      "kept": block["kept"], "prune_seconds": report["seconds"]["prune"],
                      "peak_device_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None})
     return rows
+
+
+#: the tokens of the step part's forward and backward passes: few enough that their products
+#: are a small part of the time, which is then the weights' own work
+STEP_TOKENS = 8
+
+
+def step_costs(device: torch.device, scale: int, repeats: int) -> list[dict]:
+    """Part 5: what one reconstruction step costs beside its products
+    (``resources.STEP_COSTS``, :class:`nmprune.stages.needs.StepCosts`), on one
+    Llama-3.1-8B-shaped block in float32 with its linear layers 2:4-pruned: the forward and
+    backward passes on :data:`STEP_TOKENS` tokens with bfloat16 products, as
+    ``reconstruct.fit_masked`` runs them, per trained weight; ``CompactAdamW``'s step and the
+    gradients' compaction (``KeptEntries.gather``) per kept entry; beside the plan's constants
+    for this device kind."""
+    from transformers import LlamaForCausalLM
+
+    from nmprune.devices import products_in
+    from nmprune.pattern import parse_pattern, topn_mask
+    from nmprune.reconstruct import CompactAdamW, KeptEntries
+    from nmprune.resources import STEP_COSTS
+    from nmprune.stages.block_runner import block_hidden
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(block_config(scale, 1, 256)).to(device)
+    block = model.model.layers[0]
+    call: dict = {}
+    hook = block.register_forward_pre_hook(lambda m, args, kwargs: call.update(args=args, kwargs=kwargs),
+                                           with_kwargs=True)
+    with torch.no_grad():
+        model(torch.randint(0, 256, (1, STEP_TOKENS), device=device), use_cache=False)
+    hook.remove()
+    hidden = call["args"][0] if call["args"] else call["kwargs"]["hidden_states"]
+    kwargs = {k: v for k, v in call["kwargs"].items()
+              if k in ("attention_mask", "position_ids", "position_embeddings", "cache_position")}
+    weights = [m.weight for m in block.modules() if isinstance(m, torch.nn.Linear)]
+    for p in block.parameters():
+        p.requires_grad_(False)
+    with torch.no_grad():
+        for w in weights:
+            w.mul_(topn_mask(w.abs(), parse_pattern("2:4")))
+            w.requires_grad_(True)
+    entries = [KeptEntries(w) for w in weights]
+    optimiser = CompactAdamW(weights, entries)
+
+    def passes() -> None:
+        with products_in(device, torch.bfloat16):
+            out = block_hidden(block(hidden, **kwargs))
+        out.float().square().sum().backward()
+        for w in weights:
+            w.grad = None
+
+    dense = [torch.randn_like(w) for w in weights]
+
+    def compaction() -> None:
+        for where, grad, into in zip(entries, dense, optimiser.grads):
+            where.gather(grad, into=into)
+
+    trained, kept = sum(w.numel() for w in weights), sum(e.count for e in entries)
+    seconds = {"passes": _timed(passes, device, repeats), "optimiser": _timed(lambda: optimiser.step(1e-4), device,
+                                                                             repeats),
+               "compaction": _timed(compaction, device, repeats)}
+    planned = STEP_COSTS[device.type]
+    return [{"trained_weights": trained, "kept_entries": kept, "tokens": STEP_TOKENS,
+             **{f"{k}_seconds": v for k, v in seconds.items()},
+             "per_parameter": seconds["passes"] / trained,
+             "per_entry": (seconds["optimiser"] + seconds["compaction"]) / kept,
+             "planned_per_parameter": planned[0], "planned_per_entry": planned[1]}]
 
 
 def _timed(fn, device: torch.device, repeats: int) -> float:
@@ -324,6 +404,16 @@ def report_markdown(result: dict) -> str:
         lines += ["", f"Reconstruction in {rows[0]['train_dtype']} over {rows[-1]['train_dtype']}: "
                   f"{rows[0]['reconstruction_seconds'] / rows[-1]['reconstruction_seconds']:.2f}x the time "
                   "(resources.BF16_TRAINING_SPEEDUP prices bfloat16 training on this device kind)."]
+    if "step" in result:
+        lines += ["", "## A reconstruction step's costs beside its products (one 8B-shaped block, 2:4)", "",
+                  "| trained weights | kept entries | passes on "
+                  f"{result['step'][0]['tokens']} tokens s | optimiser s | compaction s | "
+                  "s per weight (planned) | s per kept entry (planned) |", "|---:|---:|---:|---:|---:|---|---|"]
+        lines += [f"| {r['trained_weights']} | {r['kept_entries']} | {r['passes_seconds']:.4f} | "
+                  f"{r['optimiser_seconds']:.4f} | {r['compaction_seconds']:.4f} | "
+                  f"{r['per_parameter']:.3g} ({r['planned_per_parameter']:.3g}) | "
+                  f"{r['per_entry']:.3g} ({r['planned_per_entry']:.3g}) |" for r in result["step"]]
+        lines += ["", "The planned figures are resources.STEP_COSTS for this device kind."]
     return "\n".join(lines) + "\n"
 
 
@@ -334,7 +424,7 @@ def _write(result: dict, out: Path) -> None:
     (out / "gpu.md").write_text(report_markdown(result))
 
 
-PARTS = ("prox", "agreement", "pipeline", "speed", "block")
+PARTS = ("prox", "agreement", "pipeline", "speed", "block", "step")
 #: the block part's training precisions: float32, then bfloat16 products (--train-precision)
 BLOCK_PRECISIONS = ("full", "bfloat16")
 
@@ -414,6 +504,8 @@ def main(argv: list[str] | None = None) -> dict:
                 part(name, lambda: pipeline(device, model_dir, Path(tmp), settings))
             elif name == "speed":
                 part(name, lambda: speed(device, shapes, args.repeats))
+            elif name == "step":
+                part(name, lambda: step_costs(device, scale, args.repeats))
             else:
                 block_settings = {**settings, "eval": [],
                                   "nsamples": args.block_nsamples or (8 if fallback else 128),

@@ -51,6 +51,11 @@ def test_gpu_check_runs_on_the_cpu(tmp_path, monkeypatch):
         assert block["layer_seconds"] > 0 and block["reconstruction_seconds"] > 0
         assert 0 < block["heldout_after"] <= block["heldout_before"] and block["kept"] in ("reconstructed", "solved")
     assert "Reconstruction in float32 over bfloat16" in (tmp_path / "gpu.md").read_text()
+    # a step's costs beside its products: every linear weight of the block trained, half kept
+    (step,) = result["step"]
+    assert step["trained_weights"] == 2 * step["kept_entries"] > 0
+    assert step["per_parameter"] > 0 and step["per_entry"] > 0
+    assert "A reconstruction step's costs" in (tmp_path / "gpu.md").read_text()
     assert list(result["seconds"]) == list(gpu_check.PARTS) and result["failed"] == {}
     # a later run of some parts on the same device keeps the others; a part that fails (here:
     # no tokenizer) is reported with its traceback and the next part still runs
