@@ -33,8 +33,11 @@ peak device memory on Llama-3.1-8B-shaped layers. Writes ``benchmarks/results/gp
    forward and backward passes on a few tokens per trained weight, and the optimiser's step and
    the gradients' compaction per kept entry, beside the plan's ``resources.STEP_COSTS`` (on
    CUDA estimates until this part replaces them).
+6. **The default job against its plan.** ``nmprune.run`` with the default settings on a
+   random two-block Llama with Llama-3.1-8B's blocks, bfloat16, streamed, on the block part's
+   calibration tokens: each stage's measured seconds beside the dry run's plan of the same run.
 
-The parts run in the order ``prox, agreement, pipeline, speed, block, step`` (``--parts`` picks some) and
+The parts run in the order ``prox, agreement, pipeline, speed, block, step, job`` (``--parts`` picks some) and
 the results are written after each, so a run stopped at a time limit keeps what it finished;
 ``--merge`` adds the parts of this run to an earlier ``gpu.json`` of the same device.
 
@@ -219,6 +222,36 @@ def block_reconstruction(device: torch.device, model_dir: Path, work: Path, sett
                      "kept": block["kept"], "prune_seconds": report["seconds"]["prune"],
                      "peak_device_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None})
     return rows
+
+
+def default_job(device: torch.device, tokenizer_dir: Path, work: Path, settings: dict, scale: int) -> list[dict]:
+    """Part 6: the default job (prox + exact, block reconstruction) on a random two-block
+    Llama with Llama-3.1-8B's blocks (:func:`block_config`) in bfloat16, streamed as a model
+    larger than its device is, without evaluation: each stage's seconds from the run's report
+    beside the dry run's plan of the same run (``nmprune.resources.plan_run``), which is how
+    the plan's CUDA constants are checked. A streamed run makes no global distillation pass."""
+    import nmprune
+    from nmprune.resources import plan_run
+
+    model_dir = block_model_dir(work / "job-model", tokenizer_dir, scale, layers=2)
+    config = nmprune.build_config({**settings, "eval": []},
+                                  {"model": str(model_dir), "out": str(work / "job"), "device": str(device),
+                                   "dtype": "bfloat16", "offload": True})
+    planned = plan_run(config, 1).seconds
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    report = nmprune.run(config, progress=False)
+    reconstruction = sum(b["seconds"] for b in report["reconstruction"]["blocks"])
+    measured = {"layer_solves": report["seconds"]["pipeline"]["layers"],
+                "calibration_passes": report["per_rank"][0]["calibration_seconds"] - reconstruction
+                + report["seconds"]["pipeline"]["capture"],
+                "reconstruction": reconstruction}
+    return [{"settings": {k: settings[k] for k in ("nsamples", "seqlen")}, "stage": stage,
+             "planned_seconds": planned.get(stage, 0.0), "measured_seconds": measured.get(stage, 0.0)}
+            for stage in sorted(set(planned) | set(measured))] + \
+        [{"settings": {k: settings[k] for k in ("nsamples", "seqlen")}, "stage": "prune (all)",
+          "planned_seconds": sum(planned.values()), "measured_seconds": report["seconds"]["prune"],
+          "peak_device_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}]
 
 
 #: the tokens of the step part's forward and backward passes: few enough that their products
@@ -414,6 +447,16 @@ def report_markdown(result: dict) -> str:
                   f"{r['per_parameter']:.3g} ({r['planned_per_parameter']:.3g}) | "
                   f"{r['per_entry']:.3g} ({r['planned_per_entry']:.3g}) |" for r in result["step"]]
         lines += ["", "The planned figures are resources.STEP_COSTS for this device kind."]
+    if "job" in result:
+        rows = result["job"]
+        lines += ["", "## The default job on a two-block Llama-3.1-8B-shaped model (bfloat16, streamed), "
+                  "against its plan", "",
+                  f"{rows[0]['settings']['nsamples']} x {rows[0]['settings']['seqlen']} calibration tokens.", "",
+                  "| stage | planned s | measured s | measured / planned |", "|---|---:|---:|---:|"]
+        lines += [f"| {r['stage']} | {r['planned_seconds']:.1f} | {r['measured_seconds']:.1f} | "
+                  + (f"{r['measured_seconds'] / r['planned_seconds']:.2f} |" if r["planned_seconds"] else "- |")
+                  for r in rows]
+        lines += ["", f"Peak device memory: {mib(rows[-1]['peak_device_bytes'])} MiB."]
     return "\n".join(lines) + "\n"
 
 
@@ -424,7 +467,7 @@ def _write(result: dict, out: Path) -> None:
     (out / "gpu.md").write_text(report_markdown(result))
 
 
-PARTS = ("prox", "agreement", "pipeline", "speed", "block", "step")
+PARTS = ("prox", "agreement", "pipeline", "speed", "block", "step", "job")
 #: the block part's training precisions: float32, then bfloat16 products (--train-precision)
 BLOCK_PRECISIONS = ("full", "bfloat16")
 
@@ -442,15 +485,15 @@ def main(argv: list[str] | None = None) -> dict:
                         help="keep the other parts of an earlier gpu.json in --out (same device)")
     parser.add_argument("--model", type=Path, help="safetensors model directory for the pipeline "
                         "part (default: the packaged SmolLM2, saved as safetensors)")
-    parser.add_argument("--tokenizer", type=Path, help="tokenizer directory for the block part "
+    parser.add_argument("--tokenizer", type=Path, help="tokenizer directory for the block and job parts "
                         "(default: the pipeline model's)")
     parser.add_argument("--calib", default="wiki", help="calibration and evaluation text (default wiki)")
     parser.add_argument("--nsamples", type=int, default=32)
     parser.add_argument("--seqlen", type=int, default=512)
     parser.add_argument("--eval-max-tokens", dest="eval_max_tokens", type=int, default=4096)
     parser.add_argument("--block-nsamples", dest="block_nsamples", type=int,
-                        help="calibration samples of the block part, one Llama-3.1-8B-shaped "
-                        "block (default 128 on a GPU, 8 on the CPU)")
+                        help="calibration samples of the block and job parts (Llama-3.1-8B-shaped "
+                        "blocks; default 128 on a GPU, 8 on the CPU)")
     parser.add_argument("--block-seqlen", dest="block_seqlen", type=int,
                         help="their length (default 2048 on a GPU, 128 on the CPU)")
     args = parser.parse_args(argv)
@@ -489,9 +532,12 @@ def main(argv: list[str] | None = None) -> dict:
 
     settings = {"calib": args.calib, "eval": [args.calib], "nsamples": args.nsamples,
                 "seqlen": args.seqlen, "eval_seqlen": args.seqlen, "eval_max_tokens": args.eval_max_tokens}
+    # the block and job parts: Llama-3.1-8B-shaped blocks on the issue's calibration tokens
+    block_settings = {**settings, "eval": [], "nsamples": args.block_nsamples or (8 if fallback else 128),
+                      "seqlen": args.block_seqlen or (128 if fallback else 2048)}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model
-        if model_dir is None and ("pipeline" in parts or "block" in parts and args.tokenizer is None):
+        if model_dir is None and ("pipeline" in parts or {"block", "job"} & set(parts) and args.tokenizer is None):
             model_dir = packaged_model_dir(Path(tmp))
         for name in parts:
             if name == "prox":
@@ -506,10 +552,10 @@ def main(argv: list[str] | None = None) -> dict:
                 part(name, lambda: speed(device, shapes, args.repeats))
             elif name == "step":
                 part(name, lambda: step_costs(device, scale, args.repeats))
+            elif name == "job":
+                part(name, lambda: default_job(device, args.tokenizer or model_dir, Path(tmp), block_settings,
+                                               scale))
             else:
-                block_settings = {**settings, "eval": [],
-                                  "nsamples": args.block_nsamples or (8 if fallback else 128),
-                                  "seqlen": args.block_seqlen or (128 if fallback else 2048)}
                 part(name, lambda: block_reconstruction(
                     device, block_model_dir(Path(tmp), args.tokenizer or model_dir, scale), Path(tmp),
                     block_settings))

@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
@@ -56,6 +58,12 @@ def test_gpu_check_runs_on_the_cpu(tmp_path, monkeypatch):
     assert step["trained_weights"] == 2 * step["kept_entries"] > 0
     assert step["per_parameter"] > 0 and step["per_entry"] > 0
     assert "A reconstruction step's costs" in (tmp_path / "gpu.md").read_text()
+    # the default job on two 8B-shaped blocks, streamed: each stage measured beside its plan
+    stages = {r["stage"]: r for r in result["job"]}
+    assert set(stages) == {"layer_solves", "calibration_passes", "reconstruction", "prune (all)"}
+    assert all(r["planned_seconds"] > 0 and r["measured_seconds"] > 0 for r in stages.values())
+    assert stages["prune (all)"]["planned_seconds"] == pytest.approx(
+        sum(r["planned_seconds"] for name, r in stages.items() if name != "prune (all)"))
     assert list(result["seconds"]) == list(gpu_check.PARTS) and result["failed"] == {}
     # a later run of some parts on the same device keeps the others; a part that fails (here:
     # no tokenizer) is reported with its traceback and the next part still runs
