@@ -11,7 +11,7 @@ import json
 import platform
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -175,6 +175,25 @@ def check_run(config: RunConfig, writes: bool = True, device_here: bool = True):
     return resolved, model_config, downstream
 
 
+@dataclass
+class LoadedRun:
+    """A prune run once its model is loaded and its text tokenised (what :func:`run` hands the
+    rest of the job): the ``settings`` it prunes with (``config.prune`` with the run's choice of
+    global distillation; ``distill_skipped``: why ``auto`` made none), the ``model``, its
+    ``tokenizer`` and ``source``, the tokenised evaluation text (``cache``), the ``timings`` so
+    far, when the run started (``t0``) and its ``device``."""
+
+    settings: Any
+    distill_skipped: str | None
+    model: BlockSource
+    tokenizer: Any
+    source: Any
+    cache: dict[str, Any]
+    timings: dict[str, float]
+    t0: float
+    device: Any
+
+
 class RunRole(Protocol):
     """What a rank of a prune run does beside pruning (:func:`run` calls these, whatever its
     rank): :class:`LeadRank` on rank 0, :class:`HelperRank` on every other rank."""
@@ -200,16 +219,13 @@ class RunRole(Protocol):
     def release(self) -> None:
         """Let go of the lock."""
 
-    def before_pruning(self, model: BlockSource, tokenizer, cache: dict[str, Any], timings: dict[str, float],
-                       device) -> None:
+    def before_pruning(self, loaded: LoadedRun) -> None:
         """The dense model's results."""
 
-    def pruned_model(self, sink, tokenizer, model: BlockSource) -> BlockSource:
+    def pruned_model(self, sink, loaded: LoadedRun) -> BlockSource:
         """The pruned model, once pruning is done."""
 
-    def publish(self, settings, distill_skipped: str | None, prune_report, pruned_model: BlockSource,
-                model: BlockSource, tokenizer, source, sink, cache: dict[str, Any], timings: dict[str, float],
-                t0: float, device) -> dict[str, Any]:
+    def publish(self, loaded: LoadedRun, prune_report, pruned_model: BlockSource, sink) -> dict[str, Any]:
         """What the rank returns: the report."""
 
 
@@ -270,8 +286,7 @@ class LeadRank:
     def release(self) -> None:
         self.lock.release()
 
-    def before_pruning(self, model: BlockSource, tokenizer, cache: dict[str, Any], timings: dict[str, float],
-                       device) -> None:
+    def before_pruning(self, loaded: LoadedRun) -> None:
         """Say where a resumed run starts, then :attr:`dense`: the dense model's perplexities and
         lm-eval results, from the checkpoint where a run before the resume measured them, else
         measured now and kept there. A perplexity that is not finite (the model overflows) is
@@ -281,6 +296,7 @@ class LeadRank:
         from .validate import check_finite_value
 
         config, ckpt = self.config, self.checkpoint
+        model, tokenizer, device, timings = loaded.model, loaded.tokenizer, loaded.device, loaded.timings
         if ckpt.done_blocks:
             self.warn(f"resuming from {ckpt.directory}: {ckpt.done_blocks} blocks already pruned")
         downstream = downstream_settings(config)
@@ -291,7 +307,7 @@ class LeadRank:
             t = time.perf_counter()
             self.say(f"evaluating the dense model (perplexity on {', '.join(missing)})")
             dense.update(evaluate(model, tokenizer, missing, config.eval_seqlen,
-                                  config.eval_max_tokens or None, device, self.progress, cache, "dense"))
+                                  config.eval_max_tokens or None, device, self.progress, loaded.cache, "dense"))
             for name in missing:
                 check_finite_value(dense[name], f"the dense model's perplexity on {name}")
             release_memory()
@@ -308,26 +324,26 @@ class LeadRank:
             timings["downstream_dense"] = time.perf_counter() - t
         self.dense = dense, dense_acc
 
-    def pruned_model(self, sink, tokenizer, model: BlockSource) -> BlockSource:
+    def pruned_model(self, sink, loaded: LoadedRun) -> BlockSource:
         """The pruned model to evaluate: the sink's (in memory, the model itself)."""
-        return sink.finish(tokenizer)
+        return sink.finish(loaded.tokenizer)
 
-    def publish(self, settings, distill_skipped: str | None, prune_report, pruned_model: BlockSource,
-                model: BlockSource, tokenizer, source, sink, cache: dict[str, Any], timings: dict[str, float],
-                t0: float, device) -> dict[str, Any]:
+    def publish(self, loaded: LoadedRun, prune_report, pruned_model: BlockSource, sink) -> dict[str, Any]:
         """Evaluate the pruned model, then save it with its tokenizer and the report into
         ``OUT.partial/``, renamed to ``--out`` (all three appear at once); delete the
         checkpoint. Returns the report."""
         from .downstream import evaluate_tasks
 
         config, ckpt, out = self.config, self.checkpoint, self.out
+        tokenizer, timings, device = loaded.tokenizer, loaded.timings, loaded.device
         downstream = downstream_settings(config)
         dense, dense_acc = self.dense
         t = time.perf_counter()
         if config.eval:
             self.say(f"evaluating the pruned model (perplexity on {', '.join(config.eval)})")
         pruned = evaluate(pruned_model, tokenizer, config.eval, config.eval_seqlen,
-                          config.eval_max_tokens or None, device, self.progress, cache, "pruned") if config.eval else {}
+                          config.eval_max_tokens or None, device, self.progress, loaded.cache, "pruned") \
+            if config.eval else {}
         timings["eval_pruned"] = time.perf_counter() - t
         pruned_acc = {}
         if downstream.tasks:
@@ -339,23 +355,24 @@ class LeadRank:
         layers = [r for r in prune_report.layers if not r.get("skipped")]
         ratios = [r["loss_vs_wanda"] for r in layers if r.get("loss_vs_wanda") is not None]
         report = {
-            "model": str(source), "run": _run_label(config), "model_files": ckpt.get("model files"),
+            "model": str(loaded.source), "run": _run_label(config), "model_files": ckpt.get("model files"),
             "config": to_dict(config), "identity": config.identity(),
-            "versions": versions(), "device": str(device), "streamed": model.streamed,
+            "versions": versions(), "device": str(device), "streamed": loaded.model.streamed,
             "perplexity": {"dense": {d: dense[d] for d in config.eval}, "pruned": pruned,
                            "seqlen": config.eval_seqlen, "max_tokens": config.eval_max_tokens},
             "downstream": {"dense": dense_acc, "pruned": pruned_acc, "settings": downstream.to_dict()},
             "summary": {"layers_pruned": len(layers),
                         "layers_skipped": len(prune_report.layers) - len(layers),
                         "mean_loss_vs_wanda": sum(ratios) / len(ratios) if ratios else None},
-            "reconstruction": reconstruction_summary(settings, prune_report.blocks, prune_report.end_to_end),
-            "distillation": prune_report.distillation if distill_skipped is None else {"skipped": distill_skipped},
+            "reconstruction": reconstruction_summary(loaded.settings, prune_report.blocks, prune_report.end_to_end),
+            "distillation": prune_report.distillation if loaded.distill_skipped is None
+            else {"skipped": loaded.distill_skipped},
             "resumed_from_block": prune_report.resumed_from_block,
             "ranks": prune_report.ranks, "per_rank": prune_report.per_rank,
             "seconds": {**timings, "pipeline": prune_report.seconds},
             "layers": prune_report.layers,
         }
-        report["seconds"]["total_before_save"] = time.perf_counter() - t0
+        report["seconds"]["total_before_save"] = time.perf_counter() - loaded.t0
         # model, tokenizer and report go to OUT.partial/ and appear together under OUT by one rename
         extra = {REPORT_FILE: json.dumps(report, indent=1, default=str)}
         self.say(f"saving the pruned model to {out}")
@@ -389,16 +406,13 @@ class HelperRank:
 
     release = clear_completed
 
-    def before_pruning(self, model: BlockSource, tokenizer, cache: dict[str, Any], timings: dict[str, float],
-                       device) -> None:
+    def before_pruning(self, loaded: LoadedRun) -> None:
         pass
 
-    def pruned_model(self, sink, tokenizer, model: BlockSource) -> BlockSource:
-        return model
+    def pruned_model(self, sink, loaded: LoadedRun) -> BlockSource:
+        return loaded.model
 
-    def publish(self, settings, distill_skipped: str | None, prune_report, pruned_model: BlockSource,
-                model: BlockSource, tokenizer, source, sink, cache: dict[str, Any], timings: dict[str, float],
-                t0: float, device) -> dict[str, Any]:
+    def publish(self, loaded: LoadedRun, prune_report, pruned_model: BlockSource, sink) -> dict[str, Any]:
         return prune_report.to_dict()
 
 
@@ -493,8 +507,8 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
     try:
         with phase("opening the checkpoint"):
             role.open_checkpoint(digest)
-        return _prune_and_save(config, settings, distill_skipped, model, tokenizer, source, role,
-                               (calibration, own_windows), cache, timings, t0, progress, on_block_done, ranks,
+        loaded = LoadedRun(settings, distill_skipped, model, tokenizer, source, cache, timings, t0, ranks.device)
+        return _prune_and_save(config, loaded, role, (calibration, own_windows), progress, on_block_done, ranks,
                                ckpt_dir)
     except ValueError as e:
         # refused before any progress, or the model itself overflows (its corrected weights
@@ -507,34 +521,32 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
         role.release()
 
 
-def _prune_and_save(config: RunConfig, settings, distill_skipped: str | None, model: BlockSource, tokenizer,
-                    source, role: RunRole, calibration, cache, timings: dict[str, float], t0: float,
-                    progress: bool, on_block_done, ranks, ckpt_dir: Path) -> dict[str, Any]:
-    """:func:`run` after loading: dense perplexity and accuracy, pruning with ``settings``
-    (``config.prune`` with the run's choice of global distillation; ``distill_skipped``: why
-    ``auto`` made none) on ``calibration`` (the run's windows and the distillation's own, or
+def _prune_and_save(config: RunConfig, loaded: LoadedRun, role: RunRole, calibration, progress: bool,
+                    on_block_done, ranks, ckpt_dir: Path) -> dict[str, Any]:
+    """:func:`run` after loading: dense perplexity and accuracy, pruning with
+    ``loaded.settings`` on ``calibration`` (the run's windows and the distillation's own, or
     None), pruned perplexity and accuracy, save: what ``role`` does of them (rank 0 all,
     the other ranks only the pruning, after which they return its report)."""
     from .pipeline import prune_model
 
-    role.before_pruning(model, tokenizer, cache, timings, ranks.device)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    role.before_pruning(loaded)
     t = time.perf_counter()
     # in memory, the model is pruned in place; streamed, each pruned block goes straight into
     # a shard of OUT.partial/unfinished/, written by rank 0 alone
     sink = model.output(Path(config.out), writes=role.writes)
     role.say(f"pruning block by block: {_run_label(config)}")
     try:
-        prune_report = prune_model(None, tokenizer, settings, calibration=calibration[0],
+        prune_report = prune_model(None, tokenizer, loaded.settings, calibration=calibration[0],
                                    distill_calibration=calibration[1], device=ranks.device,
                                    checkpoint=role.checkpoint, progress=progress, on_block_done=on_block_done,
                                    source=model, sink=sink, scratch=ckpt_dir)
-        pruned_model = role.pruned_model(sink, tokenizer, model)
+        pruned_model = role.pruned_model(sink, loaded)
     except BaseException:
         sink.abandon()
         raise
-    timings["prune"] = time.perf_counter() - t
-    return role.publish(settings, distill_skipped, prune_report, pruned_model, model, tokenizer, source, sink,
-                        cache, timings, t0, ranks.device)
+    loaded.timings["prune"] = time.perf_counter() - t
+    return role.publish(loaded, prune_report, pruned_model, sink)
 
 
 def reconstruction_summary(s, blocks: list[dict[str, Any]], end_to_end: dict[str, Any] | None) -> dict[str, Any]:
