@@ -197,8 +197,9 @@ def test_a_device_too_small_for_one_block_is_refused_up_front(tmp_path, capsys):
 
 def test_the_plan_prices_the_global_distillation_pass(tmp_path):
     """The pass holds the whole model in float32 with its optimiser state: with it the peak is
-    at least that, and its time is the whole model's forward and backward on every window per
-    epoch, after one forward pass of the dense model over the pass's own windows."""
+    at least that, and its time is the whole model's forward and backward on every training
+    window per epoch, after one forward pass of the dense model over the pass's own windows,
+    and a forward pass over the held-out windows before and after training."""
     model = str(llama_config_dir(tmp_path / "m", 4, sharded=False))
 
     def plan(**settings):  # training and the forward pass at one rate
@@ -212,11 +213,16 @@ def test_the_plan_prices_the_global_distillation_pass(tmp_path):
     bare_one, bare_two = (plan(distill_epochs=e, distill_nsamples=64) for e in (1, 2))
     times = AUTO_DISTILL_WINDOWS
     assert one.distill_windows == 64 * times and bare_one.distill_windows == 64
-    assert bare_two.seconds["distillation"] == pytest.approx(2 * bare_one.seconds["distillation"])
+    # one window's forward pass (batches of one window): an epoch is 3 on every training window
+    held = {n: len(held_out_batches(n)) for n in (64, 64 * (times - 1))}
+    forward = (bare_two.seconds["distillation"] - bare_one.seconds["distillation"]) / (3 * (64 - held[64]))
+    assert bare_one.seconds["distillation"] == pytest.approx((3 * (64 - held[64]) + 2 * held[64]) * forward)
     epoch = two.seconds["distillation"] - one.seconds["distillation"]
-    assert epoch == pytest.approx(times * bare_one.seconds["distillation"])
-    # the dense forward over the pass's own windows: a third of an epoch's work on each
-    assert one.seconds["distillation"] - epoch == pytest.approx((times - 1) * bare_one.seconds["distillation"] / 3)
+    trained = 64 * times - held[64] - held[64 * (times - 1)]
+    assert epoch == pytest.approx(3 * trained * forward)
+    # the dense forward over the pass's own windows, and the held-out windows before and after
+    assert one.seconds["distillation"] - epoch == pytest.approx(
+        (64 * (times - 1) + 2 * (held[64] + held[64 * (times - 1)])) * forward)
     assert one.distill_peak_per_rank > bare_one.distill_peak_per_rank
     assert "distillation" not in base.seconds
     # the default, auto: one epoch on a model loaded whole, none on a streamed one

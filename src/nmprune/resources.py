@@ -49,12 +49,12 @@ GIB = float(1 << 30)
 #: (benchmarks/results/memory_ranks.json, 2 ranks on the CPU)
 PROCESS_BYTES = 440 * (1 << 20)
 #: sustained float32 operations per second of the passes through a block: the reference CPU (AMD
-#: EPYC znver5 at 2 threads) and an H200 (an 8B-shaped block, gpu.md). The CPU's: the SmolLM2 main
-#: job's passes, reconstruction and distillation took 590 s (code of afa951d, 2 threads) and the
-#: scaling Llama's passes and training 75.8 s on one rank of one thread (5406168,
-#: benchmarks/results/distributed_scaling.md), where 9e10 planned 1.83x and 1.47x that; 1.35e11
-#: plans them 1.22x and 0.95x (code of c1d9dac, with the training steps' other costs, STEP_COSTS)
-FLOPS = {"cpu": 1.35e11, "cuda": 6e13}
+#: EPYC znver5 at 2 threads) and an H200 (an 8B-shaped block, gpu.md). The CPU's, with the
+#: training steps' other costs priced apart (STEP_COSTS): the SmolLM2 main job's passes,
+#: reconstruction and distillation took 541 s (code of 05b9fac, 2 threads:
+#: benchmarks/results/main_job.md) and the scaling Llama's 67.7 s on one rank of one thread
+#: (code of 8325873), where 1.35e11 planned 1.27x and 1.04x that and 1.5e11 plans 1.18x and 0.97x
+FLOPS = {"cpu": 1.5e11, "cuda": 6e13}
 #: the reference CPU's constants (FLOPS["cpu"], the solvers' registered costs) were measured
 #: with this many threads per process; one process of 2 threads ran the default job 1.73x as
 #: fast as one of 1 thread (the scaling benchmark's Llama, medians of 3: 61.4 s against
@@ -267,6 +267,7 @@ def needs_table(needs: RunNeeds) -> str:
     rows.append(("time: total", f"{sum(needs.seconds.values()) / 60:.1f} min"))
     if needs.device == "cuda":
         rows.append(("not yet measured on a GPU", "the Triton 2:4 prox kernel's speed "
-                     "(distributed.TRITON_ENTRY_SPEEDUP) and bfloat16 training's speed-up "
-                     "(resources.BF16_TRAINING_SPEEDUP)"))
+                     "(distributed.TRITON_ENTRY_SPEEDUP), bfloat16 training's speed-up "
+                     "(resources.BF16_TRAINING_SPEEDUP) and a training step's other costs "
+                     "(resources.STEP_COSTS)"))
     return "\n".join(["| estimate | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows])

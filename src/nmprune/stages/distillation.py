@@ -34,7 +34,7 @@ from ..progress import bar as progress_bar
 from ..reconstruct import (FitOptions, KeptEntries, ReconstructionDiverged, epoch_steps, fit_masked,
                            training_dtype)
 from .needs import RunShape, StageNeeds
-from .reconstruction import Spill, float32_training
+from .reconstruction import Spill, float32_training, held_out_batches
 
 
 #: the longest windows for which the pass computes attention by transformers' eager path,
@@ -184,8 +184,11 @@ def distill_bytes(params: int, pruned: int, kept: float, blocks: int, batch_toke
 def distillation_needs(run: RunShape, epochs: int, windows: int) -> StageNeeds:
     """What ``epochs`` of the pass on ``windows`` calibration windows (the run's and its own)
     need on one rank: its own peak (:func:`distill_bytes`, on the rank's share of the windows),
-    and its time at the training rate: the dense model's forward pass on the pass's own
-    windows, then every window's forward and backward each epoch, shared out between the ranks."""
+    and its time at the training rate, shared out between the ranks: the dense model's forward
+    pass on the pass's own windows, the forward pass on the held-out batches before and after
+    training (the reconstruction's and as large a share of the pass's own,
+    :func:`~nmprune.stages.reconstruction.held_out_batches`), and the forward and backward
+    passes on every other batch each epoch."""
     s = run.settings
     pruned = sum(block[n][0] * block[n][1] for block in run.per_block for n in run.pruned(block))
     # eager attention's probabilities of one batch: in float32 and their bfloat16 copy
@@ -194,6 +197,8 @@ def distillation_needs(run: RunShape, epochs: int, windows: int) -> StageNeeds:
     peak = distill_bytes(run.params, pruned, run.kept, len(run.per_block), run.batch_tokens, run.hidden_size,
                          run.intermediate, run.vocab_size, -(-windows // run.ranks) * s.seqlen, attention)
     own_tokens = s.distill_extra_windows() * s.seqlen
-    seconds = (2.0 * run.params * own_tokens / run.train_rate
-               + 3 * epochs * 2.0 * run.params * windows * s.seqlen / run.train_rate) / run.ranks
+    run_batches, own_batches = -(-s.nsamples // s.batch_size), -(-(windows - s.nsamples) // s.batch_size)
+    held = len(held_out_batches(run_batches)) + len(held_out_batches(own_batches))
+    passes = 3 * epochs * (run_batches + own_batches - held) + 2 * held  # of one batch, forward
+    seconds = (2.0 * run.params * own_tokens + passes * 2.0 * run.params * run.batch_tokens) / run.train_rate / run.ranks
     return StageNeeds(peak_bytes=peak, seconds={"distillation": seconds})
