@@ -273,20 +273,16 @@ def step_costs(device: torch.device, scale: int, repeats: int) -> list[dict]:
     from nmprune.pattern import parse_pattern, topn_mask
     from nmprune.reconstruct import CompactAdamW, KeptEntries
     from nmprune.resources import STEP_COSTS
-    from nmprune.stages.block_runner import block_hidden
+    from nmprune.stages.block_runner import capture_block_inputs, run_block
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(block_config(scale, 1, 256)).to(device)
     block = model.model.layers[0]
-    call: dict = {}
-    hook = block.register_forward_pre_hook(lambda m, args, kwargs: call.update(args=args, kwargs=kwargs),
-                                           with_kwargs=True)
-    with torch.no_grad():
-        model(torch.randint(0, 256, (1, STEP_TOKENS), device=device), use_cache=False)
-    hook.remove()
-    hidden = call["args"][0] if call["args"] else call["kwargs"]["hidden_states"]
-    kwargs = {k: v for k, v in call["kwargs"].items()
-              if k in ("attention_mask", "position_ids", "position_embeddings", "cache_position")}
+    # the block's input and arguments as the pipeline records them
+    inputs = capture_block_inputs(model, "model.layers", model.model.layers,
+                                  [torch.randint(0, 256, (1, STEP_TOKENS))], device, place=False)
+    hidden = inputs.hidden[0]
+    call = inputs.call(0, hidden)
     weights = [m.weight for m in block.modules() if isinstance(m, torch.nn.Linear)]
     for p in block.parameters():
         p.requires_grad_(False)
@@ -299,7 +295,7 @@ def step_costs(device: torch.device, scale: int, repeats: int) -> list[dict]:
 
     def passes() -> None:
         with products_in(device, torch.bfloat16):
-            out = block_hidden(block(hidden, **kwargs))
+            out = run_block(block, hidden, call)
         out.float().square().sum().backward()
         for w in weights:
             w.grad = None
