@@ -322,3 +322,109 @@ def test_the_default_reconstructs_two_epochs_with_or_without_the_pass():
                         distill_epochs=0, **settings)
     # 8 batches of 2, one held out: 7 steps an epoch
     assert [b["steps"] for b in with_pass.blocks] == [14, 14] == [b["steps"] for b in alone.blocks]
+
+
+def test_a_narrowed_weight_adds_steps_below_bfloat16s_resolution_as_float32_does():
+    from nmprune.reconstruct import KeptEntries, narrowed
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(8, 64, generator=g) * (torch.rand(8, 64, generator=g) > 0.5)
+    reference, lost = w.clone(), w.clone().bfloat16()
+    where = KeptEntries(w)
+    steps = [torch.randn(where.count, generator=g) * 1e-5 for _ in range(200)]  # each far below bf16's 2**-8
+    with narrowed([w], [where], torch.bfloat16):
+        assert w.dtype == torch.bfloat16 and where.residual.dtype == torch.bfloat16
+        for change in steps:
+            for kept, positions in where.chunks():
+                where.add(kept, positions, change[kept], w)
+                KeptEntries(reference).add(kept, positions, change[kept], reference)
+                KeptEntries(lost).add(kept, positions, change[kept], lost)  # no residual: plain bfloat16
+    assert w.dtype == torch.float32 and where.residual is None
+    assert torch.equal(w == 0, reference == 0)  # the pruned entries stay zero
+    # the residual's own rounding, 2**-18 of an entry a step, walks at random: 16 bits at the start
+    # and about sqrt(steps) times 2**-18 after them
+    bound = 4 * len(steps) ** 0.5 * 2 ** -18 * reference.abs() + 1e-30
+    assert bool(((w - reference).abs() <= bound).all())
+    assert float(((lost.float() - reference).abs() / bound).max()) > 10  # what bfloat16 alone loses
+    assert float(torch.stack(steps).sum(0).abs().max()) > 1e-4  # the steps did add up to something
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_narrowing_a_weight_keeps_its_value_and_its_own_dtype(dtype):
+    from nmprune.reconstruct import KeptEntries, narrowed
+
+    w = (torch.randn(4, 32) * (torch.rand(4, 32) > 0.5)).to(dtype)
+    original, where = w.clone(), KeptEntries(w)
+    with narrowed([w], [where], torch.bfloat16):
+        assert w.dtype == torch.bfloat16
+    assert w.dtype == dtype
+    assert torch.allclose(w.float(), original.float(), rtol=2 ** -15, atol=0)
+    if dtype == torch.bfloat16:
+        assert torch.equal(w, original)
+
+
+def _distilled(checkpoint_blocks: bool, precision: str):
+    from nmprune.reconstruct import FitOptions
+    from nmprune.stages.distillation import distill
+
+    model = tiny_model("llama", layers=2)
+    weights = [m.weight for b in find_blocks(model)[1] for m in find_linears(b).values()]
+    with torch.no_grad():
+        for w in weights:
+            w.view(-1, 4)[:, :2] = 0
+    batches = list(token_batch(8, 16).split(1))
+    with torch.no_grad():
+        teachers = [teacher_topk(tiny_model("llama", layers=2, seed=5)(b).logits, 8) for b in batches]
+    record = distill(model, weights, batches, teachers, list(range(8)), 8, frozenset({7}),
+                     FitOptions(2, 1e-2, 1, precision=precision), lambda t: None, torch.device("cpu"),
+                     checkpoint_blocks=checkpoint_blocks)
+    return model, record
+
+
+@pytest.mark.parametrize("precision", ["full", "bfloat16"])
+def test_block_checkpointing_gives_the_pass_the_same_weights(precision):
+    plain, record = _distilled(False, precision)
+    recomputed, again = _distilled(True, precision)
+    assert record["train_dtype"] == ("float32" if precision == "full" else "bfloat16")
+    assert record["last_epoch_kl"] < record["first_epoch_kl"]
+    assert again["last_epoch_kl"] == record["last_epoch_kl"]
+    for (n, p), q in zip(plain.named_parameters(), recomputed.parameters()):
+        assert p.dtype == torch.float32 and torch.equal(p, q), n
+    assert all(not hasattr(b.forward, "func") for b in find_blocks(recomputed)[1])  # the blocks' own forward back
+
+
+def _fit_kl(lean: bool):
+    """Two epochs of the pass's training on a tiny 2:4 Llama, its products in bfloat16: with the
+    weights narrowed (the lean pass), or float32 under autocast (the pass before it was lean)."""
+    from contextlib import nullcontext
+
+    from nmprune.reconstruct import FitOptions, KeptEntries, fit_masked, narrowed
+    from nmprune.stages.reconstruction import float32_training
+
+    model = tiny_model("llama", layers=2)
+    weights = [m.weight for b in find_blocks(model)[1] for m in find_linears(b).values()]
+    with torch.no_grad():
+        for w in weights:
+            w.view(-1, 4)[:, :2] = 0
+    batches = token_batch(8, 16).split(1)
+    with torch.no_grad():
+        teachers = [teacher_topk(tiny_model("llama", layers=2, seed=5)(b).logits, 8) for b in batches]
+    where = [KeptEntries(w) for w in weights]
+    with float32_training(model, widen=not lean), narrowed(weights, where, torch.bfloat16) if lean else nullcontext():
+        result = fit_masked(lambda i: model(batches[i], use_cache=False).logits, teachers, weights, range(8), 8,
+                            FitOptions(2, 1e-2, 1, precision="bfloat16"), entries=where, loss=topk_kl)
+    return model, result
+
+
+def test_the_lean_bfloat16_pass_trains_as_the_float32_weights_with_autocast_do():
+    """The lean pass's products see the bfloat16 weights autocast made of the float32 ones; its
+    Kahan-compensated steps differ from float32's by the rounding of the compensation alone."""
+    lean, result = _fit_kl(True)
+    full, reference = _fit_kl(False)
+    assert result.dtype == reference.dtype == "bfloat16"
+    assert result.last_epoch_mse < result.first_epoch_mse
+    assert result.first_epoch_mse == pytest.approx(reference.first_epoch_mse, rel=1e-4)
+    assert result.last_epoch_mse == pytest.approx(reference.last_epoch_mse, rel=1e-4)
+    for (n, p), q in zip(lean.named_parameters(), full.parameters()):
+        assert p.dtype == torch.float32 and torch.equal(p == 0, q == 0), n
+        assert float((p - q).detach().norm()) < 2e-3 * float(q.detach().norm()), n

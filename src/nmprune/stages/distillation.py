@@ -21,17 +21,20 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from ..checks import NonFiniteModel
 from ..devices import products_in
 from ..distill import TeacherTopK, teacher_topk, topk_kl
 from ..progress import bar as progress_bar
-from ..reconstruct import (FitOptions, KeptEntries, ReconstructionDiverged, epoch_steps, fit_masked,
+from ..models import find_blocks
+from ..reconstruct import (FitOptions, KeptEntries, ReconstructionDiverged, epoch_steps, fit_masked, narrowed,
                            training_dtype)
 from .needs import RunShape, StageNeeds
 from .reconstruction import Spill, float32_training, held_out_batches
@@ -68,6 +71,27 @@ def pass_attention(model: nn.Module, device: torch.device, dtype: torch.dtype | 
             model.set_attn_implementation(current)
 
 
+def _recomputed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+@contextmanager
+def checkpointed(model: nn.Module) -> Iterator[None]:
+    """Inside, each decoder block of ``model`` keeps only its inputs for the backward pass and
+    computes its activations again there (activation checkpointing, ``torch.utils.checkpoint``,
+    Chen et al., arXiv 1604.06174): autograd then holds one block's activations and every
+    block's input, at the cost of a second forward pass per step. The model must be called
+    with ``use_cache=False`` (a cache would grow in the recomputation)."""
+    blocks = find_blocks(model)[1]
+    for block in blocks:
+        block.forward = partial(_recomputed, block.forward)
+    try:
+        yield
+    finally:
+        for block in blocks:
+            del block.forward
+
+
 def _tokens(batches: Sequence[Tensor]) -> int:
     return max((b.shape[-1] for b in batches), default=0)
 
@@ -102,7 +126,7 @@ def mean_divergence(model: nn.Module, batches: Sequence[Tensor], teachers: Seque
     sums = torch.zeros(2, dtype=torch.float64, device=device)
     with torch.no_grad(), products_in(device, dtype):
         for j in which:
-            kl, count = topk_kl(model(batches[j].to(device)).logits, teachers[j].to(device))
+            kl, count = topk_kl(model(batches[j].to(device), use_cache=False).logits, teachers[j].to(device))
             sums += torch.tensor([float(kl), float(count)], dtype=torch.float64, device=device)
     all_reduce([sums])
     return float(sums[0] / sums[1]) if sums[1] > 0 else float("nan")
@@ -111,7 +135,7 @@ def mean_divergence(model: nn.Module, batches: Sequence[Tensor], teachers: Seque
 def distill(model: nn.Module, weights: Sequence[Tensor], batches: Sequence[Tensor], teachers: Sequence[TeacherTopK],
             positions: Sequence[int], total: int, held: frozenset[int], options: FitOptions,
             all_reduce: Callable[[Sequence[Tensor]], None], device: torch.device, progress: bool = False,
-            scratch: str | os.PathLike | None = None) -> dict[str, Any]:
+            scratch: str | os.PathLike | None = None, checkpoint_blocks: bool = False) -> dict[str, Any]:
     """Train the kept entries of ``weights`` (every pruned layer of ``model``, on ``device``)
     so that ``model``'s next-token distribution on this process's calibration ``batches``
     (token ids; ``positions``: their indices among all processes' ``total``) approaches
@@ -120,7 +144,13 @@ def distill(model: nn.Module, weights: Sequence[Tensor], batches: Sequence[Tenso
     held-out divergence before and after (``heldout_before``, ``heldout_after``,
     ``heldout_trained``: what training reached), training divergence of the first and last
     epoch, steps, ``kept`` (``"distilled"`` or ``"solved"``) and seconds. Attention is
-    computed as :func:`pass_attention` says."""
+    computed as :func:`pass_attention` says.
+
+    Where the products run in bfloat16 (:func:`~nmprune.reconstruct.training_dtype`), the pass
+    is lean: the trained weights are held in bfloat16 with their kept entries' rounding error
+    beside them (:func:`~nmprune.reconstruct.narrowed`) and the other parameters keep their
+    dtype; otherwise every parameter is float32 meanwhile. With ``checkpoint_blocks`` each
+    decoder block's activations are recomputed in the backward pass (:func:`checkpointed`)."""
     started = time.perf_counter()
     held_local = [j for j, g in enumerate(positions) if g in held]
     train = [j for j, g in enumerate(positions) if g not in held]
@@ -136,8 +166,10 @@ def distill(model: nn.Module, weights: Sequence[Tensor], batches: Sequence[Tenso
             steps = options.epochs * epoch_steps([0] * len(order), options.batches_per_step)
             bar = progress_bar(total=steps, desc="distilling the whole model", enabled=progress, nested=True)
             try:
-                with float32_training(model):
-                    result = fit_masked(lambda i: model(batches[train[i]].to(device)).logits,
+                with float32_training(model, widen=low is None), \
+                        narrowed(weights, where, low) if low is not None else nullcontext(), \
+                        checkpointed(model) if checkpoint_blocks else nullcontext():
+                    result = fit_masked(lambda i: model(batches[train[i]].to(device), use_cache=False).logits,
                                         [teachers[j].to(device) for j in train], weights,
                                         [order[positions[j]] for j in train], len(order), options, all_reduce,
                                         bar.update, where, loss=topk_kl)

@@ -93,22 +93,23 @@ def _cast(value: Any, dtype: torch.dtype) -> Any:
 
 
 @contextmanager
-def float32_training(block: nn.Module) -> Iterator[None]:
+def float32_training(block: nn.Module, widen: bool = True) -> Iterator[None]:
     """Gradients on for the body, but off for every parameter of ``block`` (``fit_masked``
-    turns them on for the weights it trains); every
-    floating parameter of ``block`` is float32 meanwhile (the same tensor objects) and returns
-    to its own dtype afterwards. Buffers are left as they are."""
+    turns them on for the weights it trains); with ``widen``, every floating parameter of
+    ``block`` is float32 meanwhile (the same tensor objects) and returns to its own dtype
+    afterwards (without, the global distillation's lean pass: each keeps its dtype, and the
+    trained weights are :func:`~nmprune.reconstruct.narrowed`). Buffers are left as they are."""
     flags = {p: (p.requires_grad, p.dtype) for p in block.parameters()}
     for p, (_, dtype) in flags.items():
         p.requires_grad_(False)
-        if dtype.is_floating_point and dtype != torch.float32:
+        if widen and dtype.is_floating_point and dtype != torch.float32:
             p.data = p.data.float()
     try:
         with torch.enable_grad():
             yield
     finally:
         for p, (flag, dtype) in flags.items():
-            if p.dtype != dtype:
+            if widen and p.dtype != dtype:
                 p.data = p.data.to(dtype)
             p.requires_grad_(flag)
 
