@@ -269,16 +269,25 @@ def test_the_plan_prices_training_at_the_precision_the_run_trains_in(tmp_path, m
 def test_the_plan_skips_the_auto_distillation_where_the_device_cannot_hold_it(tmp_path, capsys):
     """With ``distill_epochs: auto`` on a device that holds a block's phase but not the whole
     model's training, the plan is the run's: no distillation, and one line saying why; asked
-    for explicitly, the same device is refused."""
-    model = llama_config_dir(tmp_path / "llama", blocks=2)
+    for explicitly, the same device is refused. Between the pass's peak with its blocks
+    checkpointed and without, the pass runs checkpointed, at a second forward pass a step."""
+    model = llama_config_dir(tmp_path / "llama", blocks=8)
     args = ["prune", "--dry-run", "--model", str(model), "--out", str(tmp_path / "o"), "--device", "cuda"]
-    roomy = plan_run(build_config({"model": str(model), "device": "cuda"}), ranks=1)
+    config = build_config({"model": str(model), "device": "cuda"})
+    roomy = plan_run(config, ranks=1)
+    tight = plan_run(config, ranks=1, available=roomy.distill_peak_per_rank - 1)
     block = plan_run(build_config({"model": str(model), "device": "cuda", "distill_epochs": 0}), ranks=1)
-    assert roomy.distill_peak_per_rank > block.device_peak_per_rank  # the pass is the peak
-    between = f"{(roomy.distill_peak_per_rank + block.device_peak_per_rank) / 2 / GIB:.3f}"
+    assert not roomy.distill_checkpointed and tight.distill_checkpointed
+    assert roomy.distill_peak_per_rank > tight.distill_peak_per_rank > block.device_peak_per_rank  # the pass is the peak
+    assert tight.seconds["distillation"] > roomy.seconds["distillation"]
+    between = f"{(tight.distill_peak_per_rank + block.device_peak_per_rank) / 2 / GIB:.3f}"
     assert main(args + ["--device-memory", between]) == 0
     out = capsys.readouterr().out
     assert "| global distillation | none |" in out and "is skipped: the global distillation pass needs" in out
+    assert "its blocks checkpointed" in out
+    assert main(args + ["--device-memory", f"{tight.distill_peak_per_rank * 1.01 / GIB:.3f}"]) == 0
+    assert (f"| global distillation | 1 epoch(s) on {64 * AUTO_DISTILL_WINDOWS} windows, decoder blocks "
+            "checkpointed |") in capsys.readouterr().out
     assert main(args + ["--device-memory", f"{roomy.distill_peak_per_rank * 1.01 / GIB:.3f}"]) == 0
     assert f"| global distillation | 1 epoch(s) on {64 * AUTO_DISTILL_WINDOWS} windows |" in capsys.readouterr().out
     assert main(args + ["--device-memory", between, "--distill-epochs", "1"]) == 2

@@ -288,23 +288,24 @@ def _dry_run(config: RunConfig, ranks: int | None, device_memory: float | None) 
 
     import torch
 
+    from .devices import default_device
     from .job import check_run
     from .resources import GIB, check_device_fits, distill_shortfall, needs_table, plan_run
 
     resolved, model_config, _ = check_run(config, device_here=False)
     ranks = ranks if ranks is not None else int(os.environ.get("WORLD_SIZE", "1"))
-    needs = plan_run(config, ranks, model=(resolved, model_config))
     if device_memory is not None:
         device_bytes = int(device_memory * GIB)
-    elif needs.device == "cuda" and torch.cuda.is_available():
+    elif default_device(config.device).type == "cuda" and torch.cuda.is_available():
         device_bytes = torch.cuda.get_device_properties(0).total_memory
     else:
         device_bytes = None
+    needs = plan_run(config, ranks, model=(resolved, model_config), available=device_bytes)
     auto = config.prune.distill_epochs == AUTO and device_bytes is not None
     skipped = distill_shortfall(needs, device_bytes) if auto else None
     if skipped is not None:  # the run skips it (nmprune.job)
         config = replace(config, prune=replace(config.prune, distill_epochs=0))
-        needs = plan_run(config, ranks, model=(resolved, model_config))
+        needs = plan_run(config, ranks, model=(resolved, model_config), available=device_bytes)
     check_device_fits(needs, device_bytes)
     return needs_table(needs) + (f"\n\nThe global distillation (distill_epochs: auto) is skipped: {skipped}."
                                  if skipped is not None else "")

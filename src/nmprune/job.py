@@ -107,21 +107,22 @@ def _run_label(config: RunConfig) -> str:
 
 # ----------------------------------------------------------------------------- prune run
 
-def _distill_shortfall(config: RunConfig, world: int, resolved, model_config) -> str | None:
+def _distill_fit(config: RunConfig, world: int, resolved, model_config) -> tuple[str | None, bool]:
     """Why the run's global distillation pass would not fit the compute device (the CPU: the
-    memory available to this process), judged before any weight is read; None where it fits
-    or the run makes none."""
+    memory available to this process), None where it fits or the run makes none; and whether
+    it checkpoints its decoder blocks to fit (:func:`nmprune.resources.plan_run`, judged before
+    any weight is read)."""
     import torch
 
     from .devices import default_device
     from .resources import distill_shortfall, plan_run
     from .streaming.fit import available_memory
 
-    needs = plan_run(config, world, model=(resolved, model_config))
     device = default_device(config.device)
     available = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
                  else available_memory())
-    return distill_shortfall(needs, available)
+    needs = plan_run(config, world, model=(resolved, model_config), available=available)
+    return distill_shortfall(needs, available), needs.distill_checkpointed
 
 
 def _distill_windows(tokenizer, settings):
@@ -179,12 +180,14 @@ def check_run(config: RunConfig, writes: bool = True, device_here: bool = True):
 class LoadedRun:
     """A prune run once its model is loaded and its text tokenised (what :func:`run` hands the
     rest of the job): the ``settings`` it prunes with (``config.prune`` with the run's choice of
-    global distillation; ``distill_skipped``: why ``auto`` made none), the ``model``, its
+    global distillation; ``distill_skipped``: why ``auto`` made none; ``distill_checkpointed``:
+    whether the pass checkpoints its decoder blocks to fit), the ``model``, its
     ``tokenizer`` and ``source``, the tokenised evaluation text (``cache``), the ``timings`` so
     far, when the run started (``t0``) and its ``device``."""
 
     settings: Any
     distill_skipped: str | None
+    distill_checkpointed: bool
     model: BlockSource
     tokenizer: Any
     source: Any
@@ -456,8 +459,8 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
         resolved, model_config, downstream = check_run(config, writes=role.writes)
         digest = model_digest(resolved)
         offload = ranks_offload(config.offload, ranks.world, resolved)
-        shortfall = (_distill_shortfall(config, ranks.world, resolved, model_config)
-                     if config.prune.distill_passes() else None)
+        shortfall, checkpointed = (_distill_fit(config, ranks.world, resolved, model_config)
+                                   if config.prune.distill_passes() else (None, False))
         if shortfall is not None and config.prune.distill_epochs != AUTO:
             raise ValueError(f"{shortfall}: prune without --distill-epochs, or on a device with more memory")
     # every rank the same job, before any of them loads
@@ -507,7 +510,8 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
     try:
         with phase("opening the checkpoint"):
             role.open_checkpoint(digest)
-        loaded = LoadedRun(settings, distill_skipped, model, tokenizer, source, cache, timings, t0, ranks.device)
+        loaded = LoadedRun(settings, distill_skipped, checkpointed, model, tokenizer, source, cache, timings, t0,
+                           ranks.device)
         return _prune_and_save(config, loaded, role, (calibration, own_windows), progress, on_block_done, ranks,
                                ckpt_dir)
     except ValueError as e:
@@ -540,7 +544,8 @@ def _prune_and_save(config: RunConfig, loaded: LoadedRun, role: RunRole, calibra
         prune_report = prune_model(None, tokenizer, loaded.settings, calibration=calibration[0],
                                    distill_calibration=calibration[1], device=ranks.device,
                                    checkpoint=role.checkpoint, progress=progress, on_block_done=on_block_done,
-                                   source=model, sink=sink, scratch=ckpt_dir)
+                                   source=model, sink=sink, scratch=ckpt_dir,
+                                   distill_checkpointed=loaded.distill_checkpointed)
         pruned_model = role.pruned_model(sink, loaded)
     except BaseException:
         sink.abandon()

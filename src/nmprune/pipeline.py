@@ -115,7 +115,8 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
                 on_block_done: Callable[[int], None] | None = None,
                 hessians: dict[str, InputStats] | None = None, source: BlockSource | None = None,
                 sink: BlockSink | None = None, scratch: str | os.PathLike | None = None,
-                distill_calibration: Tensor | None = None, **setting_kwargs: Any) -> PruneReport:
+                distill_calibration: Tensor | None = None, distill_checkpointed: bool = False,
+                **setting_kwargs: Any) -> PruneReport:
     """Prune every linear layer inside ``model``'s decoder blocks to N:M, in place.
 
     ``settings`` (or the same fields as keyword arguments: ``method``, ``refine``,
@@ -135,7 +136,9 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
     wait in an unnamed temporary file while the block trains (default: in memory).
     ``distill_calibration``: token ids of the windows the global distillation trains on
     besides ``calibration`` (default: drawn from the text, :func:`distill_windows`, when
-    ``calibration`` is not given; none when it is).
+    ``calibration`` is not given; none when it is). ``distill_checkpointed``: the pass
+    recomputes each decoder block's activations in its backward pass (what the run's plan
+    decides where the pass would not fit without, :func:`nmprune.resources.plan_run`).
 
     Inside an initialised ``torch.distributed`` process group of several ranks (e.g. under
     ``torchrun``; :mod:`nmprune.distributed`) every rank calls this with the same model and
@@ -194,7 +197,7 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
             if epochs:
                 with executor.phase("global distillation"):
                     report.distillation = _distill(source, plans, stage, batches, own, epochs, settings, executor,
-                                                   shown, scratch)
+                                                   shown, scratch, distill_checkpointed)
     report.per_rank = _per_rank(report.layers[len(resumed[0]):], executor, loop.busy["calibration_seconds"])
     report.seconds = {"capture": t_capture, "total": time.perf_counter() - t_start,
                       "layers": sum(r.get("seconds", 0.0) for r in report.layers)}
@@ -408,12 +411,13 @@ def _own_windows(source: BlockSource, plans: dict[str, LayerPlan | None], window
 
 def _distill(source: BlockSource, plans: dict[str, LayerPlan | None], stage: ReconstructingStatistics,
              batches: list[Tensor], own: _OwnWindows | None, epochs: int, settings: PruneSettings,
-             executor: Executor, progress: bool, scratch: str | os.PathLike | None) -> dict[str, Any]:
+             executor: Executor, progress: bool, scratch: str | os.PathLike | None,
+             checkpointed: bool) -> dict[str, Any]:
     """``epochs`` of the global distillation pass (:mod:`nmprune.stages.distillation`) on the
     whole model, which visits the compute device meanwhile, towards the dense distribution of
     the dense stream ``stage`` carried to the last block (freed once read) and on the pass's
-    ``own`` windows. The held-out batches are the reconstruction's and as large a share of
-    the pass's own."""
+    ``own`` windows, its decoder blocks ``checkpointed`` or not. The held-out batches are the
+    reconstruction's and as large a share of the pass's own."""
     model = source.whole_model("distill_epochs")
     say(f"global distillation: {epochs} epoch(s) over every pruned layer", progress)
     template = stage.inputs.output_template
@@ -429,7 +433,7 @@ def _distill(source: BlockSource, plans: dict[str, LayerPlan | None], stage: Rec
     model.to(executor.device)
     try:
         return distill(model, weights, batches, teachers, positions, total, held, settings.distill_options(epochs),
-                       executor.all_reduce, executor.device, progress, scratch)
+                       executor.all_reduce, executor.device, progress, scratch, checkpointed)
     finally:
         model.to("cpu")
 

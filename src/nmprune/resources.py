@@ -103,6 +103,8 @@ class RunNeeds:
     distill_windows: int = 0
     #: the peak on the device (the CPU's on the CPU) while the global distillation pass runs
     distill_peak_per_rank: int = 0
+    #: whether the pass recomputes each decoder block's activations in its backward pass
+    distill_checkpointed: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -139,8 +141,9 @@ def distill_shortfall(needs: "RunNeeds", available: int) -> str | None:
     peak = needs.distill_peak_per_rank
     if not needs.distill_epochs or peak <= available:
         return None
-    return (f"the global distillation pass needs about {peak / GIB:.1f} GiB (the whole model in float32 with "
-            f"its optimiser state and one batch's activations) and {available / GIB:.1f} GiB are available")
+    return (f"the global distillation pass needs about {peak / GIB:.1f} GiB (the model, the trained weights' "
+            "optimiser state and one batch's activations" + (", its blocks checkpointed" if needs.distill_checkpointed
+                                                             else "") + f") and {available / GIB:.1f} GiB are available")
 
 
 def cpu_threads(ranks: int) -> int:
@@ -170,11 +173,14 @@ def _trains_in_bfloat16(precision: str, device: str, wide: bool) -> bool:
     return low_precision(precision, torch.device(device), wide) is not None
 
 
-def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None, model=None) -> RunNeeds:
+def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None, model=None,
+             available: int | None = None) -> RunNeeds:
     """The estimates of the module docstring for ``config`` on ``ranks`` ranks; ``streamed``
     says whether the weights stream (default: as the run decides from ``config.offload``, the
     number of ranks and the model's files, :func:`~nmprune.streaming.fit.ranks_offload`);
-    ``model``: the model's ``(source, configuration)`` when already read."""
+    ``model``: the model's ``(source, configuration)`` when already read; ``available``: the
+    bytes of the device the global distillation runs on (the CPU's, on the CPU), where known:
+    the pass checkpoints its decoder blocks where it would not fit them without."""
     from .devices import default_device
     from .reconstruct import BF16_MIN_WIDTH
     from .stages.distillation import distillation_needs
@@ -214,12 +220,17 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None, mo
     epochs = s.distill_passes(whole=not streamed)
     windows = s.nsamples + s.distill_extra_windows()
     distilling = distillation_needs(run, epochs, windows) if epochs else None
+    whole = 0 if streamed else run.params * itemsize
+    # the pass checkpoints its blocks where it would not fit without (a second forward pass a step)
+    checkpointed = bool(distilling and available is not None
+                        and _distill_peak(device, whole, distilling.peak_bytes) > available)
+    if checkpointed:
+        distilling = distillation_needs(run, epochs, windows, checkpointed=True)
     streams = (fitting or statistics).stream_bytes
     block = max(run.block_params) * itemsize
     block_phase = (block + statistics.block_bytes + solves.block_bytes + streams
                    + (fitting.block_bytes if fitting else 0))
     distill_peak = distilling.peak_bytes if distilling else 0
-    whole = 0 if streamed else run.params * itemsize
     outside = run.params - sum(run.block_params)
     if device == "cuda":
         cpu_peak = PROCESS_BYTES + whole + outside * itemsize + block
@@ -237,7 +248,13 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None, mo
                     output_disk=run.params * itemsize,
                     checkpoint_disk=pruned_weights + run.tokens * run.hidden_size * itemsize * (2 if recon else 1),
                     seconds=seconds, distill_epochs=epochs, distill_windows=windows if epochs else 0,
-                    distill_peak_per_rank=distill_peak if device == "cuda" else PROCESS_BYTES + whole + distill_peak)
+                    distill_peak_per_rank=_distill_peak(device, whole, distill_peak), distill_checkpointed=checkpointed)
+
+
+def _distill_peak(device: str, whole: int, pass_peak: int) -> int:
+    """The global distillation's peak where it is judged: on the device, or, on the CPU, beside
+    the process and the ``whole`` model it loaded."""
+    return pass_peak if device == "cuda" else PROCESS_BYTES + whole + pass_peak
 
 
 def check_device_fits(needs: RunNeeds, device_bytes: int | None) -> None:
@@ -260,7 +277,10 @@ def needs_table(needs: RunNeeds) -> str:
     if needs.device_peak_per_rank is not None:
         rows.append(("peak device memory per rank", f"{needs.device_peak_per_rank / GIB:.2f} GiB"))
     rows.append(("global distillation", f"{needs.distill_epochs} epoch(s) on {needs.distill_windows} windows"
+                 + (", decoder blocks checkpointed" if needs.distill_checkpointed else "")
                  if needs.distill_epochs else "none"))
+    if needs.distill_epochs:
+        rows.append(("peak memory of the global distillation per rank", f"{needs.distill_peak_per_rank / GIB:.2f} GiB"))
     rows += [("disk: output", f"{needs.output_disk / GIB:.2f} GiB"),
              ("disk: checkpoint (deleted at the end)", f"{needs.checkpoint_disk / GIB:.2f} GiB")]
     rows += [(f"time: {k.replace('_', ' ')}", f"{v / 60:.1f} min") for k, v in needs.seconds.items()]

@@ -197,40 +197,53 @@ def distill(model: nn.Module, weights: Sequence[Tensor], batches: Sequence[Tenso
             "kept": kept, "train_dtype": result.dtype, "seconds": time.perf_counter() - started}
 
 
-def distill_bytes(params: int, pruned: int, kept: float, blocks: int, batch_tokens: int, hidden_size: int,
-                  intermediate: int, vocab: int, positions: int = 0, attention: int = 0) -> int:
-    """Memory of the pass on its device: the whole model in float32, 16 bytes per kept entry of
-    a pruned weight (its position, compact gradient and AdamW's two moments) and the solved
-    values kept aside (4 per kept entry), autograd's activations of one batch through every
-    block and ``attention`` bytes of attention probabilities per block (eager attention's,
-    :func:`pass_attention`), its logits twice over (they and their gradient, float32 at most;
-    :func:`~nmprune.distill.topk_kl` reads them a few rows at a time), and the dense
-    distribution of the rank's ``positions`` (DISTILL_TOPK tokens of 8 bytes each)."""
+def distill_bytes(params: int, pruned: int, kept: float, itemsize: int, lean: bool, checkpointed: bool, blocks: int,
+                  batch_tokens: int, hidden_size: int, intermediate: int, vocab: int, positions: int = 0,
+                  attention: int = 0) -> int:
+    """Memory of the pass on its device, for a model of ``params`` parameters, ``pruned`` of
+    them in the trained weights, ``kept`` of those kept, in the run's dtype of ``itemsize``
+    bytes. The weights: the lean pass (``lean``, products in bfloat16, :func:`distill`) holds
+    the trained ones in bfloat16 and the others in their dtype, else every one is float32.
+    Each kept entry: its position (4 bytes), compact gradient and AdamW's first moment (in the
+    trained weights' dtype), second moment (float32) and, lean, its rounding error (bfloat16):
+    14 bytes lean, 16 else (the solved values the pass may restore go to disk,
+    :class:`~nmprune.stages.reconstruction.Spill`). Autograd's activations of one batch:
+    through every block, with ``attention`` bytes of attention probabilities per block
+    (eager attention's, :func:`pass_attention`), or, ``checkpointed``, every block's input and
+    one block's activations (:func:`checkpointed`). Its logits twice over (they and their
+    gradient, float32 at most; :func:`~nmprune.distill.topk_kl` reads them a few rows at a
+    time), and the dense distribution of the rank's ``positions`` (DISTILL_TOPK tokens of 8
+    bytes each)."""
     from ..distill import DISTILL_TOPK
 
-    return int(4 * params + pruned * 20 * kept
-               + blocks * (batch_tokens * (16 * hidden_size + 4 * intermediate) * 4 + attention)
+    weights = pruned * 2 + (params - pruned) * itemsize if lean else 4 * params
+    block = batch_tokens * (16 * hidden_size + 4 * intermediate) * 4 + attention
+    activations = block + blocks * batch_tokens * hidden_size * 4 if checkpointed else blocks * block
+    return int(weights + pruned * kept * (14 if lean else 16) + activations
                + 2 * batch_tokens * vocab * 4 + positions * min(DISTILL_TOPK, vocab) * 8)
 
 
-def distillation_needs(run: RunShape, epochs: int, windows: int) -> StageNeeds:
+def distillation_needs(run: RunShape, epochs: int, windows: int, checkpointed: bool = False) -> StageNeeds:
     """What ``epochs`` of the pass on ``windows`` calibration windows (the run's and its own)
-    need on one rank: its own peak (:func:`distill_bytes`, on the rank's share of the windows),
-    and its time at the training rate, shared out between the ranks: the dense model's forward
-    pass on the pass's own windows, the forward pass on the held-out batches before and after
-    training (the reconstruction's and as large a share of the pass's own,
+    need on one rank, its decoder blocks ``checkpointed`` or not (:func:`checkpointed`): its
+    own peak (:func:`distill_bytes`, on the rank's share of the windows), and its time at the
+    training rate, shared out between the ranks: the dense model's forward pass on the pass's
+    own windows, the forward pass on the held-out batches before and after training (the
+    reconstruction's and as large a share of the pass's own,
     :func:`~nmprune.stages.reconstruction.held_out_batches`), and the forward and backward
-    passes on every other batch each epoch."""
+    passes on every other batch each epoch (with a second forward pass, checkpointed)."""
     s = run.settings
     pruned = sum(block[n][0] * block[n][1] for block in run.per_block for n in run.pruned(block))
     # eager attention's probabilities of one batch: in float32 and their bfloat16 copy
     eager = uses_eager_attention(run.device, run.trains_in_bfloat16, s.seqlen)
     attention = 6 * s.batch_size * run.attention_heads * s.seqlen ** 2 if eager else 0
-    peak = distill_bytes(run.params, pruned, run.kept, len(run.per_block), run.batch_tokens, run.hidden_size,
-                         run.intermediate, run.vocab_size, -(-windows // run.ranks) * s.seqlen, attention)
+    peak = distill_bytes(run.params, pruned, run.kept, run.itemsize, run.trains_in_bfloat16, checkpointed,
+                         len(run.per_block), run.batch_tokens, run.hidden_size, run.intermediate, run.vocab_size,
+                         -(-windows // run.ranks) * s.seqlen, attention)
     own_tokens = s.distill_extra_windows() * s.seqlen
     run_batches, own_batches = -(-s.nsamples // s.batch_size), -(-(windows - s.nsamples) // s.batch_size)
     held = len(held_out_batches(run_batches)) + len(held_out_batches(own_batches))
-    passes = 3 * epochs * (run_batches + own_batches - held) + 2 * held  # of one batch, forward
+    per_step = 4 if checkpointed else 3  # forward passes' worth of one batch's training step
+    passes = per_step * epochs * (run_batches + own_batches - held) + 2 * held  # of one batch, forward
     seconds = (2.0 * run.params * own_tokens + passes * 2.0 * run.params * run.batch_tokens) / run.train_rate / run.ranks
     return StageNeeds(peak_bytes=peak, seconds={"distillation": seconds})
