@@ -37,7 +37,12 @@ peak device memory on Llama-3.1-8B-shaped layers. Writes ``benchmarks/results/gp
    random two-block Llama with Llama-3.1-8B's blocks, bfloat16, streamed, on the block part's
    calibration tokens: each stage's measured seconds beside the dry run's plan of the same run.
 
-The parts run in the order ``prox, agreement, pipeline, speed, block, step, job`` (``--parts`` picks some) and
+7. **The global distillation's lean pass.** On a random two-block Llama with Llama-3.1-8B's
+   blocks in bfloat16, one epoch with its decoder blocks checkpointed and one without: the
+   peak device memory and seconds beside the plan's peak (``distill_bytes``).
+
+The parts run in the order ``prox, agreement, pipeline, speed, block, step, job, distill``
+(``--parts`` picks some) and
 the results are written after each, so a run stopped at a time limit keeps what it finished;
 ``--merge`` adds the parts of this run to an earlier ``gpu.json`` of the same device.
 
@@ -318,6 +323,64 @@ def step_costs(device: torch.device, scale: int, repeats: int) -> list[dict]:
              "planned_per_parameter": planned[0], "planned_per_entry": planned[1]}]
 
 
+def distillation(device: torch.device, scale: int, settings: dict) -> list[dict]:
+    """Part 7: the global distillation's lean pass (:func:`nmprune.stages.distillation.distill`)
+    on a random two-block Llama-3.1-8B-shaped model in bfloat16, its linear layers 2:4, one
+    epoch on ``settings``' windows towards a random dense distribution, once with its decoder
+    blocks checkpointed and once without: peak device memory and seconds beside the plan's
+    (:func:`~nmprune.stages.distillation.distill_bytes`; a random teacher's top-64 is as large
+    as a real one's)."""
+    from transformers import LlamaForCausalLM
+
+    from nmprune.distill import DISTILL_TOPK, teacher_topk
+    from nmprune.pattern import parse_pattern, topn_mask
+    from nmprune.reconstruct import FitOptions, KeptEntries
+    from nmprune.stages.distillation import distill, distill_bytes, uses_eager_attention
+    from nmprune.stages.reconstruction import held_out_batches
+
+    nsamples, seqlen, vocab = settings["nsamples"], settings["seqlen"], 128256 // scale
+    config = block_config(scale, 2, vocab)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    weights = [m.weight for block in model.model.layers for m in block.modules() if isinstance(m, torch.nn.Linear)]
+    with torch.no_grad():
+        for w in weights:
+            w.mul_(topn_mask(w.abs(), parse_pattern("2:4")))
+    batches = list(torch.randint(0, vocab, (nsamples, seqlen)).split(1))
+    teachers = [teacher_topk(torch.randn(1, seqlen, vocab), DISTILL_TOPK) for _ in batches]
+    pruned, kept = sum(w.numel() for w in weights), sum(KeptEntries(w).count for w in weights)
+    params = sum(p.numel() for p in model.parameters())
+    eager = uses_eager_attention(device.type, True, seqlen)
+    solved = [w.detach().clone() for w in weights]
+    rows = []
+    for checkpointed in (True, False):
+        with torch.no_grad():
+            for w, value in zip(weights, solved):
+                w.copy_(value)
+        model.to(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
+        start = time.perf_counter()
+        record = distill(model, weights, batches, teachers, list(range(nsamples)), nsamples,
+                         held_out_batches(nsamples), FitOptions(1, 1e-3, 1, precision="bfloat16"),
+                         lambda tensors: None, device, checkpoint_blocks=checkpointed)
+        _sync(device)
+        seconds = time.perf_counter() - start
+        peak = torch.cuda.max_memory_allocated(device) - before if device.type == "cuda" else None
+        model.to("cpu")
+        # the plan's peak less the model, which sat on the device before the pass began
+        planned = distill_bytes(params, pruned, kept / pruned, 2, True, checkpointed, 2, seqlen, config.hidden_size,
+                                config.intermediate_size, vocab, nsamples * seqlen,
+                                6 * config.num_attention_heads * seqlen ** 2 if eager else 0) - 2 * params
+        rows.append({"checkpointed": checkpointed, "windows": nsamples, "seqlen": seqlen, "steps": record["steps"],
+                     "train_dtype": record["train_dtype"], "seconds": seconds, "peak_device_bytes": peak,
+                     "planned_peak_bytes": planned, "first_epoch_kl": record["first_epoch_kl"],
+                     "last_epoch_kl": record["last_epoch_kl"]})
+    return rows
+
+
 def _timed(fn, device: torch.device, repeats: int) -> float:
     """Median seconds of ``fn()`` over ``repeats`` runs after one warm-up."""
     fn()
@@ -453,6 +516,16 @@ def report_markdown(result: dict) -> str:
                   + (f"{r['measured_seconds'] / r['planned_seconds']:.2f} |" if r["planned_seconds"] else "- |")
                   for r in rows]
         lines += ["", f"Peak device memory: {mib(rows[-1]['peak_device_bytes'])} MiB."]
+    if "distill" in result:
+        rows = result["distill"]
+        lines += ["", "## The global distillation's lean pass on a two-block Llama-3.1-8B-shaped model (bfloat16)",
+                  "", f"One epoch on {rows[0]['windows']} x {rows[0]['seqlen']} tokens, one window a step; the "
+                  "peak is the rise over the model on the device, the plan's is distill_bytes less the model.", "",
+                  "| blocks checkpointed | steps | s | peak MiB | planned MiB | KL first -> last epoch |",
+                  "|---|---:|---:|---:|---:|---|"]
+        lines += [f"| {'yes' if r['checkpointed'] else 'no'} | {r['steps']} | {r['seconds']:.1f} | "
+                  f"{mib(r['peak_device_bytes'])} | {mib(r['planned_peak_bytes'])} | "
+                  f"{r['first_epoch_kl']:.4f} -> {r['last_epoch_kl']:.4f} |" for r in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -463,7 +536,7 @@ def _write(result: dict, out: Path) -> None:
     (out / "gpu.md").write_text(report_markdown(result))
 
 
-PARTS = ("prox", "agreement", "pipeline", "speed", "block", "step", "job")
+PARTS = ("prox", "agreement", "pipeline", "speed", "block", "step", "job", "distill")
 #: the block part's training precisions: float32, then bfloat16 products (--train-precision)
 BLOCK_PRECISIONS = ("full", "bfloat16")
 
@@ -548,6 +621,8 @@ def main(argv: list[str] | None = None) -> dict:
                 part(name, lambda: speed(device, shapes, args.repeats))
             elif name == "step":
                 part(name, lambda: step_costs(device, scale, args.repeats))
+            elif name == "distill":
+                part(name, lambda: distillation(device, scale, block_settings))
             elif name == "job":
                 part(name, lambda: default_job(device, args.tokenizer or model_dir, Path(tmp), block_settings,
                                                scale))

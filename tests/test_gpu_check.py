@@ -74,3 +74,12 @@ def test_gpu_check_runs_on_the_cpu(tmp_path, monkeypatch):
     assert list(again["failed"]) == ["block"] and "Traceback" in again["failed"]["block"]
     assert "## Part block FAILED" in (tmp_path / "gpu.md").read_text()
     sys.modules.pop("gpu_check", None)
+    # the lean pass on the 8B-shaped model, scaled down: checkpointed and not, the plan beside it
+    assert [r["checkpointed"] for r in result["distill"]] == [True, False]
+    for r in result["distill"]:
+        assert r["train_dtype"] == "bfloat16" and r["steps"] == 3 and r["seconds"] > 0  # 4 windows, 1 held out
+        assert r["peak_device_bytes"] is None and r["planned_peak_bytes"] > 0
+    assert result["distill"][0]["last_epoch_kl"] == pytest.approx(result["distill"][1]["last_epoch_kl"], rel=1e-3)
+    assert result["distill"][0]["planned_peak_bytes"] < result["distill"][1]["planned_peak_bytes"]
+    assert "The global distillation's lean pass" in (tmp_path / "gpu.md").read_text()
+
