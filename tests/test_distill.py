@@ -428,3 +428,50 @@ def test_the_lean_bfloat16_pass_trains_as_the_float32_weights_with_autocast_do()
     for (n, p), q in zip(lean.named_parameters(), full.parameters()):
         assert p.dtype == torch.float32 and torch.equal(p == 0, q == 0), n
         assert float((p - q).detach().norm()) < 2e-3 * float(q.detach().norm()), n
+
+
+class _Saves:
+    """A FitProgress in memory: saves after every round; resumes from ``start`` if given."""
+
+    def __init__(self, start=None):
+        self.states, self.start = [], start
+
+    def resume(self, like):
+        if self.start is None:
+            return None
+        assert set(self.start.tensors) == set(like)
+        return self.start
+
+    def due(self):
+        return True
+
+    def save(self, state):
+        self.states.append(copy.deepcopy(state))
+
+
+@pytest.mark.parametrize("lanes,narrow", [(1, False), (2, True)])
+def test_a_fit_resumed_from_any_saved_round_takes_the_uninterrupted_fits_steps(lanes, narrow):
+    from contextlib import nullcontext
+
+    from nmprune.reconstruct import FitOptions, KeptEntries, fit_masked, narrowed
+
+    def fit(progress):
+        torch.manual_seed(0)
+        weights = [torch.randn(8, 16) * (torch.rand(8, 16) > 0.5) for _ in range(2)]
+        x = torch.randn(6, 4, 16)
+        targets = [torch.randn(4, 8) for _ in range(6)]
+        where = [KeptEntries(w) for w in weights]
+        with narrowed(weights, where, torch.bfloat16) if narrow else nullcontext():
+            result = fit_masked(lambda j: x[j] @ (weights[0] + weights[1]).t(), targets, weights, range(6), 6,
+                                FitOptions(3, 1e-2, 1, lanes=lanes, precision="bfloat16" if narrow else "full"),
+                                entries=where, progress=progress)
+        return weights, result
+
+    saves = _Saves()
+    reference, result = fit(saves)
+    assert [(s.epoch, s.round) for s in saves.states] == [(e, r) for e in range(3) for r in range(1, 6 // lanes)]
+    for state in saves.states:
+        weights, again = fit(_Saves(state))
+        assert again.first_epoch_mse == result.first_epoch_mse and again.last_epoch_mse == result.last_epoch_mse
+        for w, v in zip(weights, reference):
+            assert torch.equal(w, v), (state.epoch, state.round)

@@ -96,3 +96,26 @@ def test_kill_9_then_rerun_is_bit_identical(run, tmp_path):
     assert weights.keys() == reference.keys()
     for key, value in reference.items():
         assert torch.equal(weights[key], value), key
+
+
+def test_a_pass_killed_after_saving_its_progress_resumes_from_it_to_the_same_model(run, tmp_path):
+    """The global distillation saves its progress every round here (``SAVE_SECONDS = 0``); a
+    kill -9 right after its second save, and the same command again: the rerun takes up the
+    pass at its second round, not at its start, and saves the uninterrupted run's weights."""
+    args, reference = run
+    out = tmp_path / "out"
+    saving = "import nmprune.stages.distillation as stage\nstage.SAVE_SECONDS = 0.0\n" + CHILD
+    killed = subprocess.run([sys.executable, "-c", saving, "nmprune.stages.distillation", "SavedPass.save", "2",
+                             "after", *args, "--out", str(out)], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    manifest = json.loads((tmp_path / "out.checkpoint" / "manifest.json").read_text())
+    assert manifest["done_blocks"] == 3 and manifest["extra"]["distillation"]["steps"] == 2
+    assert [f for f in manifest["files"] if f.startswith("distillation_")] == ["distillation_1.safetensors"]
+    assert main([*args, "--out", str(out)]) == 0
+    report = json.loads((out / "nmprune_report.json").read_text())
+    assert report["distillation"]["resumed_from_step"] == 2 and report["distillation"]["steps"] > 2
+    assert report["distillation"]["kept"] == "distilled"  # the trained weights are the ones compared
+    weights = load_file(str(out / "model.safetensors"))
+    for key, value in reference.items():
+        assert torch.equal(weights[key], value), key

@@ -38,8 +38,10 @@ from .output import check_owned, mark, marker, remove_owned
 FORMAT = 3  # 3: the hidden states as streams (stream{k}_batch_{j}), not side by side
 MANIFEST = "manifest.json"
 #: The only file names a manifest may list (nothing outside the directory is ever touched).
-_FILE_NAME = re.compile(r"((block|hidden)_\d{4}|teachers)\.safetensors")
+_FILE_NAME = re.compile(r"((block|hidden)_\d{4}|teachers|distillation_[01])\.safetensors")
 TEACHERS = "teachers.safetensors"
+#: the global distillation's progress (:meth:`Checkpoint.save_pass`), in two files by turns
+PASS = ("distillation_0.safetensors", "distillation_1.safetensors")
 #: What a checkpoint directory may hold besides its marker (temporary names included).
 _OWN_ENTRY = re.compile(rf"({_FILE_NAME.pattern}|{re.escape(MANIFEST)})(\.tmp)?")
 KIND = "checkpoint"
@@ -313,6 +315,27 @@ class Checkpoint:
     def teachers(self) -> dict[str, Tensor] | None:
         """What :meth:`save_teachers` recorded, None where nothing was."""
         return self._load(TEACHERS) if TEACHERS in self.manifest["files"] else None
+
+    def save_pass(self, tensors: dict[str, Tensor], state: dict[str, Any]) -> None:
+        """Durably record the global distillation's progress: its ``tensors`` and ``state``
+        (JSON). The two files of :data:`PASS` take turns, so that the one the manifest names
+        is never overwritten: a kill at any point leaves the last progress, or this one."""
+        files = dict(self.manifest["files"])
+        old = [name for name in PASS if name in files]
+        name = PASS[1] if PASS[0] in old else PASS[0]
+        files[name] = self._save(name, tensors)
+        for f in old:
+            del files[f]
+        self.manifest["files"] = files
+        self.manifest["extra"]["distillation"] = state
+        self._write_manifest()
+        for f in old:
+            (self.directory / f).unlink(missing_ok=True)
+
+    def saved_pass(self) -> tuple[dict[str, Tensor], dict[str, Any]] | None:
+        """What :meth:`save_pass` recorded last, None where nothing was."""
+        name = next((name for name in PASS if name in self.manifest["files"]), None)
+        return None if name is None else (self._load(name), self.get("distillation"))
 
     def remove(self) -> None:
         """Delete the files this checkpoint wrote, and its directory if nmprune made it

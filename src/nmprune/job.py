@@ -606,7 +606,9 @@ def reconstruction_table(report: dict[str, Any]) -> str:
     if distilled and "skipped" in distilled:
         lines.append(f"global distillation skipped: {distilled['skipped']}")
     elif distilled:
-        lines.append(f"global distillation ({distilled['epochs']} epoch(s), {distilled['steps']} steps, "
+        resumed = (f", resumed after step {distilled['resumed_from_step']}"
+                   if distilled.get("resumed_from_step") is not None else "")
+        lines.append(f"global distillation ({distilled['epochs']} epoch(s), {distilled['steps']} steps{resumed}, "
                      f"{distilled['seconds']:.0f} s): held-out KL from dense {_error(distilled['heldout_before'])} "
                      f"-> {_error(distilled['heldout_trained'])}, kept: {distilled['kept']}")
     return "\n".join(lines)

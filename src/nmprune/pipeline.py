@@ -16,6 +16,7 @@ after it. This module only wires the stages.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -36,7 +37,7 @@ from .progress import bar as progress_bar
 from .progress import stage as say
 from .stages.plan import LayerPlan
 from .distill import DISTILL_TOPK, TeacherTopK, teacher_topk
-from .stages.distillation import dense_teachers, distill, teacher
+from .stages.distillation import SavedPass, dense_teachers, distill, teacher
 from .reconstruct import training_dtype
 from .stages.reconstruction import ReconstructingStatistics, held_out_batches
 from .stages.sink import BlockSink, ModelSink
@@ -197,7 +198,7 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
             if epochs:
                 with executor.phase("global distillation"):
                     report.distillation = _distill(source, plans, stage, batches, own, epochs, settings, executor,
-                                                   shown, scratch, distill_checkpointed)
+                                                   shown, scratch, distill_checkpointed, checkpoint)
     report.per_rank = _per_rank(report.layers[len(resumed[0]):], executor, loop.busy["calibration_seconds"])
     report.seconds = {"capture": t_capture, "total": time.perf_counter() - t_start,
                       "layers": sum(r.get("seconds", 0.0) for r in report.layers)}
@@ -412,12 +413,14 @@ def _own_windows(source: BlockSource, plans: dict[str, LayerPlan | None], window
 def _distill(source: BlockSource, plans: dict[str, LayerPlan | None], stage: ReconstructingStatistics,
              batches: list[Tensor], own: _OwnWindows | None, epochs: int, settings: PruneSettings,
              executor: Executor, progress: bool, scratch: str | os.PathLike | None,
-             checkpointed: bool) -> dict[str, Any]:
+             checkpointed: bool, checkpoint: Checkpoint | None) -> dict[str, Any]:
     """``epochs`` of the global distillation pass (:mod:`nmprune.stages.distillation`) on the
     whole model, which visits the compute device meanwhile, towards the dense distribution of
     the dense stream ``stage`` carried to the last block (freed once read) and on the pass's
     ``own`` windows, its decoder blocks ``checkpointed`` or not. The held-out batches are the
-    reconstruction's and as large a share of the pass's own."""
+    reconstruction's and as large a share of the pass's own. Its progress is saved in rank 0's
+    ``checkpoint`` now and then, and a pass of the same settings and windows resumes from it
+    (:class:`~nmprune.stages.distillation.SavedPass`); the record says from which step."""
     model = source.whole_model("distill_epochs")
     say(f"global distillation: {epochs} epoch(s) over every pruned layer", progress)
     template = stage.inputs.output_template
@@ -430,12 +433,17 @@ def _distill(source: BlockSource, plans: dict[str, LayerPlan | None], stage: Rec
         held |= {total + g for g in held_out_batches(own.total)}
         total += own.total
     weights = _pruned_weights(source, plans)
+    options = settings.distill_options(epochs)
+    key = json.dumps({"options": asdict(options), "total": total, "held": sorted(held),
+                      "kept": [int(torch.count_nonzero(w)) for w in weights]})
+    saved = SavedPass(checkpoint if executor.is_main else None, key, executor)
     model.to(executor.device)
     try:
-        return distill(model, weights, batches, teachers, positions, total, held, settings.distill_options(epochs),
-                       executor.all_reduce, executor.device, progress, scratch, checkpointed)
+        record = distill(model, weights, batches, teachers, positions, total, held, options, executor.all_reduce,
+                         executor.device, progress, scratch, checkpointed, saved)
     finally:
         model.to("cpu")
+    return {**record, "resumed_from_step": saved.resumed_from}
 
 
 def _pruned_weights(source: BlockSource, plans: dict[str, LayerPlan | None]) -> list[Tensor]:

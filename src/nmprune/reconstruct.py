@@ -33,7 +33,7 @@ import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Protocol
 from dataclasses import dataclass
 
 import torch
@@ -121,6 +121,36 @@ class FitResult:
     last_epoch_mse: float
     seconds: float
     dtype: str = "float32"
+
+
+@dataclass
+class FitState:
+    """Where :func:`fit_masked` stands between two rounds, to save and resume from: the epoch
+    under way, its rounds and steps done, the optimiser's steps, the epoch's summed error and
+    count (float64, ``tensors["sums"]``), the mean errors of the epochs done, and
+    :meth:`CompactAdamW.state` (``tensors``)."""
+
+    epoch: int
+    round: int
+    epoch_steps: int
+    steps: int
+    epoch_mse: list[float]
+    tensors: dict[str, Tensor]
+
+
+class FitProgress(Protocol):
+    """Where :func:`fit_masked` saves its state and resumes from (the global distillation's
+    :class:`~nmprune.stages.distillation.SavedPass`)."""
+
+    def resume(self, like: dict[str, Tensor]) -> FitState | None:
+        """The state to resume from, its tensors shaped as ``like`` (None: start afresh);
+        every process calls it, and all get the same state."""
+
+    def due(self) -> bool:
+        """Whether to save the state now (a process may answer alone)."""
+
+    def save(self, state: FitState) -> None:
+        """Keep ``state`` durably."""
 
 
 class KeptEntries:
@@ -261,6 +291,29 @@ class CompactAdamW:
         self.exp_avg_sq = [torch.zeros_like(g, dtype=torch.promote_types(g.dtype, torch.float32)) for g in self.grads]
         self.steps = 0
 
+    def state(self) -> dict[str, Tensor]:
+        """Everything a step reads and writes, by name: each weight's kept entries as the
+        weight holds them (``value{i}``) and their rounding error where it is narrowed
+        (``residual{i}``), and the two moments (``avg{i}``, ``avg_sq{i}``); copies."""
+        out: dict[str, Tensor] = {}
+        for i, (w, where) in enumerate(zip(self.weights, self.entries)):
+            out[f"value{i}"] = where.gather(w).clone()
+            if where.residual is not None:
+                out[f"residual{i}"] = where.residual.clone()
+            out[f"avg{i}"], out[f"avg_sq{i}"] = self.exp_avg[i].clone(), self.exp_avg_sq[i].clone()
+        return out
+
+    @torch.no_grad()
+    def load(self, state: dict[str, Tensor], steps: int) -> None:
+        """Take up :meth:`state` after ``steps`` steps."""
+        for i, (w, where) in enumerate(zip(self.weights, self.entries)):
+            where.scatter(state[f"value{i}"], w)
+            if where.residual is not None:
+                where.residual.copy_(state[f"residual{i}"])
+            self.exp_avg[i].copy_(state[f"avg{i}"])
+            self.exp_avg_sq[i].copy_(state[f"avg_sq{i}"])
+        self.steps = steps
+
     @torch.no_grad()
     def step(self, lr: float) -> None:
         """One step of relative learning rate ``lr`` along ``grads``."""
@@ -341,7 +394,8 @@ def fit_masked(run: Callable[[int], Tensor], targets: Sequence[Tensor], weights:
                entries: Sequence[KeptEntries] | None = None,
                channel_weight: Tensor | None = None,
                lanes: Sequence[int] | None = None,
-               loss: Callable[[Tensor, Any], tuple[Tensor, int]] | None = None) -> FitResult:
+               loss: Callable[[Tensor, Any], tuple[Tensor, int]] | None = None,
+               progress: FitProgress | None = None) -> FitResult:
     """Lower ``sum_b ||(run(b) - targets[b]) * sqrt(channel_weight)||^2 / count`` over the
     nonzero entries of ``weights``.
 
@@ -363,7 +417,9 @@ def fit_masked(run: Callable[[int], Tensor], targets: Sequence[Tensor], weights:
     when given, replaces the squared error: it returns a batch's summed loss (differentiable)
     and the count it is a sum over, and ``targets`` may then hold anything it reads. Raises
     :class:`ReconstructionDiverged` (the weights then hold an unfinished step and must be
-    discarded) when a step's loss is not finite.
+    discarded) when a step's loss is not finite. With ``progress``, training resumes from the
+    state it holds, if any, and saves its state after each round where it is due: a resumed
+    fit takes the uninterrupted one's steps, to the bit.
 
     The optimiser is :class:`CompactAdamW`: a weight's gradient and AdamW's two moments are
     compact vectors of its kept entries (``N/M`` of the weight), and the weights themselves
@@ -430,13 +486,26 @@ def fit_masked(run: Callable[[int], Tensor], targets: Sequence[Tensor], weights:
         w.grad = None
         handles.append(w.register_post_accumulate_grad_hook(compact(i, where)))
     generator = torch.Generator().manual_seed(options.seed)
-    epoch_mse: list[float] = []
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # error, count over the epoch
+    resumed = progress.resume({**optimiser.state(), "sums": sums}) if progress is not None else None
+    if resumed is not None:
+        optimiser.load(resumed.tensors, resumed.steps)
+        for _ in range(resumed.steps if on_step is not None else 0):
+            on_step()
+    epoch_mse: list[float] = list(resumed.epoch_mse) if resumed is not None else []
     try:
         for epoch in range(options.epochs):
+            # every epoch's order is drawn, so that the generator is where it was at the epoch resumed
             orders = [[m[i] for i in torch.randperm(len(m), generator=generator).tolist()] for m in members]
-            sums = torch.zeros(2, dtype=torch.float64, device=device)  # error, count over the epoch
-            step = 0
-            for r in range(max(-(-len(m) // per_step) for m in members)):
+            if epoch < len(epoch_mse):
+                continue
+            first = resumed.round if resumed is not None and epoch == resumed.epoch else 0
+            sums = resumed.tensors["sums"].to(device) if first else torch.zeros(2, dtype=torch.float64, device=device)
+            step = resumed.epoch_steps if first else 0
+            for r in range(first, max(-(-len(m) // per_step) for m in members)):
+                if progress is not None and r > first and progress.due():
+                    progress.save(FitState(epoch, r, step, optimiser.steps, epoch_mse,
+                                           {**optimiser.state(), "sums": sums.cpu()}))
                 groups = [order[r * per_step:(r + 1) * per_step] for order in orders]
                 errors = {k: gradient(group, slots[k]) for k, group in enumerate(groups) if group and k in slots}
                 for k, group in enumerate(groups):

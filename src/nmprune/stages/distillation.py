@@ -34,8 +34,8 @@ from ..devices import products_in
 from ..distill import TeacherTopK, teacher_topk, topk_kl
 from ..progress import bar as progress_bar
 from ..models import find_blocks
-from ..reconstruct import (FitOptions, KeptEntries, ReconstructionDiverged, epoch_steps, fit_masked, narrowed,
-                           training_dtype)
+from ..reconstruct import (FitOptions, FitProgress, FitState, KeptEntries, ReconstructionDiverged, epoch_steps,
+                           fit_masked, narrowed, training_dtype)
 from .needs import RunShape, StageNeeds
 from .reconstruction import Spill, float32_training, held_out_batches
 
@@ -92,6 +92,46 @@ def checkpointed(model: nn.Module) -> Iterator[None]:
             del block.forward
 
 
+#: seconds of training between two saves of the pass's progress (:class:`SavedPass`): a kill
+#: loses at most this much of it; each save writes about 12 bytes a kept entry (SmolLM2: 0.6 GB)
+SAVE_SECONDS = 600.0
+
+
+class SavedPass:
+    """The pass's progress in the run's checkpoint (:class:`~nmprune.reconstruct.FitProgress`):
+    rank 0 saves it every :data:`SAVE_SECONDS` of training, between two rounds (every rank
+    holds the same weights and optimiser state); a resumed run's ranks take it from rank 0.
+    A saved state is taken up only by a pass of the same ``key`` (its settings and windows);
+    another starts afresh."""
+
+    def __init__(self, checkpoint: Any, key: str, executor: Any):
+        self.checkpoint, self.key, self.executor = checkpoint, key, executor
+        self.last = time.monotonic()
+        self.resumed_from: int | None = None
+
+    def resume(self, like: dict[str, Tensor]) -> FitState | None:
+        saved = self.checkpoint.saved_pass() if self.checkpoint is not None else None
+        state = saved[1] if saved is not None and saved[1].get("key") == self.key else None
+        state = self.executor.broadcast_object(state)
+        if state is None:
+            return None
+        tensors = {k: v.to(like[k].device) for k, v in saved[0].items()} if saved is not None else \
+            {k: torch.empty_like(v) for k, v in like.items()}
+        self.executor.broadcast_tensors([tensors[k] for k in sorted(like)])
+        self.resumed_from = state["steps"]
+        return FitState(state["epoch"], state["round"], state["epoch_steps"], state["steps"], state["epoch_mse"],
+                        tensors)
+
+    def due(self) -> bool:
+        return self.checkpoint is not None and time.monotonic() - self.last >= SAVE_SECONDS
+
+    def save(self, state: FitState) -> None:
+        self.checkpoint.save_pass(state.tensors, {"key": self.key, "epoch": state.epoch, "round": state.round,
+                                                  "epoch_steps": state.epoch_steps, "steps": state.steps,
+                                                  "epoch_mse": state.epoch_mse})
+        self.last = time.monotonic()
+
+
 def _tokens(batches: Sequence[Tensor]) -> int:
     return max((b.shape[-1] for b in batches), default=0)
 
@@ -135,7 +175,8 @@ def mean_divergence(model: nn.Module, batches: Sequence[Tensor], teachers: Seque
 def distill(model: nn.Module, weights: Sequence[Tensor], batches: Sequence[Tensor], teachers: Sequence[TeacherTopK],
             positions: Sequence[int], total: int, held: frozenset[int], options: FitOptions,
             all_reduce: Callable[[Sequence[Tensor]], None], device: torch.device, progress: bool = False,
-            scratch: str | os.PathLike | None = None, checkpoint_blocks: bool = False) -> dict[str, Any]:
+            scratch: str | os.PathLike | None = None, checkpoint_blocks: bool = False,
+            saved: FitProgress | None = None) -> dict[str, Any]:
     """Train the kept entries of ``weights`` (every pruned layer of ``model``, on ``device``)
     so that ``model``'s next-token distribution on this process's calibration ``batches``
     (token ids; ``positions``: their indices among all processes' ``total``) approaches
@@ -150,19 +191,20 @@ def distill(model: nn.Module, weights: Sequence[Tensor], batches: Sequence[Tenso
     is lean: the trained weights are held in bfloat16 with their kept entries' rounding error
     beside them (:func:`~nmprune.reconstruct.narrowed`) and the other parameters keep their
     dtype; otherwise every parameter is float32 meanwhile. With ``checkpoint_blocks`` each
-    decoder block's activations are recomputed in the backward pass (:func:`checkpointed`)."""
+    decoder block's activations are recomputed in the backward pass (:func:`checkpointed`).
+    With ``saved`` (:class:`SavedPass`) training resumes from, and saves, its progress."""
     started = time.perf_counter()
     held_local = [j for j, g in enumerate(positions) if g in held]
     train = [j for j, g in enumerate(positions) if g not in held]
     order = {g: r for r, g in enumerate(g for g in range(total) if g not in held)}
     low = training_dtype(options.precision, weights)  # the held-out judgement computes as training does
     where = [KeptEntries(w) for w in weights]
-    saved = Spill(scratch)
+    solved = Spill(scratch)
     try:
         with pass_attention(model, device, low, _tokens(batches)):
             before = mean_divergence(model, batches, teachers, held_local, all_reduce, device, low) if held else None
             for w, entries in zip(weights, where):
-                saved.append(entries.gather(w))
+                solved.append(entries.gather(w))
             steps = options.epochs * epoch_steps([0] * len(order), options.batches_per_step)
             bar = progress_bar(total=steps, desc="distilling the whole model", enabled=progress, nested=True)
             try:
@@ -172,7 +214,7 @@ def distill(model: nn.Module, weights: Sequence[Tensor], batches: Sequence[Tenso
                     result = fit_masked(lambda i: model(batches[train[i]].to(device), use_cache=False).logits,
                                         [teachers[j].to(device) for j in train], weights,
                                         [order[positions[j]] for j in train], len(order), options, all_reduce,
-                                        bar.update, where, loss=topk_kl)
+                                        bar.update, where, loss=topk_kl, progress=saved)
             except (ReconstructionDiverged, NonFiniteModel) as e:
                 raise type(e)(f"global distillation: {e}") from e
             finally:
@@ -186,9 +228,9 @@ def distill(model: nn.Module, weights: Sequence[Tensor], batches: Sequence[Tenso
         if not improved:
             with torch.no_grad():
                 for i, (w, entries) in enumerate(zip(weights, where)):
-                    entries.scatter(saved[i], w.zero_())
+                    entries.scatter(solved[i], w.zero_())
     finally:
-        saved.close()
+        solved.close()
     return {"epochs": options.epochs, "lr": options.lr, "batches": total, "steps": result.steps,
             "heldout_batches": len(held),
             "heldout_before": before, "heldout_trained": after,
