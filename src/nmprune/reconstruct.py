@@ -294,20 +294,22 @@ class CompactAdamW:
     def state(self) -> dict[str, Tensor]:
         """Everything a step reads and writes, by name: each weight's kept entries as the
         weight holds them (``value{i}``) and their rounding error where it is narrowed
-        (``residual{i}``), and the two moments (``avg{i}``, ``avg_sq{i}``); copies."""
+        (``residual{i}``), and the two moments (``avg{i}``, ``avg_sq{i}``); copies on the CPU,
+        made one tensor at a time (a device holds no second copy of the state)."""
         out: dict[str, Tensor] = {}
         for i, (w, where) in enumerate(zip(self.weights, self.entries)):
-            out[f"value{i}"] = where.gather(w).clone()
+            out[f"value{i}"] = where.gather(w).to("cpu", copy=True)
             if where.residual is not None:
-                out[f"residual{i}"] = where.residual.clone()
-            out[f"avg{i}"], out[f"avg_sq{i}"] = self.exp_avg[i].clone(), self.exp_avg_sq[i].clone()
+                out[f"residual{i}"] = where.residual.to("cpu", copy=True)
+            out[f"avg{i}"] = self.exp_avg[i].to("cpu", copy=True)
+            out[f"avg_sq{i}"] = self.exp_avg_sq[i].to("cpu", copy=True)
         return out
 
     @torch.no_grad()
     def load(self, state: dict[str, Tensor], steps: int) -> None:
         """Take up :meth:`state` after ``steps`` steps."""
         for i, (w, where) in enumerate(zip(self.weights, self.entries)):
-            where.scatter(state[f"value{i}"], w)
+            where.scatter(state[f"value{i}"].to(w.device), w)
             if where.residual is not None:
                 where.residual.copy_(state[f"residual{i}"])
             self.exp_avg[i].copy_(state[f"avg{i}"])
@@ -487,7 +489,7 @@ def fit_masked(run: Callable[[int], Tensor], targets: Sequence[Tensor], weights:
         handles.append(w.register_post_accumulate_grad_hook(compact(i, where)))
     generator = torch.Generator().manual_seed(options.seed)
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # error, count over the epoch
-    resumed = progress.resume({**optimiser.state(), "sums": sums}) if progress is not None else None
+    resumed = progress.resume({**optimiser.state(), "sums": sums.cpu()}) if progress is not None else None
     if resumed is not None:
         optimiser.load(resumed.tensors, resumed.steps)
         for _ in range(resumed.steps if on_step is not None else 0):
