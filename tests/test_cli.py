@@ -80,6 +80,10 @@ def test_global_distillation_from_the_command_line_and_its_refusal_on_a_streamed
                  "--out", str(refused)]) != 0
     assert not refused.exists() and not refused.with_name("refused.checkpoint").exists()
     assert "--distill-epochs cannot run on a streamed model" in capsys.readouterr().err
+    # the dry run refuses it as the run does (it planned the pass and exited 0)
+    assert main(["prune", "--config", str(yaml_file), "--offload", "--distill-epochs", "1", "--dry-run",
+                 "--out", str(refused)]) == 2
+    assert "--distill-epochs cannot run on a streamed model" in capsys.readouterr().err
     # the default, auto, skips it on the streamed model with one line, and says so in the report
     skipped = tmp_path / "skipped"
     assert main(["prune", "--config", str(yaml_file), "--offload", "--reconstruct", "block", "--out",

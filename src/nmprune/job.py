@@ -448,6 +448,7 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
     from .data import calibration_batch
     from .identity import model_digest
     from .memory import release_memory
+    from .stages.distillation import STREAMED_REFUSAL
     from .streaming.fit import ranks_offload
 
     ranks = distributed.job_ranks(config.device)
@@ -477,10 +478,7 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
         if downstream.tasks:
             model.whole_model("--eval-tasks")  # refused when streamed
         if config.prune.distill_epochs not in (0, AUTO) and model.streamed:
-            raise ValueError("--distill-epochs cannot run on a streamed model (--offload, a model larger "
-                             "than memory, or several ranks on a safetensors model): the global "
-                             "distillation trains the whole model at once, so it needs every weight in "
-                             "memory; prune without it, or with offload: false where the model fits")
+            raise ValueError(STREAMED_REFUSAL)
         if tokenizer is None:
             raise ValueError(f"{source} has no tokenizer; nmprune needs one for calibration and "
                              "evaluation text (save one next to the model)")

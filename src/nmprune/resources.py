@@ -41,7 +41,7 @@ from __future__ import annotations
 import copy
 from dataclasses import asdict, dataclass
 
-from .config import RunConfig
+from .config import AUTO, RunConfig
 
 MIB = float(1 << 20)
 GIB = float(1 << 30)
@@ -183,7 +183,7 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None, mo
     the pass checkpoints its decoder blocks where it would not fit them without."""
     from .devices import default_device
     from .reconstruct import BF16_MIN_WIDTH
-    from .stages.distillation import distillation_needs
+    from .stages.distillation import STREAMED_REFUSAL, distillation_needs
     from .stages.executor import solve_needs
     from .stages.needs import RunShape, StepCosts
     from .stages.reconstruction import reconstruction_needs
@@ -217,6 +217,8 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None, mo
     recon = s.reconstruct != "none"
     solves, statistics = solve_needs(run), statistics_needs(run)
     fitting = reconstruction_needs(run) if recon else None
+    if streamed and s.distill_epochs not in (0, AUTO):
+        raise ValueError(STREAMED_REFUSAL)  # as the run refuses it once loaded
     epochs = s.distill_passes(whole=not streamed)
     windows = s.nsamples + s.distill_extra_windows()
     distilling = distillation_needs(run, epochs, windows) if epochs else None

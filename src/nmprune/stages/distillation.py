@@ -49,6 +49,13 @@ from .reconstruction import Spill, float32_training, held_out_batches
 EAGER_ATTENTION_MAX_TOKENS = 512
 
 
+#: why ``--distill-epochs N`` is refused where the weights stream (the run's and the plan's words)
+STREAMED_REFUSAL = ("--distill-epochs cannot run on a streamed model (--offload, a model larger than memory, or "
+                    "several ranks on a safetensors model): the global distillation trains the whole model at once, "
+                    "so it needs every weight in memory; prune without it, or with offload: false where the model "
+                    "fits")
+
+
 def uses_eager_attention(device: str, bfloat16: bool, tokens: int) -> bool:
     """Whether the pass computes attention by the eager path on a ``device`` kind, with its
     products in bfloat16 or not, on windows of ``tokens`` (:data:`EAGER_ATTENTION_MAX_TOKENS`)."""
