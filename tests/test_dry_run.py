@@ -291,3 +291,21 @@ def test_the_plan_skips_the_auto_distillation_where_the_device_cannot_hold_it(tm
     assert main(args + ["--device-memory", f"{roomy.distill_peak_per_rank * 1.01 / GIB:.3f}"]) == 0
     assert f"| global distillation | 1 epoch(s) on {64 * AUTO_DISTILL_WINDOWS} windows |" in capsys.readouterr().out
     assert main(args + ["--device-memory", between, "--distill-epochs", "1"]) == 2
+
+
+def test_the_cpu_dry_run_judges_the_pass_on_the_cpus_memory_as_the_run_does(tmp_path, capsys):
+    """On the CPU the dry run takes the pass's decision from the same function as the run, on
+    ``--device-memory`` where given (it was ignored with ``--device cpu``) and this machine's
+    available memory otherwise: a pass that cannot fit is refused when asked for and skipped,
+    with its one line, under ``auto`` (the dry run planned it either way)."""
+    model = llama_config_dir(tmp_path / "llama", blocks=2, hidden=256, intermediate=512, sharded=False)
+    args = ["prune", "--dry-run", "--model", str(model), "--out", str(tmp_path / "o"), "--device", "cpu"]
+    assert main(args + ["--device-memory", "0.01", "--distill-epochs", "1"]) == 2
+    assert "the global distillation pass needs about" in capsys.readouterr().err
+    assert main(args + ["--device-memory", "0.01"]) == 0
+    out = capsys.readouterr().out
+    assert "| global distillation | none |" in out and "is skipped: the global distillation pass needs" in out
+    assert main(args + ["--distill-nsamples", "1000000", "--distill-epochs", "1"]) == 2  # beyond this machine
+    assert "the global distillation pass needs about" in capsys.readouterr().err
+    assert main(args + ["--device-memory", "1000"]) == 0
+    assert "| global distillation | 1 epoch(s) on" in capsys.readouterr().out

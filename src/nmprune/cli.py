@@ -192,8 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks", type=int, help="with --dry-run: the number of torchrun ranks to plan "
                    "for (default WORLD_SIZE, else 1)")
     p.add_argument("--device-memory", dest="device_memory", type=float, metavar="GIB",
-                   help="with --dry-run: the device's memory (default: the CUDA device's, when "
-                   "the device is CUDA)")
+                   help="with --dry-run: the device's memory, the CPU's with --device cpu (default: "
+                   "the CUDA device's, or the memory this machine has available on the CPU, as the run "
+                   "judges it)")
 
     e = sub.add_parser("eval", help="perplexity on held-out text and accuracy on lm-eval tasks")
     _add_model_args(e)
@@ -290,19 +291,18 @@ def _dry_run(config: RunConfig, ranks: int | None, device_memory: float | None) 
 
     from .devices import default_device
     from .job import check_run
-    from .resources import GIB, check_device_fits, distill_shortfall, needs_table, plan_run
+    from .resources import GIB, check_device_fits, needs_table, plan_distillation, plan_run
+    from .streaming.fit import available_memory
 
     resolved, model_config, _ = check_run(config, device_here=False)
     ranks = ranks if ranks is not None else int(os.environ.get("WORLD_SIZE", "1"))
-    if device_memory is not None:
+    if device_memory is not None:  # the device's memory, or the CPU's on the CPU
         device_bytes = int(device_memory * GIB)
-    elif default_device(config.device).type == "cuda" and torch.cuda.is_available():
-        device_bytes = torch.cuda.get_device_properties(0).total_memory
+    elif default_device(config.device).type == "cuda":
+        device_bytes = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
     else:
-        device_bytes = None
-    needs = plan_run(config, ranks, model=(resolved, model_config), available=device_bytes)
-    auto = config.prune.distill_epochs == AUTO and device_bytes is not None
-    skipped = distill_shortfall(needs, device_bytes) if auto else None
+        device_bytes = available_memory()  # as the run judges it on this machine
+    needs, skipped = plan_distillation(config, ranks, (resolved, model_config), device_bytes)
     if skipped is not None:  # the run skips it (nmprune.job)
         config = replace(config, prune=replace(config.prune, distill_epochs=0))
         needs = plan_run(config, ranks, model=(resolved, model_config), available=device_bytes)

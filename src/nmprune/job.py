@@ -108,21 +108,21 @@ def _run_label(config: RunConfig) -> str:
 # ----------------------------------------------------------------------------- prune run
 
 def _distill_fit(config: RunConfig, world: int, resolved, model_config) -> tuple[str | None, bool]:
-    """Why the run's global distillation pass would not fit the compute device (the CPU: the
-    memory available to this process), None where it fits or the run makes none; and whether
-    it checkpoints its decoder blocks to fit (:func:`nmprune.resources.plan_run`, judged before
-    any weight is read)."""
+    """Why ``distill_epochs: auto`` skips the pass on the compute device (the CPU: the memory
+    available to this process), None where it runs or the run makes none, and whether the
+    pass checkpoints its decoder blocks to fit (:func:`nmprune.resources.plan_distillation`,
+    judged before any weight is read; ``distill_epochs: N`` that does not fit is refused)."""
     import torch
 
     from .devices import default_device
-    from .resources import distill_shortfall, plan_run
+    from .resources import plan_distillation
     from .streaming.fit import available_memory
 
     device = default_device(config.device)
     available = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
                  else available_memory())
-    needs = plan_run(config, world, model=(resolved, model_config), available=available)
-    return distill_shortfall(needs, available), needs.distill_checkpointed
+    needs, shortfall = plan_distillation(config, world, (resolved, model_config), available)
+    return shortfall, needs.distill_checkpointed
 
 
 def _distill_windows(tokenizer, settings):
@@ -462,8 +462,6 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
         offload = ranks_offload(config.offload, ranks.world, resolved)
         shortfall, checkpointed = (_distill_fit(config, ranks.world, resolved, model_config)
                                    if config.prune.distill_passes() else (None, False))
-        if shortfall is not None and config.prune.distill_epochs != AUTO:
-            raise ValueError(f"{shortfall}: prune without --distill-epochs, or on a device with more memory")
     # every rank the same job, before any of them loads
     ranks.agree({"settings": config.identity(), "model files": digest})
     timings: dict[str, float] = {}

@@ -146,6 +146,19 @@ def distill_shortfall(needs: "RunNeeds", available: int) -> str | None:
                                                              else "") + f") and {available / GIB:.1f} GiB are available")
 
 
+def plan_distillation(config: RunConfig, ranks: int, model, available: int | None) -> tuple[RunNeeds, str | None]:
+    """The run's plan on a device of ``available`` bytes (the CPU's on the CPU; None: unknown)
+    and why ``distill_epochs: auto`` skips the pass there (None: it runs, or none was asked
+    for): the one decision the run (:func:`nmprune.job.run`) and ``--dry-run`` both take.
+    ``distill_epochs: N`` that does not fit is refused (ValueError). ``model``: the model's
+    ``(source, configuration)``."""
+    needs = plan_run(config, ranks, model=model, available=available)
+    shortfall = distill_shortfall(needs, available) if available is not None else None
+    if shortfall is not None and config.prune.distill_epochs != AUTO:
+        raise ValueError(f"{shortfall}: prune without --distill-epochs, or on a device with more memory")
+    return needs, shortfall
+
+
 def cpu_threads(ranks: int) -> int:
     """The threads each of ``ranks`` CPU processes will compute with: ``OMP_NUM_THREADS`` where
     it is set, else one under torchrun (which sets it to 1 for several processes), else
