@@ -475,3 +475,23 @@ def test_a_fit_resumed_from_any_saved_round_takes_the_uninterrupted_fits_steps(l
         assert again.first_epoch_mse == result.first_epoch_mse and again.last_epoch_mse == result.last_epoch_mse
         for w, v in zip(weights, reference):
             assert torch.equal(w, v), (state.epoch, state.round)
+
+
+def test_a_pass_on_a_single_batch_is_judged_on_it_and_kept_where_it_helped():
+    """With one batch nothing can be held out: the pass was always reverted ("- -> -, kept:
+    solved"); now the training batch judges it, and the record says so."""
+    from nmprune.reconstruct import FitOptions
+    from nmprune.stages.distillation import distill
+
+    model = tiny_model("llama", layers=2)
+    weights = [m.weight for b in find_blocks(model)[1] for m in find_linears(b).values()]
+    with torch.no_grad():
+        for w in weights:
+            w.view(-1, 4)[:, :2] = 0
+    batch = token_batch(2, 16)
+    with torch.no_grad():
+        teacher = teacher_topk(tiny_model("llama", layers=2, seed=5)(batch).logits, 8)
+    record = distill(model, weights, [batch], [teacher], [0], 1, frozenset(), FitOptions(1, 1e-2, 1),
+                     lambda t: None, torch.device("cpu"))
+    assert record["judged_on"] == "training batches" and record["heldout_batches"] == 0
+    assert record["heldout_trained"] < record["heldout_before"] and record["kept"] == "distilled"

@@ -570,6 +570,11 @@ def reconstruction_summary(s, blocks: list[dict[str, Any]], end_to_end: dict[str
             "end_to_end": end_to_end, "blocks": blocks}
 
 
+def _judged(distilled: dict[str, Any]) -> str:
+    """Which batches judged the pass, for the summary line."""
+    return "training" if distilled.get("judged_on") == "training batches" else "held-out"
+
+
 def _error(value: float | None) -> str:
     return "-" if value is None else f"{value:.4g}"
 
@@ -605,7 +610,8 @@ def reconstruction_table(report: dict[str, Any]) -> str:
         resumed = (f", resumed after step {distilled['resumed_from_step']}"
                    if distilled.get("resumed_from_step") is not None else "")
         lines.append(f"global distillation ({distilled['epochs']} epoch(s), {distilled['steps']} steps{resumed}, "
-                     f"{distilled['seconds']:.0f} s): held-out KL from dense {_error(distilled['heldout_before'])} "
+                     f"{distilled['seconds']:.0f} s): {_judged(distilled)} KL from dense "
+                     f"{_error(distilled['heldout_before'])} "
                      f"-> {_error(distilled['heldout_trained'])}, kept: {distilled['kept']}")
     return "\n".join(lines)
 

@@ -190,7 +190,8 @@ def distill(model: nn.Module, weights: Sequence[Tensor], batches: Sequence[Tenso
     ``teachers``'; the batches ``held`` (indices among ``total``) are not trained on, and the
     result is kept only if it lowers the divergence on them. Returns the record: windows,
     held-out divergence before and after (``heldout_before``, ``heldout_after``,
-    ``heldout_trained``: what training reached), training divergence of the first and last
+    ``heldout_trained``: what training reached; on the training batches where none is held
+    out, a single batch: ``judged_on`` says which), training divergence of the first and last
     epoch, steps, ``kept`` (``"distilled"`` or ``"solved"``) and seconds. Attention is
     computed as :func:`pass_attention` says.
 
@@ -209,7 +210,9 @@ def distill(model: nn.Module, weights: Sequence[Tensor], batches: Sequence[Tenso
     solved = Spill(scratch)
     try:
         with pass_attention(model, device, low, _tokens(batches)):
-            before = mean_divergence(model, batches, teachers, held_local, all_reduce, device, low) if held else None
+            # nothing held out (a single batch, trained on): the training batches judge the pass
+            judge = held_local if held else train
+            before = mean_divergence(model, batches, teachers, judge, all_reduce, device, low)
             for w, entries in zip(weights, where):
                 solved.append(entries.gather(w))
             steps = options.epochs * epoch_steps([0] * len(order), options.batches_per_step)
@@ -226,11 +229,11 @@ def distill(model: nn.Module, weights: Sequence[Tensor], batches: Sequence[Tenso
                 raise type(e)(f"global distillation: {e}") from e
             finally:
                 bar.close()
-            after = mean_divergence(model, batches, teachers, held_local, all_reduce, device, low) if held else None
-        if after is not None and not after < float("inf"):
-            raise ReconstructionDiverged(f"global distillation: the held-out divergence is {after}; lower "
-                                         f"the learning rate (now {options.lr:g})")
-        improved = after < before if after is not None else result.last_epoch_mse < result.first_epoch_mse
+            after = mean_divergence(model, batches, teachers, judge, all_reduce, device, low)
+        if not after < float("inf"):
+            raise ReconstructionDiverged(f"global distillation: the {'held-out' if held else 'training'} divergence "
+                                         f"is {after}; lower the learning rate (now {options.lr:g})")
+        improved = after < before
         kept = "distilled" if improved else "solved"
         if not improved:
             with torch.no_grad():
@@ -239,7 +242,7 @@ def distill(model: nn.Module, weights: Sequence[Tensor], batches: Sequence[Tenso
     finally:
         solved.close()
     return {"epochs": options.epochs, "lr": options.lr, "batches": total, "steps": result.steps,
-            "heldout_batches": len(held),
+            "heldout_batches": len(held), "judged_on": "held-out batches" if held else "training batches",
             "heldout_before": before, "heldout_trained": after,
             "heldout_after": after if kept == "distilled" else before,
             "first_epoch_kl": result.first_epoch_mse, "last_epoch_kl": result.last_epoch_mse,
