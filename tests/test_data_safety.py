@@ -222,14 +222,21 @@ def _paused_run(argv: list[str], cwd: Path, flag: Path) -> subprocess.Popen:
     return child
 
 
-@pytest.mark.parametrize("second", ["same --out", "its default checkpoint as --checkpoint-dir"])
+@pytest.mark.parametrize("second", ["same --out", "its default checkpoint as --checkpoint-dir",
+                                    "its staged save as --out", "its staged save as --checkpoint-dir"])
 def test_second_run_on_the_same_folders_is_refused_and_the_first_finishes(job, tmp_path, capsys, second):
     """Every folder a run writes is locked by that run, whoever named it: its default
-    checkpoint ``OUT.checkpoint`` too, when a second run names it with ``--checkpoint-dir``."""
+    checkpoint ``OUT.checkpoint`` too, when a second run names it with ``--checkpoint-dir``,
+    and the folder its save is staged in, ``OUT.partial`` (issue 65 case 3: a second run
+    there went ahead, and the first failed at its final save)."""
     *_, args = job
     argv = args + ["--out", str(tmp_path / "o")]
-    other = argv if second == "same --out" else \
-        args + ["--out", str(tmp_path / "p"), "--checkpoint-dir", str(tmp_path / "o.checkpoint")]
+    other = {"same --out": argv,
+             "its default checkpoint as --checkpoint-dir":
+                 args + ["--out", str(tmp_path / "p"), "--checkpoint-dir", str(tmp_path / "o.checkpoint")],
+             "its staged save as --out": args + ["--out", str(tmp_path / "o.partial")],
+             "its staged save as --checkpoint-dir":
+                 args + ["--out", str(tmp_path / "p"), "--checkpoint-dir", str(tmp_path / "o.partial")]}[second]
     flag = tmp_path / "first"
     first = _paused_run(argv, tmp_path, flag)
     try:

@@ -242,13 +242,14 @@ class LeadRank:
     writes = True
 
     def __init__(self, config: RunConfig, ckpt_dir: Path, progress: bool):
-        from .output import RunLock
+        from .output import RunLock, partial_save_dir
 
         self.config, self.ckpt_dir, self.progress = config, ckpt_dir, progress
         self.out = Path(config.out) if config.out else None
         # one lock per folder written, however it was named: a second run that names this run's
-        # default checkpoint with --checkpoint-dir is refused too
-        self.lock = RunLock([self.out, ckpt_dir] if self.out else [])
+        # default checkpoint or its staged save (OUT.partial) as its --out or --checkpoint-dir is
+        # refused too
+        self.lock = RunLock([self.out, partial_save_dir(self.out), ckpt_dir] if self.out else [])
         self.checkpoint = None
         self.dense: tuple[dict[str, float], dict[str, Any]] = ({}, {})
 
@@ -282,7 +283,7 @@ class LeadRank:
 
         self.lock.acquire()
         remove_partial_save(self.out)
-        self.checkpoint = Checkpoint.open(self.ckpt_dir, self.config.identity(), restart=self.config.restart)
+        self.checkpoint = Checkpoint.open(self.ckpt_dir, self.config.identity(blocks=True), restart=self.config.restart)
         self.checkpoint.bind("model files", digest)
         return self.checkpoint
 
@@ -612,7 +613,8 @@ def reconstruction_table(report: dict[str, Any]) -> str:
         lines.append(f"global distillation ({distilled['epochs']} epoch(s), {distilled['steps']} steps{resumed}, "
                      f"{distilled['seconds']:.0f} s): {_judged(distilled)} KL from dense "
                      f"{_error(distilled['heldout_before'])} "
-                     f"-> {_error(distilled['heldout_trained'])}, kept: {distilled['kept']}")
+                     f"-> {_error(distilled['heldout_trained'])}, kept: {distilled['kept']}"
+                     + (f" ({distilled['diverged']})" if distilled.get("diverged") else ""))
     return "\n".join(lines)
 
 
