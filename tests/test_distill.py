@@ -495,3 +495,25 @@ def test_a_pass_on_a_single_batch_is_judged_on_it_and_kept_where_it_helped():
                      lambda t: None, torch.device("cpu"))
     assert record["judged_on"] == "training batches" and record["heldout_batches"] == 0
     assert record["heldout_trained"] < record["heldout_before"] and record["kept"] == "distilled"
+
+
+def test_a_pass_that_diverges_keeps_the_solved_weights_and_says_why():
+    """At a learning rate so high that the loss overflows (1e300) the pass used to end the run
+    ("the reconstruction loss became nan"); now, as at 1e6, the solved weights stand and the
+    record says why (issue 65 case 1)."""
+    from nmprune.reconstruct import FitOptions
+    from nmprune.stages.distillation import distill
+
+    model = tiny_model("llama", layers=2)
+    weights = [m.weight for b in find_blocks(model)[1] for m in find_linears(b).values()]
+    with torch.no_grad():
+        for w in weights:
+            w.view(-1, 4)[:, :2] = 0
+    solved = [w.detach().clone() for w in weights]
+    batches = [token_batch(2, 16, seed=s) for s in range(3)]
+    with torch.no_grad():
+        teachers = [teacher_topk(tiny_model("llama", layers=2, seed=5)(b).logits, 8) for b in batches]
+    record = distill(model, weights, batches, teachers, [0, 1, 2], 3, frozenset({2}), FitOptions(1, 1e300, 1),
+                     lambda t: None, torch.device("cpu"))
+    assert record["kept"] == "solved" and "diverged" in record["diverged"]
+    assert all(torch.equal(w, s) for w, s in zip(weights, solved))

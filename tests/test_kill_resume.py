@@ -119,3 +119,51 @@ def test_a_pass_killed_after_saving_its_progress_resumes_from_it_to_the_same_mod
     weights = load_file(str(out / "model.safetensors"))
     for key, value in reference.items():
         assert torch.equal(weights[key], value), key
+
+
+def _killed(args: list[str], cwd, module: str, attribute: str, n: int, when: str) -> None:
+    killed = subprocess.run([sys.executable, "-c", CHILD, module, attribute, str(n), when, *args], cwd=cwd,
+                            capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+
+
+def test_finished_blocks_resume_under_other_pass_settings(run, tmp_path):
+    """A run killed in the global distillation, its blocks finished, resumes with other
+    settings of the pass (``--distill-lr``, ``--distill-epochs 0``) without redoing a block
+    (issue 65 case 1: the checkpoint was refused as another run's); the pass itself starts
+    afresh under its new settings."""
+    args, _ = run
+    out = tmp_path / "out"
+    _killed([*args, "--out", str(out)], tmp_path, "nmprune.stages.distillation", "fit_masked", 1, "before")
+    assert main([*args, "--out", str(out), "--distill-lr", "3e-3"]) == 0
+    report = json.loads((out / "nmprune_report.json").read_text())
+    assert report["resumed_from_block"] == 3 and report["distillation"]["lr"] == 3e-3
+
+    again = tmp_path / "again"
+    _killed([*args, "--out", str(again)], tmp_path, "nmprune.stages.distillation", "fit_masked", 1, "before")
+    assert main([*args, "--out", str(again), "--distill-epochs", "0"]) == 0
+    report = json.loads((again / "nmprune_report.json").read_text())
+    assert report["resumed_from_block"] == 3 and not report.get("distillation")
+    straight = tmp_path / "straight"
+    assert main([*args, "--out", str(straight), "--distill-epochs", "0"]) == 0
+    reference = load_file(str(straight / "model.safetensors"))
+    weights = load_file(str(again / "model.safetensors"))
+    assert all(torch.equal(weights[k], v) for k, v in reference.items())
+
+
+def test_a_streamed_runs_checkpoint_resumes_in_memory_to_the_in_memory_runs_model(run, tmp_path):
+    """A run with ``--offload`` (which makes no global distillation) killed mid-block 1, then
+    the same command without it: the rerun computes the pass's dense distribution on the
+    model still dense, keeps the finished block and saves what an uninterrupted in-memory run
+    saves (issue 65 case 2: refused, "the checkpoint holds no dense distribution")."""
+    args, reference = run
+    out = tmp_path / "out"
+    _killed([*args, "--out", str(out), "--offload"], tmp_path, "nmprune.stages.executor", "run_job", 7 + 3, "after")
+    manifest = json.loads((tmp_path / "out.checkpoint" / "manifest.json").read_text())
+    assert manifest["done_blocks"] == 1
+    assert main([*args, "--out", str(out)]) == 0
+    report = json.loads((out / "nmprune_report.json").read_text())
+    assert report["resumed_from_block"] == 1 and report["distillation"]["epochs"] == 1
+    weights = load_file(str(out / "model.safetensors"))
+    for key, value in reference.items():
+        assert torch.equal(weights[key], value), key

@@ -304,12 +304,14 @@ class Checkpoint:
             streams.setdefault(int(key[len("stream"):key.index("_")]), []).append(tensors[key])
         return [streams[k] for k in sorted(streams)]
 
-    def save_teachers(self, tensors: dict[str, Tensor]) -> None:
-        """Durably record the distillation's dense distribution (computed once, before the
-        first block is pruned: a resumed run no longer has the dense model)."""
+    def save_teachers(self, tensors: dict[str, Tensor], made_of: str) -> None:
+        """Durably record the distillation's dense distribution on its own windows (computed
+        before the first block is pruned), and what it was ``made_of`` (under ``"teachers of"``:
+        a resumed run takes it up only for the same windows)."""
         files = dict(self.manifest["files"])
         files[TEACHERS] = self._save(TEACHERS, tensors)
         self.manifest["files"] = files
+        self.manifest["extra"]["teachers of"] = made_of
         self._write_manifest()
 
     def teachers(self) -> dict[str, Tensor] | None:

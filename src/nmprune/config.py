@@ -36,6 +36,9 @@ AUTO_DISTILL_EPOCHS = 1
 #: job issue 45 bounds at 1.3x, run just before it (benchmarks/results/main_job*.md, AMD EPYC
 #: znver5)
 AUTO_DISTILL_WINDOWS = 3
+#: the settings of the global distillation pass alone: they decide no block's weights, so a
+#: checkpoint of finished blocks is not bound to them (:meth:`PruneSettings.fingerprint`)
+PASS_SETTINGS = frozenset({"distill_epochs", "distill_lr", "distill_nsamples"})
 #: the extra windows of the global distillation are drawn with the run's seed plus this, apart
 #: from the run's own (which stay the same windows with or without the pass)
 DISTILL_SEED_OFFSET = 1
@@ -253,9 +256,12 @@ class PruneSettings:
         (:mod:`nmprune.stages.distillation`): one calibration batch a step, in one lane."""
         return FitOptions(epochs, self.distill_lr, 1, self.seed, precision=self.train_precision)
 
-    def fingerprint(self) -> str:
-        """A stable hash of the settings (checkpoints only resume under the same one)."""
-        blob = json.dumps(asdict(self), sort_keys=True, default=str)
+    def fingerprint(self, blocks: bool = False) -> str:
+        """A stable hash of the settings; with ``blocks``, of those that decide the blocks'
+        weights only, the global distillation's (:data:`PASS_SETTINGS`) left out: a checkpoint
+        of finished blocks resumes under another pass (issue 65 case 1)."""
+        chosen = {k: v for k, v in asdict(self).items() if not (blocks and k in PASS_SETTINGS)}
+        blob = json.dumps(chosen, sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -298,11 +304,14 @@ class RunConfig:
     def __post_init__(self) -> None:
         _check_types(self)
 
-    def identity(self) -> str:
+    def identity(self, blocks: bool = False) -> str:
         """Hash of the settings that decide the pruned weights: the dtype and the pruning
-        settings. The model is not named here: a checkpoint and the ranks of a job compare
-        the digest of its files (:func:`nmprune.identity.model_digest`), never the string."""
-        blob = json.dumps({"dtype": self.dtype, "prune": self.prune.fingerprint()}, sort_keys=True)
+        settings (what the ranks of a job compare); with ``blocks``, without the global
+        distillation's (what a checkpoint of finished blocks is bound to: the pass's own
+        progress is bound to its settings apart, :class:`~nmprune.stages.distillation.SavedPass`).
+        The model is not named here: a checkpoint and the ranks of a job compare the digest of
+        its files (:func:`nmprune.identity.model_digest`), never the string."""
+        blob = json.dumps({"dtype": self.dtype, "prune": self.prune.fingerprint(blocks)}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

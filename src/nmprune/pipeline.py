@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from . import distributed
-from .checkpoint import Checkpoint, CheckpointError
+from .checkpoint import Checkpoint
 from .memory import frozen_heap, release_memory
 from .config import DISTILL_SEED_OFFSET, PruneSettings
 from .devices import default_device
@@ -167,11 +167,9 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
 
     t_start = time.perf_counter()
     report = PruneReport(settings=asdict(settings), ranks=executor.world)
-    batches, sizes, start, resumed = _setup(source, sink, plans, settings, executor, tokenizer, calibration,
+    batches, sizes, start, resumed = _setup(source, plans, settings, executor, tokenizer, calibration,
                                             checkpoint, hessians)
     report.layers, report.blocks, report.resumed_from_block = list(resumed[0]), list(resumed[1]), start
-    if isinstance(sink, ModelSink):  # every rank's model holds the resumed blocks (a streaming sink holds them itself)
-        executor.broadcast_tensors([m.weight for i in range(start) for m in source.layers(i).values()])
     shown = progress and executor.is_main
     saving = executor.broadcast_object(checkpoint is not None)
     loop = _BlockLoop(source, sink, plans, settings, executor, checkpoint, report, sizes, shown, on_block_done,
@@ -185,7 +183,12 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
             _check_vocab(distill_calibration, source.vocab_size, "distill_calibration")
             with executor.phase("the dense distribution of the distillation's own windows"):
                 own = _own_windows(source, plans, distill_calibration, settings, executor, checkpoint, saving,
-                                   start, shown)
+                                   shown)
+        # the finished blocks go in after the dense distribution above, which a resumed run
+        # computes on the model still dense where its checkpoint holds none for these windows
+        _restore(source, sink, checkpoint, start)
+        if isinstance(sink, ModelSink):  # every rank's model holds them (a streaming sink holds them itself)
+            executor.broadcast_tensors([m.weight for i in range(start) for m in source.layers(i).values()])
         stage = (PrecomputedStatistics(hessians) if hessians is not None else
                  _capture(source, batches, len(sizes), start, settings, executor, checkpoint, shown, scratch))
         t_capture = time.perf_counter() - t_start
@@ -215,13 +218,13 @@ def _check_precomputed(settings: PruneSettings) -> None:
                          "hessians do not have: pass reconstruct='none' with hessians=")
 
 
-def _setup(source: BlockSource, sink: BlockSink, plans: dict[str, LayerPlan | None], settings: PruneSettings,
+def _setup(source: BlockSource, plans: dict[str, LayerPlan | None], settings: PruneSettings,
            executor: Executor, tokenizer: Any, calibration: Tensor | None, checkpoint: Checkpoint | None,
            hessians: dict[str, InputStats] | None
            ) -> tuple[list[Tensor], list[int], int, tuple[list[dict[str, Any]], list[dict[str, Any]]]]:
     """The calibration batches (this process's share) and every batch's size, and what a
     checkpoint resumes: the first block to prune, and the layer and block records before it
-    (the finished blocks' weights written to ``sink``); the same on every rank."""
+    (the finished blocks' weights are :func:`_restore`'s); the same on every rank."""
     batches: list[Tensor] = []
     sizes: list[int] = []
     with executor.phase("setup"):
@@ -238,11 +241,16 @@ def _setup(source: BlockSource, sink: BlockSink, plans: dict[str, LayerPlan | No
                             else _digest(torch.stack([hessians[n].hessian().trace() for n in plans
                                                       if n in hessians])))
             start, resumed, resumed_blocks = checkpoint.done_blocks, checkpoint.records, checkpoint.get("blocks", [])
-            for i in range(start):
-                layers = source.layers(i)
-                sink.write(i, checkpoint.block_weights(i, {n: m.weight.shape for n, m in layers.items()}))
     start, resumed, resumed_blocks = executor.broadcast_object((start, resumed, resumed_blocks))
     return batches, sizes, start, (resumed, resumed_blocks)
+
+
+def _restore(source: BlockSource, sink: BlockSink, checkpoint: Checkpoint | None, start: int) -> None:
+    """Write the ``start`` finished blocks' weights from rank 0's ``checkpoint`` to ``sink``."""
+    if checkpoint is not None:
+        for i in range(start):
+            layers = source.layers(i)
+            sink.write(i, checkpoint.block_weights(i, {n: m.weight.shape for n, m in layers.items()}))
 
 
 @dataclass
@@ -377,16 +385,21 @@ class _OwnWindows:
 
 def _own_windows(source: BlockSource, plans: dict[str, LayerPlan | None], windows: Tensor,
                  settings: PruneSettings, executor: Executor, checkpoint: Checkpoint | None, saving: bool,
-                 start: int, progress: bool) -> _OwnWindows:
+                 progress: bool) -> _OwnWindows:
     """This process's share of the distillation's own ``windows`` with the dense model's
     distribution on them (:func:`~nmprune.stages.distillation.dense_teachers`, in the dtype the
-    pass trains the ``plans``' layers in), computed before the first block is pruned and, with
-    ``saving``, kept in rank 0's ``checkpoint`` (gathered from every rank); a resumed run reads
-    them from there, shared out to every rank."""
+    pass trains the ``plans``' layers in), computed while the model is dense (before the
+    first block is pruned, or a resumed run's finished blocks restored) and, with ``saving``,
+    kept in rank 0's ``checkpoint`` (gathered from every rank) with the digest of the windows
+    and the dtype; a resumed run on the same reads them from there, shared out to every rank,
+    and one on others (a run that made no pass, streamed, or had other ``distill_nsamples``)
+    computes them afresh."""
     every = list(windows.split(settings.batch_size))
     sizes, total = [b.shape[0] for b in every], len(every)
     batches, positions = executor.shard(every), list(executor.shard(range(total)))
-    saved = checkpoint.teachers() if checkpoint is not None else None
+    dtype = training_dtype(settings.train_precision, _pruned_weights(source, plans))
+    made_of = f"{_digest(windows)}/{dtype}"
+    saved = checkpoint.teachers() if checkpoint is not None and checkpoint.get("teachers of") == made_of else None
     if executor.broadcast_object(saved is not None):
         k = min(DISTILL_TOPK, source.vocab_size)
         like = [teacher_topk(torch.zeros(*b.shape, k), k) for b in batches]  # shapes and dtypes to receive into
@@ -395,18 +408,14 @@ def _own_windows(source: BlockSource, plans: dict[str, LayerPlan | None], window
         ids = executor.scatter_batches(None if saved is None else [saved[f"ids_{j:06d}"] for j in range(total)],
                                        [t.ids for t in like])
         return _OwnWindows(batches, [TeacherTopK(p.cpu(), i.cpu()) for p, i in zip(logp, ids)], positions, total)
-    if start > 0:
-        raise CheckpointError("the checkpoint holds no dense distribution for the global distillation's own "
-                              "windows, and its first blocks are pruned already; pass --restart to start over")
     say(f"computing the dense model's distribution on the global distillation's {total} own windows", progress)
-    teachers = dense_teachers(source.whole_model("distill_epochs"), batches, DISTILL_TOPK, executor.device,
-                              training_dtype(settings.train_precision, _pruned_weights(source, plans)))
+    teachers = dense_teachers(source.whole_model("distill_epochs"), batches, DISTILL_TOPK, executor.device, dtype)
     if saving:
         logp = executor.gather_batches([t.logp for t in teachers], sizes)
         ids = executor.gather_batches([t.ids for t in teachers], sizes)
         if checkpoint is not None:
             checkpoint.save_teachers({**{f"logp_{j:06d}": t for j, t in enumerate(logp)},
-                                      **{f"ids_{j:06d}": t for j, t in enumerate(ids)}})
+                                      **{f"ids_{j:06d}": t for j, t in enumerate(ids)}}, made_of)
     return _OwnWindows(batches, teachers, positions, total)
 
 

@@ -18,6 +18,7 @@ from before the pass back.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -34,7 +35,7 @@ from ..devices import products_in
 from ..distill import TeacherTopK, teacher_topk, topk_kl
 from ..progress import bar as progress_bar
 from ..models import find_blocks
-from ..reconstruct import (FitOptions, FitProgress, FitState, KeptEntries, ReconstructionDiverged, epoch_steps,
+from ..reconstruct import (FitOptions, FitProgress, FitResult, FitState, KeptEntries, ReconstructionDiverged, epoch_steps,
                            fit_masked, narrowed, training_dtype)
 from .needs import RunShape, StageNeeds
 from .reconstruction import Spill, float32_training, held_out_batches
@@ -192,8 +193,11 @@ def distill(model: nn.Module, weights: Sequence[Tensor], batches: Sequence[Tenso
     held-out divergence before and after (``heldout_before``, ``heldout_after``,
     ``heldout_trained``: what training reached; on the training batches where none is held
     out, a single batch: ``judged_on`` says which), training divergence of the first and last
-    epoch, steps, ``kept`` (``"distilled"`` or ``"solved"``) and seconds. Attention is
-    computed as :func:`pass_attention` says.
+    epoch, steps, ``kept`` (``"distilled"`` or ``"solved"``), ``diverged`` (why the pass's
+    training failed: a non-finite loss or judgement, the learning rate too high; the solved
+    weights are then kept, None otherwise) and seconds. Attention is computed as
+    :func:`pass_attention` says. A model whose own weights or activations are not finite
+    (:class:`~nmprune.checks.NonFiniteModel`) is an error.
 
     Where the products run in bfloat16 (:func:`~nmprune.reconstruct.training_dtype`), the pass
     is lean: the trained weights are held in bfloat16 with their kept entries' rounding error
@@ -217,6 +221,7 @@ def distill(model: nn.Module, weights: Sequence[Tensor], batches: Sequence[Tenso
                 solved.append(entries.gather(w))
             steps = options.epochs * epoch_steps([0] * len(order), options.batches_per_step)
             bar = progress_bar(total=steps, desc="distilling the whole model", enabled=progress, nested=True)
+            result, diverged = FitResult(0, math.nan, math.nan, 0.0), None
             try:
                 with float32_training(model, widen=low is None), \
                         narrowed(weights, where, low) if low is not None else nullcontext(), \
@@ -225,15 +230,17 @@ def distill(model: nn.Module, weights: Sequence[Tensor], batches: Sequence[Tenso
                                         [teachers[j].to(device) for j in train], weights,
                                         [order[positions[j]] for j in train], len(order), options, all_reduce,
                                         bar.update, where, loss=topk_kl, progress=saved)
-            except (ReconstructionDiverged, NonFiniteModel) as e:
-                raise type(e)(f"global distillation: {e}") from e
+            except ReconstructionDiverged as e:  # the pass's own failing: the solved weights stand
+                diverged = f"training diverged ({e})"
+            except NonFiniteModel as e:
+                raise NonFiniteModel(f"global distillation: {e}") from e
             finally:
                 bar.close()
-            after = mean_divergence(model, batches, teachers, judge, all_reduce, device, low)
-        if not after < float("inf"):
-            raise ReconstructionDiverged(f"global distillation: the {'held-out' if held else 'training'} divergence "
-                                         f"is {after}; lower the learning rate (now {options.lr:g})")
-        improved = after < before
+            after = math.nan if diverged else mean_divergence(model, batches, teachers, judge, all_reduce, device, low)
+        if diverged is None and not after < float("inf"):
+            diverged = (f"the {'held-out' if held else 'training'} divergence became {after}; lower the learning "
+                        f"rate (now {options.lr:g})")
+        improved = diverged is None and after < before
         kept = "distilled" if improved else "solved"
         if not improved:
             with torch.no_grad():
@@ -246,7 +253,7 @@ def distill(model: nn.Module, weights: Sequence[Tensor], batches: Sequence[Tenso
             "heldout_before": before, "heldout_trained": after,
             "heldout_after": after if kept == "distilled" else before,
             "first_epoch_kl": result.first_epoch_mse, "last_epoch_kl": result.last_epoch_mse,
-            "kept": kept, "train_dtype": result.dtype, "seconds": time.perf_counter() - started}
+            "kept": kept, "diverged": diverged, "train_dtype": result.dtype, "seconds": time.perf_counter() - started}
 
 
 def distill_bytes(params: int, pruned: int, kept: float, itemsize: int, lean: bool, checkpointed: bool, blocks: int,
