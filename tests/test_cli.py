@@ -58,6 +58,29 @@ def test_bad_settings_are_clear_errors(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, expected", [
+    (["--distill-nsamples", "1000000000000"], "distill_nsamples must be at most 1,048,576"),
+    (["--nsamples", "2000000"], "nsamples must be at most 1,048,576"),
+    (["--reconstruct-epochs", "100000"], "reconstruct_epochs must be at most 1,000"),
+    (["--distill-epochs", "100000"], "distill_epochs must be at most 1,000"),
+    (["--seqlen", "10000000"], "seqlen must be at most 1,048,576"),
+    (["--reconstruct-lanes", "1000000000"], "reconstruct_lanes must be at most the number of calibration batches, 64"),
+    (["--nsamples", "8", "--batch-size", "2", "--reconstruct-lanes", "5"],
+     "reconstruct_lanes must be at most the number of calibration batches, 4"),
+    (["--eval-max-tokens", "99999999999"], "eval_max_tokens must be at most"),
+])
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_settings_that_size_work_are_bounded_before_anything_is_allocated(tmp_path, capsys, flags, expected, dry_run):
+    """Every setting that sizes work has an upper bound, checked in one line (exit 2) before
+    any allocation, in the run and the dry run alike (issue 65 cases 4, 5: 10^12 windows took
+    18 GB in a dry run; 10^9 lanes never answered; lanes beyond the batches went unremarked)."""
+    argv = ["prune", "--out", str(tmp_path / "o"), *flags] + (["--dry-run"] if dry_run else [])
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and expected in err, err
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.checkpoint").exists()
+
+
 def test_methods_lists_registry(capsys):
     assert main(["methods"]) == 0
     out = capsys.readouterr().out

@@ -39,6 +39,15 @@ AUTO_DISTILL_WINDOWS = 3
 #: the settings of the global distillation pass alone: they decide no block's weights, so a
 #: checkpoint of finished blocks is not bound to them (:meth:`PruneSettings.fingerprint`)
 PASS_SETTINGS = frozenset({"distill_epochs", "distill_lr", "distill_nsamples"})
+#: the upper bound of each setting that sizes work, checked before anything is allocated or
+#: read (in the run and the dry run alike): windows of calibration (2^20 windows, more than any
+#: calibration text holds), epochs, window lengths (the model's positions are checked too,
+#: :func:`nmprune.validate.check_positions`) and the evaluation's sizes
+UPPER_BOUNDS: dict[str, int] = {
+    "nsamples": 1 << 20, "distill_nsamples": 1 << 20, "batch_size": 1 << 20, "reconstruct_batch_size": 1 << 20,
+    "seqlen": 1 << 20, "reconstruct_epochs": 1000, "distill_epochs": 1000,
+    "eval_seqlen": 1 << 20, "eval_max_tokens": 1 << 32, "eval_batch_size": 1 << 16, "eval_limit": 1 << 30,
+    "eval_num_fewshot": 1000}
 #: the extra windows of the global distillation are drawn with the run's seed plus this, apart
 #: from the run's own (which stay the same windows with or without the pass)
 DISTILL_SEED_OFFSET = 1
@@ -109,6 +118,14 @@ def _check_types(settings: PruneSettings | RunConfig) -> None:
             raise ValueError(f"setting {f.name!r} must be {expected}, got {value!r} ({reason})")
         if hints[f.name] is float:
             setattr(settings, f.name, float(value))
+
+
+def _check_upper_bounds(settings: Any) -> None:
+    """Refuse a value above its :data:`UPPER_BOUNDS` in the dataclass ``settings``."""
+    for f in fields(settings):
+        value, bound = getattr(settings, f.name), UPPER_BOUNDS.get(f.name)
+        if bound is not None and isinstance(value, int) and value > bound:
+            raise ValueError(f"{f.name} must be at most {bound:,}, got {value:,}")
 
 
 @dataclass
@@ -214,6 +231,12 @@ class PruneSettings:
             raise ValueError("distill_epochs needs reconstruction (reconstruct: block or submodule): the "
                              "global distillation learns from the dense model's outputs that reconstruction "
                              "carries to the last block")
+        _check_upper_bounds(self)
+        batches = -(-self.nsamples // self.batch_size)
+        if self.reconstruct_lanes > batches:
+            raise ValueError(f"reconstruct_lanes must be at most the number of calibration batches, {batches} "
+                             f"(nsamples {self.nsamples} / batch_size {self.batch_size}): each lane trains on "
+                             f"batches of its own; got {self.reconstruct_lanes}")
 
     def planner(self) -> Planner:
         """The layer plans of these settings, parsed and validated on first use and kept
@@ -303,6 +326,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         _check_types(self)
+        _check_upper_bounds(self)
 
     def identity(self, blocks: bool = False) -> str:
         """Hash of the settings that decide the pruned weights: the dtype and the pruning
