@@ -309,3 +309,33 @@ def test_the_cpu_dry_run_judges_the_pass_on_the_cpus_memory_as_the_run_does(tmp_
     assert "the global distillation pass needs about" in capsys.readouterr().err
     assert main(args + ["--device-memory", "1000"]) == 0
     assert "| global distillation | 1 epoch(s) on" in capsys.readouterr().out
+
+
+def test_a_pass_too_large_for_a_small_device_is_blamed_in_unrounded_sizes(tmp_path, capsys):
+    """``--distill-epochs 1 --device-memory 0.03`` blamed one block's phase in "0.0 GiB" and
+    advised ``--reconstruct none``, which the pass forbids (issue 65 case 9): now the pass is
+    blamed, in MiB, with its parts; a block's phase that does not fit, without the pass, is
+    blamed in MiB too, and only then is ``--reconstruct none`` advised."""
+    model = llama_config_dir(tmp_path / "llama", blocks=2, hidden=256, intermediate=512)
+    args = ["prune", "--dry-run", "--model", str(model), "--out", str(tmp_path / "o"), "--device", "cuda",
+            "--device-memory", "0.03", "--nsamples", "8", "--seqlen", "256"]
+    assert main(args + ["--distill-epochs", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "the global distillation pass needs about" in err and "and 31 MiB are available" in err, err
+    assert "0.0 GiB" not in err and "--reconstruct none" not in err and "one block's phase" not in err, err
+    assert "the weights and their training state" in err, err
+    assert main(args + ["--distill-epochs", "0", "--device-memory", "0.001"]) == 2
+    err = capsys.readouterr().err
+    assert "one block's phase needs about" in err and "the device has 1 MiB" in err and "--reconstruct none" in err
+
+
+def test_a_pass_refused_for_its_windows_says_so_and_suggests_fewer(tmp_path, capsys):
+    """``--distill-nsamples 1000000`` was refused for "the whole model in float32", though most
+    of the memory is the dense distribution of the windows (issue 65 case 12): the refusal
+    names that part first and suggests fewer windows."""
+    model = llama_config_dir(tmp_path / "llama", blocks=2, hidden=256, intermediate=512)
+    assert main(["prune", "--dry-run", "--model", str(model), "--out", str(tmp_path / "o"), "--device", "cuda",
+                 "--device-memory", "8", "--distill-epochs", "1", "--distill-nsamples", "1000000"]) == 2
+    err = capsys.readouterr().err
+    assert "GiB (the dense distribution of its windows" in err, err
+    assert "prune with fewer windows (--distill-nsamples, now 1000000)" in err, err

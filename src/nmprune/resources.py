@@ -39,9 +39,10 @@ measured peaks.
 from __future__ import annotations
 
 import copy
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from .config import AUTO, RunConfig
+from .stages.distillation import PASS_PARTS
 
 MIB = float(1 << 20)
 GIB = float(1 << 30)
@@ -105,6 +106,8 @@ class RunNeeds:
     distill_peak_per_rank: int = 0
     #: whether the pass recomputes each decoder block's activations in its backward pass
     distill_checkpointed: bool = False
+    #: the pass's own memory on the rank by part (:func:`~nmprune.stages.distillation.distill_parts`)
+    distill_parts: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -135,27 +138,42 @@ def _skeleton(config: RunConfig, model=None):
     return skeleton, torch.empty((), dtype=dtype).element_size(), resolved
 
 
+def size_text(n: float) -> str:
+    """``n`` bytes for a message: GiB with one decimal, MiB below one GiB (never "0.0 GiB")."""
+    return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / 2 ** 20:.0f} MiB"
+
+
 def distill_shortfall(needs: "RunNeeds", available: int) -> str | None:
     """Why the run's global distillation pass does not fit ``available`` bytes of the device
-    (of this machine, on the CPU), or None where it fits or there is none."""
+    (of this machine, on the CPU), or None where it fits or there is none: its peak and what
+    it is made of, largest first."""
     peak = needs.distill_peak_per_rank
     if not needs.distill_epochs or peak <= available:
         return None
-    return (f"the global distillation pass needs about {peak / GIB:.1f} GiB (the model, the trained weights' "
-            "optimiser state and one batch's activations" + (", its blocks checkpointed" if needs.distill_checkpointed
-                                                             else "") + f") and {available / GIB:.1f} GiB are available")
+    parts = {**needs.distill_parts}
+    if needs.device != "cuda":
+        parts["the process and the model it loaded"] = peak - sum(parts.values())
+    listed = ", ".join(f"{name} {size_text(n)}" for name, n in sorted(parts.items(), key=lambda kv: -kv[1]) if n)
+    return (f"the global distillation pass needs about {size_text(peak)} ({listed}"
+            + ("; its blocks checkpointed" if needs.distill_checkpointed else "")
+            + f") and {size_text(available)} are available")
 
 
 def plan_distillation(config: RunConfig, ranks: int, model, available: int | None) -> tuple[RunNeeds, str | None]:
     """The run's plan on a device of ``available`` bytes (the CPU's on the CPU; None: unknown)
     and why ``distill_epochs: auto`` skips the pass there (None: it runs, or none was asked
     for): the one decision the run (:func:`nmprune.job.run`) and ``--dry-run`` both take.
-    ``distill_epochs: N`` that does not fit is refused (ValueError). ``model``: the model's
+    ``distill_epochs: N`` that does not fit is refused (ValueError), with fewer windows
+    suggested where their dense distribution is the largest part. ``model``: the model's
     ``(source, configuration)``."""
     needs = plan_run(config, ranks, model=model, available=available)
     shortfall = distill_shortfall(needs, available) if available is not None else None
     if shortfall is not None and config.prune.distill_epochs != AUTO:
-        raise ValueError(f"{shortfall}: prune without --distill-epochs, or on a device with more memory")
+        parts = needs.distill_parts
+        windows = parts and max(parts, key=parts.get) == PASS_PARTS[2]
+        ways = [f"with fewer windows (--distill-nsamples, now {needs.distill_windows})"] if windows else []
+        ways += ["without --distill-epochs", "on a device with more memory"]
+        raise ValueError(f"{shortfall}: prune {', '.join(ways[:-1])} or {ways[-1]}")
     return needs, shortfall
 
 
@@ -263,7 +281,8 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None, mo
                     output_disk=run.params * itemsize,
                     checkpoint_disk=pruned_weights + run.tokens * run.hidden_size * itemsize * (2 if recon else 1),
                     seconds=seconds, distill_epochs=epochs, distill_windows=windows if epochs else 0,
-                    distill_peak_per_rank=_distill_peak(device, whole, distill_peak), distill_checkpointed=checkpointed)
+                    distill_peak_per_rank=_distill_peak(device, whole, distill_peak), distill_checkpointed=checkpointed,
+                    distill_parts=distilling.peak_parts if distilling else {})
 
 
 def _distill_peak(device: str, whole: int, pass_peak: int) -> int:
@@ -274,12 +293,11 @@ def _distill_peak(device: str, whole: int, pass_peak: int) -> int:
 
 def check_device_fits(needs: RunNeeds, device_bytes: int | None) -> None:
     """Refuse a device too small for one block's phase (weights, Hessians, solver, states)."""
-    if device_bytes is not None and needs.device_peak_per_rank is not None \
-            and needs.device_peak_per_rank > device_bytes:
-        raise ValueError(f"one block's phase needs about {needs.device_peak_per_rank / GIB:.1f} GiB of "
-                         f"device memory and the device has {device_bytes / GIB:.1f} GiB: use more ranks "
-                         "(the calibration states are shared), fewer or shorter calibration samples "
-                         "(--nsamples, --seqlen), or --reconstruct none")
+    if device_bytes is not None and needs.device_peak_per_rank is not None and needs.block_phase > device_bytes:
+        raise ValueError(f"one block's phase needs about {size_text(needs.block_phase)} of device memory and "
+                         f"the device has {size_text(device_bytes)}: use more ranks (the calibration states "
+                         "are shared), fewer or shorter calibration samples (--nsamples, --seqlen)"
+                         + ("" if needs.distill_epochs else ", or --reconstruct none"))
 
 
 def needs_table(needs: RunNeeds) -> str:

@@ -100,6 +100,11 @@ def checkpointed(model: nn.Module) -> Iterator[None]:
             del block.forward
 
 
+#: the parts of the pass's memory (:func:`distill_parts`), as its refusal names them
+PASS_PARTS = ("the weights and their training state", "one batch's activations and logits",
+              "the dense distribution of its windows")
+
+
 #: seconds of training between two saves of the pass's progress (:class:`SavedPass`): a kill
 #: loses at most this much of it; each save writes about 12 bytes a kept entry (SmolLM2: 0.6 GB)
 SAVE_SECONDS = 600.0
@@ -256,10 +261,17 @@ def distill(model: nn.Module, weights: Sequence[Tensor], batches: Sequence[Tenso
             "kept": kept, "diverged": diverged, "train_dtype": result.dtype, "seconds": time.perf_counter() - started}
 
 
-def distill_bytes(params: int, pruned: int, kept: float, itemsize: int, lean: bool, checkpointed: bool, blocks: int,
+def distill_bytes(*args: Any, **kwargs: Any) -> int:
+    """Memory of the pass on its device: the sum of :func:`distill_parts` (same arguments)."""
+    return sum(distill_parts(*args, **kwargs).values())
+
+
+def distill_parts(params: int, pruned: int, kept: float, itemsize: int, lean: bool, checkpointed: bool, blocks: int,
                   batch_tokens: int, hidden_size: int, intermediate: int, vocab: int, positions: int = 0,
-                  attention: int = 0) -> int:
-    """Memory of the pass on its device, for a model of ``params`` parameters, ``pruned`` of
+                  attention: int = 0) -> dict[str, int]:
+    """Memory of the pass on its device by part (:data:`PASS_PARTS`: the weights and the
+    training state, one batch's activations and logits, the dense distribution of the rank's
+    windows), for a model of ``params`` parameters, ``pruned`` of
     them in the trained weights, ``kept`` of those kept, in the run's dtype of ``itemsize``
     bytes. The weights: the lean pass (``lean``, products in bfloat16, :func:`distill`) holds
     the trained ones in bfloat16 and the others in their dtype, else every one is float32.
@@ -278,8 +290,10 @@ def distill_bytes(params: int, pruned: int, kept: float, itemsize: int, lean: bo
     weights = pruned * 2 + (params - pruned) * itemsize if lean else 4 * params
     block = batch_tokens * (16 * hidden_size + 4 * intermediate) * 4 + attention
     activations = block + blocks * batch_tokens * hidden_size * 4 if checkpointed else blocks * block
-    return int(weights + pruned * kept * (14 if lean else 16) + activations
-               + 2 * batch_tokens * vocab * 4 + positions * min(DISTILL_TOPK, vocab) * 8)
+    state, batch, windows = PASS_PARTS
+    return {state: int(weights + pruned * kept * (14 if lean else 16)),
+            batch: int(activations + 2 * batch_tokens * vocab * 4),
+            windows: int(positions * min(DISTILL_TOPK, vocab) * 8)}
 
 
 def distillation_needs(run: RunShape, epochs: int, windows: int, checkpointed: bool = False) -> StageNeeds:
@@ -296,7 +310,7 @@ def distillation_needs(run: RunShape, epochs: int, windows: int, checkpointed: b
     # eager attention's probabilities of one batch: in float32 and their bfloat16 copy
     eager = uses_eager_attention(run.device, run.trains_in_bfloat16, s.seqlen)
     attention = 6 * s.batch_size * run.attention_heads * s.seqlen ** 2 if eager else 0
-    peak = distill_bytes(run.params, pruned, run.kept, run.itemsize, run.trains_in_bfloat16, checkpointed,
+    parts = distill_parts(run.params, pruned, run.kept, run.itemsize, run.trains_in_bfloat16, checkpointed,
                          len(run.per_block), run.batch_tokens, run.hidden_size, run.intermediate, run.vocab_size,
                          -(-windows // run.ranks) * s.seqlen, attention)
     own_tokens = s.distill_extra_windows() * s.seqlen
@@ -305,4 +319,4 @@ def distillation_needs(run: RunShape, epochs: int, windows: int, checkpointed: b
     per_step = 4 if checkpointed else 3  # forward passes' worth of one batch's training step
     passes = per_step * epochs * (run_batches + own_batches - held) + 2 * held  # of one batch, forward
     seconds = (2.0 * run.params * own_tokens + passes * 2.0 * run.params * run.batch_tokens) / run.train_rate / run.ranks
-    return StageNeeds(peak_bytes=peak, seconds={"distillation": seconds})
+    return StageNeeds(peak_bytes=sum(parts.values()), seconds={"distillation": seconds}, peak_parts=parts)

@@ -113,9 +113,11 @@ class StageNeeds:
     """One stage's estimate for one rank: ``block_bytes`` it holds on the compute device while a
     block is worked on (the stages' sum is the block phase), ``stream_bytes`` of calibration
     hidden states it carries from block to block (held from the capture on), ``peak_bytes`` of a
-    phase of its own after the blocks (the global distillation's), and ``seconds`` by name."""
+    phase of its own after the blocks (the global distillation's; ``peak_parts``: what they are
+    made of, by name), and ``seconds`` by name."""
 
     block_bytes: float = 0
     stream_bytes: int = 0
     peak_bytes: int = 0
     seconds: dict[str, float] = field(default_factory=dict)
+    peak_parts: dict[str, int] = field(default_factory=dict)
