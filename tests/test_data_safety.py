@@ -275,6 +275,48 @@ def test_ctrl_c_ends_in_one_line_and_the_same_command_resumes(job, tmp_path, cap
     assert load_file(str(tmp_path / "o" / "model.safetensors"))
 
 
+def test_ctrl_c_before_the_first_block_says_nothing_is_kept(job, tmp_path, capsys, monkeypatch):
+    """Ctrl-C before any block is finished said "resume from the checkpoint (finished blocks
+    are kept)" (issue 65 case 11): now it says that nothing is kept."""
+    import nmprune.job
+
+    *_, args = job
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(nmprune.job, "run", interrupted)
+    assert main(args + ["--out", str(tmp_path / "o")]) == 130
+    err = capsys.readouterr().err
+    assert "nmprune: interrupted; no block was finished, so nothing is kept" in err and "resume" not in err, err
+
+
+SECOND_CTRL_C = """
+import atexit, os, signal, sys, time
+import torch._dynamo  # its atexit handler is the one a second Ctrl-C interrupted
+import nmprune.job
+def interrupted(*a, **k):
+    raise KeyboardInterrupt
+nmprune.job.run = interrupted
+def second_ctrl_c():
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(2)
+atexit.register(second_ctrl_c)  # at exit, before nmprune's handler is registered, so run after it
+from nmprune.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_second_ctrl_c_while_exiting_prints_no_traceback(job, tmp_path):
+    """A second Ctrl-C while a stopped run exits printed torch._dynamo's atexit traceback
+    (issue 65 case 7): now the process ends at once, with exit code 130."""
+    *_, args = job
+    done = subprocess.run([sys.executable, "-c", SECOND_CTRL_C, *args, "--out", str(tmp_path / "o")],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 130, done.stderr
+    assert "Traceback" not in done.stderr and "nmprune: interrupted" in done.stderr, done.stderr
+
+
 # ----------------------------------------------------------------------------- machine errors
 
 @pytest.mark.parametrize("flag", ["--seqlen", "--eval-seqlen"])
@@ -313,7 +355,10 @@ def test_full_disk_while_saving_exits_1_and_the_rerun_finishes(job, tmp_path, ca
     with monkeypatch.context() as m:
         m.setattr(transformers.modeling_utils, "safe_save_file", failure)
         assert main(argv) == 1
-    _one_error(capsys.readouterr().err, "No space left on device")
+    # what failed, where, and how to go on (issue 65 case 8: the bare "[Errno 28] ...")
+    _one_error(capsys.readouterr().err, f"No space left on device writing {tmp_path / 'o.partial' / 'unfinished'}: free space "
+                                        f"there, or choose another --out or --checkpoint-dir; then rerun the same "
+                                        f"command to resume from the checkpoint {tmp_path / 'o.checkpoint'}")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["o.checkpoint"]  # no output, no staging
     assert main(argv) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["o"]
@@ -333,7 +378,7 @@ def test_full_disk_while_checkpointing_leaves_no_temporary_file(job, tmp_path, c
     with monkeypatch.context() as m:
         m.setattr(safetensors.torch, "save_file", half_written)
         assert main(argv) == 1
-    _one_error(capsys.readouterr().err, "No space left on device")
+    _one_error(capsys.readouterr().err, f"No space left on device writing {tmp_path / 'o.checkpoint'}")
     assert not [p for p in (tmp_path / "o.checkpoint").iterdir() if p.name.endswith(".tmp")]
     assert safetensors.torch.save_file is real
     assert main(argv) == 0

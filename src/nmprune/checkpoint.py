@@ -33,7 +33,7 @@ from typing import Any
 
 from torch import Tensor
 
-from .output import check_owned, mark, marker, remove_owned
+from .output import check_owned, mark, marker, remove_owned, writing
 
 FORMAT = 3  # 3: the hidden states as streams (stream{k}_batch_{j}), not side by side
 MANIFEST = "manifest.json"
@@ -73,7 +73,8 @@ def _atomic_write_bytes(path: Path, write) -> None:
     say) removes the temporary file."""
     tmp = path.with_name(path.name + ".tmp")
     try:
-        write(tmp)
+        with writing(path):
+            write(tmp)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

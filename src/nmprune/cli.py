@@ -9,23 +9,26 @@ held-out text and saves the pruned model. Settings come from defaults, then a YA
 from __future__ import annotations
 
 import argparse
+import atexit
 import errno
+import json
 import math
-import re
+import os
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from safetensors import SafetensorError
 
 from . import __version__
 from .config import AUTO, RunConfig, build_config, load_yaml
+from .output import IO_FAILURES, os_error
 from .reconstruct import TRAIN_PRECISIONS
 from .stages.reconstruction import GRANULARITIES, RECONSTRUCTION_TEXT
 
-#: Errors of the machine rather than of the input (a full disk, a failing device): exit code 1.
-IO_FAILURES = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS})
 #: The exit code after Ctrl-C (SIGINT), as shells report a process it ended: 128 + 2.
 INTERRUPTED = 130
 #: The exit code after SIGTERM (torchrun stops every rank with it once one fails): 128 + 15.
@@ -40,11 +43,44 @@ def _terminate(signum: int, frame: Any) -> None:
     raise Terminated()
 
 
-def os_error(error: SafetensorError) -> OSError | None:
-    """safetensors' error for a failed read or write of the machine's (a full disk: "...
-    (os error 28)") as the OSError it stands for; None for any other."""
-    found = re.search(r"\(os error (\d+)\)", str(error))
-    return OSError(int(found.group(1)), str(error)) if found else None
+def _hard_exit(code: int) -> Callable[[int, Any], None]:
+    """A signal handler that ends the process at once with ``code``: a second Ctrl-C or
+    SIGTERM while a stopped run exits (torch's atexit handlers, say) prints no traceback."""
+    def handler(signum: int, frame: Any) -> None:
+        os._exit(code)
+    return handler
+
+
+def _stop_quietly(code: int) -> None:
+    """At the exit of a stopped run: a further Ctrl-C or SIGTERM ends the process with ``code``."""
+    signal.signal(signal.SIGINT, _hard_exit(code))
+    signal.signal(signal.SIGTERM, _hard_exit(code))
+
+
+def going_on(config: RunConfig | None) -> str:
+    """How a stopped ``prune`` run of ``config`` goes on, from what its checkpoint holds: the
+    finished blocks kept, or, before the first, nothing to resume."""
+    from .checkpoint import MANIFEST
+
+    if config is None or not config.out:
+        return ""
+    directory = Path(config.checkpoint_dir or f"{config.out}.checkpoint")
+    try:
+        done = int(json.loads((directory / MANIFEST).read_text())["done_blocks"])
+    except (OSError, ValueError, KeyError, TypeError):
+        done = 0
+    if done:
+        return f"rerun the same command to resume from the checkpoint {directory} ({done} finished blocks are kept)"
+    return "no block was finished, so nothing is kept: the same command starts the run again"
+
+
+def io_next_step(error: OSError) -> str:
+    """What to do about a failed write or read of the machine's (:data:`~nmprune.output.IO_FAILURES`)."""
+    if error.errno == errno.EROFS:
+        return "the file system is read-only: choose another --out or --checkpoint-dir"
+    if error.errno == errno.EIO:
+        return "the disk failed: check it"
+    return "free space there, or choose another --out or --checkpoint-dir"
 
 
 # ----------------------------------------------------------------------------- parsing
@@ -316,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     failure: BaseException | None = None
+    config: RunConfig | None = None
+    previous_int = None
     code, previous = 0, None
     try:
         if args.command == "methods":
@@ -355,26 +393,41 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, SafetensorError) as e:  # the user's input or environment; anything else is a bug
         if isinstance(e, SafetensorError) and (e := os_error(e)) is None:
             raise
-        print(f"nmprune: error: {' '.join(str(e).split())}", file=sys.stderr)
-        failure, code = e, 1 if isinstance(e, OSError) and e.errno in IO_FAILURES else 2
+        machine = isinstance(e, OSError) and e.errno in IO_FAILURES
+        text = ' '.join(str(e).split())
+        if machine:  # what failed, where, and how to go on
+            where = f" writing {e.filename}" if e.filename else ""
+            resume = going_on(config) if args.command == "prune" and not args.dry_run else ""
+            text = f"{e.strerror}{where}: {io_next_step(e)}" + (f"; then {resume}" if resume else "")
+        print(f"nmprune: error: {text}", file=sys.stderr)
+        failure, code = e, 1 if machine else 2
     except RankError as e:  # another rank's error: its code when it was the user's input
         print(f"nmprune: error: {e}", file=sys.stderr)
         failure, code = e, 2 if e.user_error else 1
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the checkpoint holds every finished block
-        resume = "; rerun the same command to resume from the checkpoint (finished blocks are kept)" \
-            if args.command == "prune" and not args.dry_run else ""
-        if isinstance(e, Terminated):
+        code = TERMINATED if isinstance(e, Terminated) else INTERRUPTED
+        # a second Ctrl-C or SIGTERM ends the process at once, while it stops and while it exits
+        previous_int = signal.signal(signal.SIGINT, _hard_exit(code))
+        signal.signal(signal.SIGTERM, _hard_exit(code))
+        atexit.register(_stop_quietly, code)  # runs before torch's own atexit handlers
+        resume = going_on(config) if args.command == "prune" and not args.dry_run else ""
+        if isinstance(e, Terminated) and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             print("nmprune: error: stopped by SIGTERM (torchrun stops every rank once one fails: see its "
-                  f"report for the root cause){resume.replace('same command', 'same torchrun command')}",
-                  file=sys.stderr)
-            failure, code = e, TERMINATED
+                  "report for the root cause)" + (f"; {resume.replace('same command', 'same torchrun command')}"
+                                                  if resume else ""), file=sys.stderr)
+        elif isinstance(e, Terminated):  # a scheduler's stop, or kill
+            print("nmprune: error: stopped by SIGTERM" + (f"; {resume}" if resume else ""), file=sys.stderr)
         else:
-            print(f"nmprune: interrupted{resume}", file=sys.stderr)
-            failure, code = e, INTERRUPTED
+            print("nmprune: interrupted" + (f"; {resume}" if resume else ""), file=sys.stderr)
+        failure = e
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-        teardown(failure)  # a bug's traceback goes on after it
+        try:
+            teardown(failure)  # a bug's traceback goes on after it
+        finally:
+            if previous_int is not None:
+                signal.signal(signal.SIGINT, previous_int)
     return code
 
 

@@ -15,12 +15,17 @@ takes it for a model, and ``OUT`` appears only complete. Two runs writing the sa
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
+import re
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+from safetensors import SafetensorError
 from torch import nn
 
 MARKER = ".nmprune"
@@ -83,6 +88,33 @@ def remove_owned(directory: Path, kind: str, flag: str, names: list[str] | None 
         directory.rmdir()
 
 
+# ----------------------------------------------------------------------------- failed writes
+
+#: Errors of the machine rather than of the input (a full disk, a failing device): exit code 1.
+IO_FAILURES = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS})
+
+
+def os_error(error: Exception) -> OSError | None:
+    """safetensors' error for a failed read or write of the machine's (a full disk: "...
+    (os error 28)") as the OSError it stands for; None for any other."""
+    found = re.search(r"\(os error (\d+)\)", str(error))
+    return OSError(int(found.group(1)), os.strerror(int(found.group(1)))) if found else None
+
+
+@contextmanager
+def writing(path: str | os.PathLike) -> Iterator[None]:
+    """Inside, a write that fails for the machine (:data:`IO_FAILURES`: a full disk, say;
+    also as safetensors reports it) is raised again as an OSError naming ``path``, the
+    file or folder being written, which the bare error does not."""
+    try:
+        yield
+    except (OSError, SafetensorError) as e:
+        failure = e if isinstance(e, OSError) else os_error(e)
+        if failure is None or failure.errno not in IO_FAILURES or getattr(e, "filename", None):
+            raise
+        raise OSError(failure.errno, os.strerror(failure.errno), str(path)) from e
+
+
 # ----------------------------------------------------------------------------- staged save
 
 def partial_save_dir(out: str | os.PathLike) -> Path:
@@ -137,11 +169,12 @@ def save_pretrained_atomic(model: nn.Module, tokenizer, out: str | os.PathLike,
     """
     tmp = staging_dir(out)
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        for name, text in (extra_files or {}).items():
-            (tmp / name).write_text(text)
+        with writing(tmp):
+            model.save_pretrained(tmp, safe_serialization=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+            for name, text in (extra_files or {}).items():
+                (tmp / name).write_text(text)
     except BaseException:
         remove_partial_save(out)
         raise

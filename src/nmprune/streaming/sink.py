@@ -25,7 +25,7 @@ from typing import Any
 
 from torch import Tensor
 
-from ..output import publish_atomic, remove_partial_save, staging_dir
+from ..output import publish_atomic, remove_partial_save, staging_dir, writing
 from .files import INDEX
 from .source import StreamingModel
 
@@ -66,8 +66,9 @@ class ShardedWriter:
     def _save(self, shard: str, tensors: dict[str, Tensor]) -> None:
         from safetensors.torch import save_file
 
-        save_file({k: v.detach().to("cpu", self.source.output_dtype(k)).contiguous()
-                   for k, v in tensors.items()}, str(self.tmp / shard), metadata={"format": "pt"})
+        with writing(self.tmp / shard):
+            save_file({k: v.detach().to("cpu", self.source.output_dtype(k)).contiguous()
+                       for k, v in tensors.items()}, str(self.tmp / shard), metadata={"format": "pt"})
         self.written.add(shard)
 
     def write(self, index: int, weights: Mapping[str, Tensor]) -> None:
@@ -97,15 +98,16 @@ class ShardedWriter:
         if missing:
             raise RuntimeError(f"shard {missing[0]} was never written")
         index = {"metadata": {"total_size": self.total_size}, "weight_map": self.weight_map}
-        (self.tmp / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         model = self.source.model
         model.config.architectures = [type(model).__name__]
         model.config.dtype = self.source.dtype
-        model.config.save_pretrained(self.tmp)
-        if model.can_generate():
-            model.generation_config.save_pretrained(self.tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(self.tmp)
+        with writing(self.tmp):
+            (self.tmp / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+            model.config.save_pretrained(self.tmp)
+            if model.can_generate():
+                model.generation_config.save_pretrained(self.tmp)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(self.tmp)
         return self.tmp
 
     def finish(self, tokenizer: Any) -> StreamingModel:
@@ -116,8 +118,9 @@ class ShardedWriter:
         """Add ``extra_files`` (name -> text) and rename the directory to ``out``; a failed
         write (a full disk, say) abandons the output."""
         try:
-            for name, text in (extra_files or {}).items():
-                (self.tmp / name).write_text(text)
+            with writing(self.tmp):
+                for name, text in (extra_files or {}).items():
+                    (self.tmp / name).write_text(text)
         except BaseException:
             self.abandon()
             raise
