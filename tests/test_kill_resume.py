@@ -167,3 +167,35 @@ def test_a_streamed_runs_checkpoint_resumes_in_memory_to_the_in_memory_runs_mode
     weights = load_file(str(out / "model.safetensors"))
     for key, value in reference.items():
         assert torch.equal(weights[key], value), key
+
+
+def test_a_head_that_overflows_perplexity_is_refused_on_a_resumed_run_too(run, tmp_path, capsys):
+    """A large but finite ``lm_head`` (x1e20) crashed with ``OverflowError: math range error``
+    in the end-to-end check, the dense evaluation and ``nmprune eval``; the rerun of the killed
+    prune skipped the check and saved the model (issue 65 case 6). Now the perplexity is
+    infinite, and ``eval`` and a prune, resumed or not, refuse the model in one line."""
+    from safetensors.torch import save_file
+
+    from test_models_tiny import tiny_model, tiny_tokenizer
+
+    args, _ = run
+    text = args[args.index("--calib") + 1]
+    model = tiny_model("llama", layers=3)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1e20)
+    directory = tmp_path / "big_head"
+    model.save_pretrained(directory)
+    tiny_tokenizer(open(text).read()).save_pretrained(directory)
+    assert torch.isfinite(load_file(str(directory / "model.safetensors"))["lm_head.weight"]).all()
+
+    assert main(["eval", "--model", str(directory), "--data", text, "--seqlen", "16", "--max-tokens", "128",
+                 "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f"the perplexity of {directory} on {text} is inf" in err, err
+
+    argv = [*args, "--model", str(directory), "--no-eval", "--out", str(tmp_path / "out")]
+    _killed(argv, tmp_path, "nmprune.stages.executor", "run_job", 7 + 3, "after")  # block 0 finished
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "the dense model's next-token distribution" in err and "not finite" in err
+    assert not (tmp_path / "out").exists()

@@ -4,6 +4,8 @@ weigh every channel by its own scale, and calibration batches held out of traini
 
 from __future__ import annotations
 
+import math
+
 import copy
 
 import pytest
@@ -191,6 +193,8 @@ def test_a_resumed_run_says_its_end_to_end_check_was_not_made(tmp_path):
     assert report.resumed_from_block == 2
     assert report.end_to_end["checked"] is False
     assert "resumed" in report.end_to_end["why"]
+    # the dense and the reconstructed model are still measured (a head that overflows is caught)
+    assert math.isfinite(report.end_to_end["dense"]) and report.end_to_end["kl_reconstructed"] >= 0
 
 
 @pytest.mark.parametrize("kl, warned", [(0.60, False), (0.70, True)])
@@ -206,5 +210,7 @@ def test_the_summary_warns_when_reconstruction_ends_further_from_the_dense_model
              "kl_solved": 0.668, "kl_reconstructed": kl}
     text = reconstruction_table({"reconstruction": {"granularity": "block", "blocks": [block], "end_to_end": check}})
     assert f"KL from dense: solved 0.668, reconstructed {kl:.4g}" in text
+    # named for what it is: held out of the training, but in the layer statistics (issue 65's report)
+    assert "calibration text held out of the training, not of the layer statistics (4088 tokens)" in text
     assert ("warning: reconstruction left the model 1.05x as far" in text) == warned
     assert ("--reconstruct none may serve this model better" in text) == warned

@@ -133,6 +133,15 @@ def perplexity(
         return batch_perplexity(batches())
 
 
+def perplexity_from_nll(mean_nll: float) -> float:
+    """``exp`` of a mean negative log-likelihood per token, infinite where it overflows
+    (a model whose head overflows; ``math.exp`` would raise)."""
+    try:
+        return math.exp(mean_nll)
+    except OverflowError:
+        return math.inf
+
+
 def batch_perplexity(batches: Iterable[tuple[Tensor, Tensor]]) -> float:
     """``exp`` of the mean next-token negative log-likelihood (:func:`window_nll`) over
     ``(ids, logits)`` batches, summed in float64. Each batch's logits are dropped and the
@@ -147,7 +156,7 @@ def batch_perplexity(batches: Iterable[tuple[Tensor, Tensor]]) -> float:
         release_memory(collect=False)
         total += nll.cpu()
         count += n
-    return math.exp(float(total) / count)
+    return perplexity_from_nll(float(total) / count)
 
 
 def _fmt(value: float) -> str:

@@ -594,7 +594,8 @@ def reconstruction_table(report: dict[str, Any]) -> str:
               f"{_error(b['error_before'])} | {_error(b['error_after'])} | {b['kept']} |" for b in blocks]
     check = report["reconstruction"].get("end_to_end")
     if check and check.get("checked"):
-        lines.append(f"\nheld-out calibration text ({check['tokens']} tokens): perplexity dense "
+        lines.append(f"\ncalibration text held out of the training, not of the layer statistics "
+                     f"({check['tokens']} tokens): perplexity dense "
                      f"{check['dense']:.4g}, solved {check['solved']:.4g}, reconstructed "
                      f"{check['reconstructed']:.4g}; KL from dense: solved {check['kl_solved']:.4g}, "
                      f"reconstructed {check['kl_reconstructed']:.4g}")
@@ -603,7 +604,10 @@ def reconstruction_table(report: dict[str, Any]) -> str:
                          "as far from the dense one as the solved weights alone on the held-out calibration "
                          "text; --reconstruct none may serve this model better")
     elif check:
-        lines.append(f"\nend-to-end check not made: {check['why']}")
+        measured = (f"; calibration text held out of the training, not of the layer statistics ({check['tokens']} "
+                    f"tokens): perplexity dense {check['dense']:.4g}, reconstructed {check['reconstructed']:.4g}; "
+                    f"KL from dense {check['kl_reconstructed']:.4g}" if "dense" in check else "")
+        lines.append(f"\nend-to-end check not made: {check['why']}{measured}")
     distilled = report.get("distillation")
     if distilled and "skipped" in distilled:
         lines.append(f"global distillation skipped: {distilled['skipped']}")

@@ -31,7 +31,7 @@ import safetensors.torch
 import torch
 from torch import Tensor, nn
 
-from ..evaluate import window_kl, window_nll
+from ..evaluate import perplexity_from_nll, window_kl, window_nll
 from ..checks import NonFiniteModel
 from ..progress import bar as progress_bar
 from ..reconstruct import (FitOptions, KeptEntries, ReconstructionDiverged, channel_weights, epoch_steps,
@@ -563,20 +563,21 @@ class ReconstructingStatistics:
         the reconstructed model is further from the dense one than the solved weights alone,
         by more than :data:`END_TO_END_MARGIN` (a few held-out batches are noisy):
         the per-block guard cannot see what only the whole model shows (the way a plain
-        squared error once hid Gemma-3's collapse). None without held-out batches; after a
-        resume (the solved-only stream is not checkpointed) the record says it was not made."""
+        squared error once hid Gemma-3's collapse). None without held-out batches. After a
+        resume (the solved-only stream is not checkpointed) the comparison is not made, and the
+        record says so, but the dense and reconstructed models are still measured and checked:
+        a dense model whose head overflows is refused (:class:`~nmprune.checks.NonFiniteModel`)
+        on a resumed run too."""
         if not self.held:
             return None
-        if self.solved is None:
-            return {"checked": False, "why": "resumed: the held-out batches' stream through the "
-                                             "solved weights alone is not in the checkpoint"}
         device = self.dense[0].device if self.dense else "cpu"
-        sums = torch.zeros(3, 4, dtype=torch.float64, device=device)  # per model: nll, tokens, kl, positions
-        finals = [x for j, solved in zip(self.held_local, self.solved)
-                  for x in (self.dense[j], solved, self.pruned[j])]
+        streams = 2 if self.solved is None else 3  # dense, (solved,) reconstructed
+        sums = torch.zeros(streams, 4, dtype=torch.float64, device=device)  # per model: nll, tokens, kl, positions
+        finals = [x for i, j in enumerate(self.held_local)
+                  for x in (self.dense[j], *([] if self.solved is None else [self.solved[i]]), self.pruned[j])]
         reference = None
-        for k, (ids, logits) in enumerate(head([j for j in self.held_local for _ in range(3)], finals)):
-            model = k % 3
+        for k, (ids, logits) in enumerate(head([j for j in self.held_local for _ in range(streams)], finals)):
+            model = k % streams
             if model == 0:
                 reference = logits
             nll, count = window_nll(logits, ids)
@@ -586,13 +587,17 @@ class ReconstructingStatistics:
             del ids, logits, nll, kl
         del reference
         self.all_reduce([sums])
-        ppl = [math.exp(float(s[0] / s[1])) if s[1] > 0 else float("nan") for s in sums]
+        ppl = [perplexity_from_nll(float(s[0] / s[1])) if s[1] > 0 else float("nan") for s in sums]
         kl = [float(s[2] / s[3]) if s[3] > 0 else float("nan") for s in sums]
         if not math.isfinite(ppl[0]):
             raise NonFiniteModel("the dense model's next-token distribution on the held-out calibration "
-                             f"text is not finite (perplexity {ppl[0]}): its last layers or head overflow "
-                             "(a weight too large for its dtype?); check the model's weights, or use "
-                             "--dtype float32")
+                                 f"text is not finite (perplexity {ppl[0]}): its last layers or head overflow "
+                                 "(a weight too large for its dtype?); check the model's weights, or use "
+                                 "--dtype float32")
+        if self.solved is None:
+            return {"checked": False, "why": "resumed: the held-out batches' stream through the solved weights "
+                                             "alone is not in the checkpoint", "batches": len(self.held),
+                    "tokens": int(sums[0, 1]), "dense": ppl[0], "reconstructed": ppl[1], "kl_reconstructed": kl[1]}
         record = {"checked": True, "batches": len(self.held), "tokens": int(sums[0, 1]),
                   "dense": ppl[0], "solved": ppl[1], "reconstructed": ppl[2],
                   "kl_solved": kl[1], "kl_reconstructed": kl[2]}
