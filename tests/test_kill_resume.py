@@ -174,7 +174,6 @@ def test_a_head_that_overflows_perplexity_is_refused_on_a_resumed_run_too(run, t
     in the end-to-end check, the dense evaluation and ``nmprune eval``; the rerun of the killed
     prune skipped the check and saved the model (issue 65 case 6). Now the perplexity is
     infinite, and ``eval`` and a prune, resumed or not, refuse the model in one line."""
-    from safetensors.torch import save_file
 
     from test_models_tiny import tiny_model, tiny_tokenizer
 
