@@ -87,36 +87,55 @@ def test_methods_lists_registry(capsys):
     assert "wanda" in out and "exact" in out and "refine_" in out
 
 
-def test_global_distillation_from_the_command_line_and_its_refusal_on_a_streamed_model(tiny_dir, tmp_path, capsys):
+def test_global_distillation_from_the_command_line_in_memory_and_streamed(tiny_dir, tmp_path, capsys):
     """``--distill-epochs`` runs the pass after the last block and reports it, on the run's
     windows and ``--distill-nsamples`` minus those of its own (batches of 2: 8 and 4, one of
-    each held out); a streamed run (``--offload``) refuses it before any work, with one message."""
+    each held out). A streamed run in one process (``--offload``) makes the same pass: its
+    dense distribution on the pass's own windows block by block, then the pruned model loaded
+    whole from the shards it wrote, trained, and written back; the saved model is the
+    in-memory run's up to float rounding (issue 63: it was refused, or skipped by auto)."""
     base, model_dir, text, yaml_file = tiny_dir
+    flags = ["--config", str(yaml_file), "--quiet", "--reconstruct", "block", "--nsamples", "16",
+             "--distill-epochs", "2", "--distill-lr", "1e-2", "--distill-nsamples", "24"]
     out = tmp_path / "distilled"
-    assert main(["prune", "--config", str(yaml_file), "--out", str(out), "--quiet", "--reconstruct", "block",
-                 "--nsamples", "16", "--distill-epochs", "2", "--distill-lr", "1e-2", "--distill-nsamples", "24"]) == 0
+    assert main(["prune", *flags, "--out", str(out)]) == 0
     assert "global distillation (2 epoch(s), 20 steps" in capsys.readouterr().out
     record = json.loads((out / "nmprune_report.json").read_text())["distillation"]
-    assert record["kept"] in ("distilled", "solved") and record["heldout_batches"] == 2 and record["batches"] == 12
-    refused = tmp_path / "refused"
-    assert main(["prune", "--config", str(yaml_file), "--quiet", "--offload", "--distill-epochs", "1",
-                 "--out", str(refused)]) != 0
-    assert not refused.exists() and not refused.with_name("refused.checkpoint").exists()
-    assert "--distill-epochs cannot run on a streamed model" in capsys.readouterr().err
-    # the dry run refuses it as the run does (it planned the pass and exited 0)
-    assert main(["prune", "--config", str(yaml_file), "--offload", "--distill-epochs", "1", "--dry-run",
-                 "--out", str(refused)]) == 2
-    assert "--distill-epochs cannot run on a streamed model" in capsys.readouterr().err
-    # the default, auto, skips it on the streamed model with one line, and says so in the report
-    skipped = tmp_path / "skipped"
-    assert main(["prune", "--config", str(yaml_file), "--offload", "--reconstruct", "block", "--out",
-                 str(skipped)]) == 0
-    captured = capsys.readouterr()
-    lines = [line for line in captured.err.splitlines() if "skipping the global distillation" in line]
-    assert len(lines) == 1 and "the weights stream block by block" in lines[0], captured.err
-    assert json.loads((skipped / "nmprune_report.json").read_text())["distillation"]["skipped"].startswith(
-        "the weights stream")
-    assert "global distillation skipped: the weights stream" in captured.out
+    assert record["kept"] == "distilled" and record["heldout_batches"] == 2 and record["batches"] == 12
+    streamed = tmp_path / "streamed"
+    assert main(["prune", *flags, "--offload", "--out", str(streamed)]) == 0
+    assert "global distillation (2 epoch(s), 20 steps" in capsys.readouterr().out
+    report = json.loads((streamed / "nmprune_report.json").read_text())
+    assert report["streamed"] and report["distillation"]["kept"] == "distilled"
+    assert report["distillation"]["heldout_after"] == pytest.approx(record["heldout_after"], rel=1e-3)
+    from safetensors.torch import load_file
+    from nmprune.streaming.files import SafetensorsFiles
+
+    whole = load_file(str(out / "model.safetensors"))
+    files = SafetensorsFiles.open(streamed)
+    trained = [k for k in whole if k.endswith("proj.weight")]
+    assert trained and all(torch.allclose(files.get(k), whole[k], atol=1e-5) for k in trained)
+    # and the pass moved them: the solved weights of a run without it differ
+    solved = tmp_path / "solved"
+    assert main(["prune", *flags[:-6], "--distill-epochs", "0", "--out", str(solved)]) == 0
+    plain = load_file(str(solved / "model.safetensors"))
+    assert any(not torch.allclose(plain[k], whole[k], atol=1e-5) for k in trained)
+
+
+def test_the_pass_is_refused_on_a_model_streamed_on_several_ranks_and_auto_skips_it(tiny_dir):
+    """Several ranks streaming one model would each load it whole for the pass: the plan (the
+    run's decision) refuses ``--distill-epochs N`` there and ``auto`` makes no pass."""
+    from nmprune.config import build_config
+    from nmprune.resources import plan_run
+
+    base, model_dir, text, yaml_file = tiny_dir
+    config = build_config({"model": str(model_dir), "out": str(base / "o"), "distill_epochs": 1})
+    with pytest.raises(ValueError, match="cannot run on a model streamed on several ranks"):
+        plan_run(config, ranks=2, streamed=True)
+    assert plan_run(build_config({"model": str(model_dir), "out": str(base / "o")}), ranks=2,
+                    streamed=True).distill_epochs == 0
+    assert plan_run(build_config({"model": str(model_dir), "out": str(base / "o")}), ranks=1,
+                    streamed=True).distill_epochs == 1
 
 
 def test_a_text_too_short_for_the_distillations_own_windows_is_refused_before_anything_is_written(
@@ -139,14 +158,14 @@ def test_a_distillation_pass_that_would_not_fit_is_refused_before_any_weight_is_
     out = tmp_path / "o"
     assert main(["prune", "--config", str(yaml_file), "--quiet", "--distill-epochs", "1", "--out", str(out)]) != 0
     err = capsys.readouterr().err
-    assert "the global distillation pass needs about" in err and "GiB are available" in err, err
+    assert "the global distillation pass needs about" in err and "and 1 MiB are available" in err, err
     assert not out.exists()
     # auto (the default) prunes without the pass, and says why in one line and in the report
     assert main(["prune", "--config", str(yaml_file), "--quiet", "--reconstruct", "block", "--out", str(out)]) == 0
     err = capsys.readouterr().err
     assert err.count("skipping the global distillation (distill_epochs: auto): the global distillation pass "
                      "needs about") == 1, err
-    assert "GiB are available" in json.loads((out / "nmprune_report.json").read_text())["distillation"]["skipped"]
+    assert "and 1 MiB are available" in json.loads((out / "nmprune_report.json").read_text())["distillation"]["skipped"]
 
 
 def test_sigterm_stops_a_run_with_one_line_and_the_same_command_resumes(tiny_dir, tmp_path, capsys, monkeypatch):

@@ -253,7 +253,6 @@ def test_the_own_windows_teachers_are_computed_in_the_dtype_the_pass_trains_in(m
     """The dense model's distribution on the pass's own windows comes from products in the
     pass's training dtype (bfloat16 under ``train_precision: bfloat16``, the weights' own under
     ``full``); in bfloat16 it stays close to float32's, far inside the gap the pass closes."""
-    import nmprune.pipeline as pipeline
     from nmprune.stages.distillation import dense_teachers
 
     dense = tiny_model("llama", layers=2)
@@ -273,7 +272,9 @@ def test_the_own_windows_teachers_are_computed_in_the_dtype_the_pass_trains_in(m
         seen.append(dtype)
         return dense_teachers(model, batches, k, device, dtype)
 
-    monkeypatch.setattr(pipeline, "dense_teachers", spy)
+    import nmprune.stages.source as source
+
+    monkeypatch.setattr(source, "dense_teachers", spy)
     for precision in ("bfloat16", "full"):
         prune_model(copy.deepcopy(dense), calibration=token_batch(16, 16), distill_calibration=own, device="cpu",
                     progress=False, distill_epochs=1, train_precision=precision, **SETTINGS)

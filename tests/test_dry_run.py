@@ -225,12 +225,17 @@ def test_the_plan_prices_the_global_distillation_pass(tmp_path):
         (64 * (times - 1) + 2 * (held[64] + held[64 * (times - 1)])) * forward)
     assert one.distill_peak_per_rank > bare_one.distill_peak_per_rank
     assert "distillation" not in base.seconds
-    # the default, auto: one epoch on a model loaded whole, none on a streamed one
+    # the default, auto: one epoch on a model loaded whole, and on a model streamed in one
+    # process (which loads it whole for the pass), none on a model streamed on several ranks
     auto = plan_run(build_config({"model": model, "device": "cpu", "train_precision": "full"}), ranks=1,
                     streamed=False)
     assert auto.distill_epochs == 1 and auto.seconds["distillation"] == pytest.approx(one.seconds["distillation"])
-    streamed = plan_run(build_config({"model": model, "device": "cpu"}), ranks=1, streamed=True)
-    assert streamed.distill_epochs == 0 and "distillation" not in streamed.seconds
+    streamed = plan_run(build_config({"model": model, "device": "cpu", "train_precision": "full"}), ranks=1,
+                        streamed=True, available=1 << 40)
+    assert streamed.distill_epochs == 1 and streamed.distill_peak_per_rank == pytest.approx(auto.distill_peak_per_rank)
+    assert streamed.cpu_peak_per_rank >= streamed.distill_peak_per_rank
+    on_ranks = plan_run(build_config({"model": model, "device": "cpu"}), ranks=2, streamed=True, available=1 << 40)
+    assert on_ranks.distill_epochs == 0 and "distillation" not in on_ranks.seconds
     assert one.cpu_peak_per_rank >= base.cpu_peak_per_rank and one.cpu_peak_per_rank > 4 * one.parameters
 
 

@@ -37,7 +37,7 @@ from .progress import bar as progress_bar
 from .progress import stage as say
 from .stages.plan import LayerPlan
 from .distill import DISTILL_TOPK, TeacherTopK, teacher_topk
-from .stages.distillation import SavedPass, dense_teachers, distill, teacher
+from .stages.distillation import SavedPass, distill, pass_runs, teacher
 from .reconstruct import training_dtype
 from .stages.reconstruction import ReconstructingStatistics, held_out_batches
 from .stages.sink import BlockSink, ModelSink
@@ -174,7 +174,7 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
     saving = executor.broadcast_object(checkpoint is not None)
     loop = _BlockLoop(source, sink, plans, settings, executor, checkpoint, report, sizes, shown, on_block_done,
                       saving=saving, load=hessians is None)
-    epochs = settings.distill_passes(whole=not source.streamed) if hessians is None else 0
+    epochs = settings.distill_passes(whole=pass_runs(source.streamed, executor.world)) if hessians is None else 0
     if epochs and distill_calibration is None and calibration is None:
         distill_calibration = distill_windows(tokenizer, settings)
     with evaluating(source.model), frozen_heap():
@@ -200,8 +200,8 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
                     template, [batches[j] for j in js], finals, executor.device))
             if epochs:
                 with executor.phase("global distillation"):
-                    report.distillation = _distill(source, plans, stage, batches, own, epochs, settings, executor,
-                                                   shown, scratch, distill_checkpointed, checkpoint)
+                    report.distillation = _distill(source, sink, plans, stage, batches, own, epochs, settings,
+                                                   executor, shown, scratch, distill_checkpointed, checkpoint)
     report.per_rank = _per_rank(report.layers[len(resumed[0]):], executor, loop.busy["calibration_seconds"])
     report.seconds = {"capture": t_capture, "total": time.perf_counter() - t_start,
                       "layers": sum(r.get("seconds", 0.0) for r in report.layers)}
@@ -397,7 +397,7 @@ def _own_windows(source: BlockSource, plans: dict[str, LayerPlan | None], window
     every = list(windows.split(settings.batch_size))
     sizes, total = [b.shape[0] for b in every], len(every)
     batches, positions = executor.shard(every), list(executor.shard(range(total)))
-    dtype = training_dtype(settings.train_precision, _pruned_weights(source, plans))
+    dtype = training_dtype(settings.train_precision, _pruned_weights(source, plans), executor.device)
     made_of = f"{_digest(windows)}/{dtype}"
     saved = checkpoint.teachers() if checkpoint is not None and checkpoint.get("teachers of") == made_of else None
     if executor.broadcast_object(saved is not None):
@@ -409,7 +409,7 @@ def _own_windows(source: BlockSource, plans: dict[str, LayerPlan | None], window
                                        [t.ids for t in like])
         return _OwnWindows(batches, [TeacherTopK(p.cpu(), i.cpu()) for p, i in zip(logp, ids)], positions, total)
     say(f"computing the dense model's distribution on the global distillation's {total} own windows", progress)
-    teachers = dense_teachers(source.whole_model("distill_epochs"), batches, DISTILL_TOPK, executor.device, dtype)
+    teachers = source.dense_teachers(batches, DISTILL_TOPK, executor.device, dtype)
     if saving:
         logp = executor.gather_batches([t.logp for t in teachers], sizes)
         ids = executor.gather_batches([t.ids for t in teachers], sizes)
@@ -419,22 +419,35 @@ def _own_windows(source: BlockSource, plans: dict[str, LayerPlan | None], window
     return _OwnWindows(batches, teachers, positions, total)
 
 
-def _distill(source: BlockSource, plans: dict[str, LayerPlan | None], stage: ReconstructingStatistics,
+def _distill(source: BlockSource, sink: BlockSink, plans: dict[str, LayerPlan | None], stage: ReconstructingStatistics,
              batches: list[Tensor], own: _OwnWindows | None, epochs: int, settings: PruneSettings,
              executor: Executor, progress: bool, scratch: str | os.PathLike | None,
              checkpointed: bool, checkpoint: Checkpoint | None) -> dict[str, Any]:
     """``epochs`` of the global distillation pass (:mod:`nmprune.stages.distillation`) on the
-    whole model, which visits the compute device meanwhile, towards the dense distribution of
+    whole pruned model (:meth:`~nmprune.stages.source.BlockSource.whole_pruned`: a streamed
+    ``source`` loads it whole, with the weights ``sink`` wrote, and writes the trained ones
+    back), which visits the compute device meanwhile, towards the dense distribution of
     the dense stream ``stage`` carried to the last block (freed once read) and on the pass's
     ``own`` windows, its decoder blocks ``checkpointed`` or not. The held-out batches are the
     reconstruction's and as large a share of the pass's own. Its progress is saved in rank 0's
     ``checkpoint`` now and then, and a pass of the same settings and windows resumes from it
     (:class:`~nmprune.stages.distillation.SavedPass`); the record says from which step."""
-    model = source.whole_model("distill_epochs")
     say(f"global distillation: {epochs} epoch(s) over every pruned layer", progress)
     template = stage.inputs.output_template
     teachers = teacher(source.head_logits(template, batches, stage.dense, executor.device), DISTILL_TOPK)
     stage.dense = []
+    with source.whole_pruned(sink) as model:
+        return _train_whole(model, source, plans, stage, batches, teachers, own, epochs, settings, executor,
+                            progress, scratch, checkpointed, checkpoint)
+
+
+def _train_whole(model: nn.Module, source: BlockSource, plans: dict[str, LayerPlan | None],
+                 stage: ReconstructingStatistics, batches: list[Tensor], teachers: list[TeacherTopK],
+                 own: _OwnWindows | None, epochs: int, settings: PruneSettings, executor: Executor, progress: bool,
+                 scratch: str | os.PathLike | None, checkpointed: bool, checkpoint: Checkpoint | None
+                 ) -> dict[str, Any]:
+    """:func:`_distill`'s training of the whole ``model`` on the run's ``batches`` with their
+    dense distribution (``teachers``) and the pass's ``own`` windows."""
     positions, total, held = list(stage.positions), stage.total, held_out_batches(stage.total)
     if own is not None:
         batches, teachers = batches + own.batches, teachers + own.teachers

@@ -85,13 +85,17 @@ TRAIN_PRECISIONS = PRECISIONS
 BF16_MIN_WIDTH = 256
 
 
-def training_dtype(precision: str, weights: Sequence[Tensor]) -> torch.dtype | None:
+def training_dtype(precision: str, weights: Sequence[Tensor], device: torch.device | None = None
+                   ) -> torch.dtype | None:
     """The dtype :func:`fit_masked` runs the forward and backward passes in under autocast
-    (None: the weights' own, no autocast) for ``precision`` (:data:`TRAIN_PRECISIONS`). The
-    weights, their AdamW state and the loss stay float32: only the products are bfloat16, whose
-    8-bit mantissa leaves a gradient about 1% off, noise beside a one-sample step's."""
+    (None: the weights' own, no autocast) for ``precision`` (:data:`TRAIN_PRECISIONS`), on
+    ``device`` (default: where the weights are). The weights, their AdamW state and the loss
+    stay float32: only the products are bfloat16, whose 8-bit mantissa leaves a gradient about
+    1% off, noise beside a one-sample step's."""
     wide = bool(weights) and max(min(w.shape) for w in weights) >= BF16_MIN_WIDTH
-    return low_precision(precision, weights[0].device if weights else torch.device("cpu"), wide)
+    if device is None:
+        device = weights[0].device if weights else torch.device("cpu")
+    return low_precision(precision, device, wide)
 
 
 def lane_of(index: int, total: int, lanes: int) -> int:

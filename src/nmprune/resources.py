@@ -214,7 +214,7 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None, mo
     the pass checkpoints its decoder blocks where it would not fit them without."""
     from .devices import default_device
     from .reconstruct import BF16_MIN_WIDTH
-    from .stages.distillation import STREAMED_REFUSAL, distillation_needs
+    from .stages.distillation import STREAMED_REFUSAL, distillation_needs, pass_runs
     from .stages.executor import solve_needs
     from .stages.needs import RunShape, StepCosts
     from .stages.reconstruction import reconstruction_needs
@@ -248,15 +248,18 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None, mo
     recon = s.reconstruct != "none"
     solves, statistics = solve_needs(run), statistics_needs(run)
     fitting = reconstruction_needs(run) if recon else None
-    if streamed and s.distill_epochs not in (0, AUTO):
+    runs = pass_runs(streamed, ranks)
+    if not runs and s.distill_epochs not in (0, AUTO):
         raise ValueError(STREAMED_REFUSAL)  # as the run refuses it once loaded
-    epochs = s.distill_passes(whole=not streamed)
+    epochs = s.distill_passes(whole=runs)
     windows = s.nsamples + s.distill_extra_windows()
     distilling = distillation_needs(run, epochs, windows) if epochs else None
     whole = 0 if streamed else run.params * itemsize
+    # the pass holds the whole model, a streamed one too (loaded whole for it once the blocks are done)
+    model_bytes = run.params * itemsize
     # the pass checkpoints its blocks where it would not fit without (a second forward pass a step)
     checkpointed = bool(distilling and available is not None
-                        and _distill_peak(device, whole, distilling.peak_bytes) > available)
+                        and _distill_peak(device, model_bytes, distilling.peak_bytes) > available)
     if checkpointed:
         distilling = distillation_needs(run, epochs, windows, checkpointed=True)
     streams = (fitting or statistics).stream_bytes
@@ -269,7 +272,8 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None, mo
         cpu_peak = PROCESS_BYTES + whole + outside * itemsize + block
         device_peak = max(block_phase, distill_peak)
     else:
-        cpu_peak = PROCESS_BYTES + whole + max(outside * itemsize + streams, block_phase, distill_peak)
+        cpu_peak = PROCESS_BYTES + whole + max(outside * itemsize + streams, block_phase,
+                                               distill_peak + (model_bytes - whole if distilling else 0))
         device_peak = None
     seconds = {**solves.seconds, **statistics.seconds, **(fitting.seconds if fitting else {}),
                **(distilling.seconds if distilling else {})}
@@ -281,7 +285,8 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None, mo
                     output_disk=run.params * itemsize,
                     checkpoint_disk=pruned_weights + run.tokens * run.hidden_size * itemsize * (2 if recon else 1),
                     seconds=seconds, distill_epochs=epochs, distill_windows=windows if epochs else 0,
-                    distill_peak_per_rank=_distill_peak(device, whole, distill_peak), distill_checkpointed=checkpointed,
+                    distill_peak_per_rank=_distill_peak(device, model_bytes, distill_peak),
+                    distill_checkpointed=checkpointed,
                     distill_parts=distilling.peak_parts if distilling else {})
 
 

@@ -50,11 +50,20 @@ from .reconstruction import Spill, float32_training, held_out_batches
 EAGER_ATTENTION_MAX_TOKENS = 512
 
 
-#: why ``--distill-epochs N`` is refused where the weights stream (the run's and the plan's words)
-STREAMED_REFUSAL = ("--distill-epochs cannot run on a streamed model (--offload, a model larger than memory, or "
-                    "several ranks on a safetensors model): the global distillation trains the whole model at once, "
-                    "so it needs every weight in memory; prune without it, or with offload: false where the model "
-                    "fits")
+#: why ``--distill-epochs N`` is refused where the weights stream on several ranks (the run's
+#: and the plan's words)
+STREAMED_REFUSAL = ("--distill-epochs cannot run on a model streamed on several ranks (a safetensors model under "
+                    "torchrun): the global distillation trains the whole model at once, and each rank would load "
+                    "all of it; run the job in one process (where the pass loads the pruned model whole once the "
+                    "blocks are done), or prune without --distill-epochs")
+
+
+def pass_runs(streamed: bool, ranks: int) -> bool:
+    """Whether a run whose weights are ``streamed`` or not, on ``ranks`` ranks, can make the
+    pass at all (memory aside): where the model is held whole, and where one process streams
+    it (the pass then loads the pruned model whole,
+    :meth:`~nmprune.streaming.StreamingModel.whole_pruned`); not where several ranks stream it."""
+    return not streamed or ranks == 1
 
 
 def uses_eager_attention(device: str, bfloat16: bool, tokens: int) -> bool:

@@ -31,6 +31,9 @@ class BlockSink(Protocol):
     def write(self, index: int, weights: Mapping[str, Tensor]) -> None:
         """Keep block ``index``'s final weights (every prunable layer's, by full name)."""
 
+    def read(self, index: int) -> dict[str, Tensor]:
+        """Block ``index``'s weights as last written (every prunable layer's, by full name)."""
+
 
 class OutputSink(BlockSink, Protocol):
     """What a prune job (:func:`nmprune.job.run`) asks of its sink beyond the blocks."""
@@ -66,6 +69,10 @@ class ModelSink:
                 if weights[name].data_ptr() != module.weight.data_ptr():
                     module.weight.copy_(weights[name])
 
+    def read(self, index: int) -> dict[str, Tensor]:
+        """The model's own weights of block ``index``'s prunable layers."""
+        return {name: module.weight for name, module in self.source.layers(index).items()}
+
     def finish(self, tokenizer: Any) -> ModelBlocks:
         """The model is pruned in place: it is its own output (saved with ``tokenizer``)."""
         self.tokenizer = tokenizer
@@ -88,6 +95,9 @@ class DiscardingSink:
 
     def write(self, index: int, weights: Mapping[str, Tensor]) -> None:
         """Nothing to keep."""
+
+    def read(self, index: int) -> dict[str, Tensor]:
+        raise RuntimeError("this rank writes no output: rank 0 holds the pruned weights")
 
     def finish(self, tokenizer: Any) -> BlockSource:
         raise RuntimeError("this rank writes no output: rank 0 holds the pruned model")

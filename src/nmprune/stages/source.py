@@ -12,23 +12,29 @@ A source is also what a prune or eval job (:mod:`nmprune.job`) holds of its mode
 the job never asks which kind it has: it checks the weights (``check_finite``), measures
 perplexity (``perplexity``), hands lm-eval the whole model (``whole_model``, refused when
 streamed) and opens where the pruned blocks go (``output``, a
-:class:`~nmprune.stages.sink.OutputSink`).
+:class:`~nmprune.stages.sink.OutputSink`). For the global distillation it gives the dense
+model's distribution on the pass's own windows before pruning (``dense_teachers``) and the
+whole pruned model to train (``whole_pruned``): a streamed source loads every block for it,
+with the pruned weights its sink wrote, and writes the trained ones back.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor, nn
 
+from ..distill import TeacherTopK
 from .block_runner import BlockInputs, capture_block_inputs, head_logits
+from .distillation import dense_teachers
 from ..models import find_blocks, find_linears, outside_parameters, weight_matrix
 
 if TYPE_CHECKING:
-    from .sink import OutputSink
+    from .sink import BlockSink, OutputSink
 
 #: Why lm-eval cannot run on a streamed model (``{flag}``: the option that asked for it).
 STREAMED_TASKS = (
@@ -72,6 +78,11 @@ class BlockSource(Protocol):
                    prefix: Sequence[int], desc: str) -> float: ...
 
     def whole_model(self, flag: str) -> nn.Module: ...
+
+    def dense_teachers(self, batches: Sequence[Tensor], k: int, device: torch.device,
+                       dtype: torch.dtype | None) -> list[TeacherTopK]: ...
+
+    def whole_pruned(self, sink: BlockSink) -> AbstractContextManager[nn.Module]: ...
 
     def output(self, out: str | os.PathLike, writes: bool) -> OutputSink: ...
 
@@ -137,6 +148,18 @@ class ModelBlocks(DecoderBlocks):
     def whole_model(self, flag: str) -> nn.Module:
         """The model itself, for lm-eval."""
         return self.model
+
+    def dense_teachers(self, batches: Sequence[Tensor], k: int, device: torch.device,
+                       dtype: torch.dtype | None) -> list[TeacherTopK]:
+        """The model's (still dense) ``k`` most likely tokens on ``batches``, for the global
+        distillation (:func:`~nmprune.stages.distillation.dense_teachers`)."""
+        return dense_teachers(self.model, batches, k, device, dtype)
+
+    @contextmanager
+    def whole_pruned(self, sink: BlockSink) -> Iterator[nn.Module]:
+        """The model itself, pruned in place by ``sink`` (a :class:`~nmprune.stages.sink.ModelSink`):
+        what the global distillation trains is already the output."""
+        yield self.model
 
     def output(self, out: str | os.PathLike, writes: bool) -> OutputSink:
         """A :class:`~nmprune.stages.sink.ModelSink` into this model, saved to ``out`` whole

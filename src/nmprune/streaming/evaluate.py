@@ -19,22 +19,7 @@ import torch
 from torch import Tensor
 
 from ..evaluate import batch_perplexity, eval_windows
-from ..stages.block_runner import BlockInputs, run_block
-from ..memory import release_memory
-from ..progress import bar as progress_bar
 from .source import StreamingModel
-
-
-def block_outputs(source: StreamingModel, batches: list[Tensor], device: torch.device,
-                  progress: bool = False, desc: str = "perplexity") -> BlockInputs:
-    """The last block's outputs for each token batch (``hidden``), with the per-block call
-    arguments and the output template of the capture."""
-    inputs = source.capture(batches, device)
-    for i in progress_bar(range(len(source)), enabled=progress, desc=f"{desc} (blocks)"):
-        with source.block(i, device) as block:
-            inputs.hidden = [run_block(block, h, inputs.call(i, h)) for h in inputs.hidden]
-        release_memory(collect=False)  # else the heap fragments: about +5 MiB a block on SmolLM2
-    return inputs
 
 
 @torch.no_grad()
@@ -46,5 +31,5 @@ def streaming_perplexity(source: StreamingModel, input_ids: Tensor, seqlen: int 
     defaults to the CPU)."""
     device = torch.device(device or "cpu")
     batches = list(eval_windows(input_ids, seqlen, batch_size, prefix).split(batch_size))
-    inputs = block_outputs(source, batches, device, progress, desc)
+    inputs = source.block_outputs(batches, device, progress, desc)
     return batch_perplexity(source.head_logits(inputs.output_template, batches, inputs.hidden, device))

@@ -83,6 +83,13 @@ class ShardedWriter:
         tensors = self.source.files.read([k for k in self.block_groups[index] if k not in given])
         self._save(self.shard_names[index], {**tensors, **given})
 
+    def read(self, index: int) -> dict[str, Tensor]:
+        """Block ``index``'s prunable layers' weights as :meth:`write` wrote them (from its shard)."""
+        from safetensors import safe_open
+
+        with safe_open(str(self.tmp / self.shard_names[index]), framework="pt") as shard:
+            return {name: shard.get_tensor(self.source.weight_key(name)) for name in self.source.layers(index)}
+
     def _copy_outside(self) -> None:
         """Copy the tensors outside the blocks from the input checkpoint."""
         for j, keys in enumerate(self.outside_groups):

@@ -25,10 +25,15 @@ from typing import Any, Iterator
 import torch
 from torch import Tensor, nn
 
-from ..stages.block_runner import BlockInputs, capture_block_inputs, head_logits
+from ..devices import products_in
+from ..distill import TeacherTopK, teacher_topk
+from ..memory import release_memory
+from ..progress import bar as progress_bar
+from ..stages.block_runner import BlockInputs, capture_block_inputs, head_logits, run_block
+from ..stages.distillation import pass_attention
 from ..models import ModelSource, check_causal, parse_dtype
 from ..validate import check_finite_tensors
-from ..stages.sink import DiscardingSink, OutputSink
+from ..stages.sink import BlockSink, DiscardingSink, OutputSink
 from ..stages.source import STREAMED_TASKS, DecoderBlocks
 from .files import CheckpointFileError, SafetensorsFiles, check_no_extra_blocks, missing_tensors
 
@@ -202,6 +207,52 @@ class StreamingModel(DecoderBlocks):
     def whole_model(self, flag: str) -> nn.Module:
         """Refused: lm-eval needs every weight in memory at once."""
         raise ValueError(STREAMED_TASKS.format(flag=flag))
+
+    def block_outputs(self, batches: list[Tensor], device: torch.device, progress: bool = False,
+                      desc: str = "perplexity") -> BlockInputs:
+        """The last block's outputs for each token batch (``hidden``), with the per-block call
+        arguments and the output template of the capture: one block loaded at a time."""
+        inputs = self.capture(batches, device)
+        for i in progress_bar(range(len(self)), enabled=progress, desc=f"{desc} (blocks)"):
+            with self.block(i, device) as block:
+                inputs.hidden = [run_block(block, h, inputs.call(i, h)) for h in inputs.hidden]
+            release_memory(collect=False)  # else the heap fragments: about +5 MiB a block on SmolLM2
+        return inputs
+
+    @torch.no_grad()
+    def dense_teachers(self, batches: Sequence[Tensor], k: int, device: torch.device,
+                       dtype: torch.dtype | None) -> list[TeacherTopK]:
+        """The dense model's ``k`` most likely tokens on ``batches``, block by block
+        (:meth:`block_outputs`, every batch's hidden states held), the products under autocast
+        to ``dtype`` and attention as the pass computes it, as
+        :func:`~nmprune.stages.distillation.dense_teachers` does on a model held whole."""
+        tokens = max((b.shape[-1] for b in batches), default=0)
+        with products_in(device, dtype), pass_attention(self.model, device, dtype, tokens):
+            inputs = self.block_outputs(list(batches), device)
+            return [teacher_topk(logits, k).to("cpu") for _, logits in
+                    self.head_logits(inputs.output_template, batches, inputs.hidden, device)]
+
+    @contextmanager
+    def whole_pruned(self, sink: BlockSink) -> Iterator[nn.Module]:
+        """The whole model in CPU memory for the global distillation: every block and the
+        modules outside them read from the checkpoint, the prunable layers given the weights
+        ``sink`` wrote (:meth:`~nmprune.streaming.ShardedWriter.read`); on a normal exit every
+        block's trained weights are written to ``sink`` again. Released afterwards."""
+        try:
+            self.load_outside("cpu")
+            for i in range(len(self)):
+                self.load(i, "cpu")
+                with torch.no_grad():
+                    for name, weight in sink.read(i).items():
+                        self.layers(i)[name].weight.copy_(weight)
+            yield self.model
+            for i in range(len(self)):
+                sink.write(i, {name: m.weight.detach() for name, m in self.layers(i).items()})
+        finally:
+            for i in range(len(self)):
+                self.release(i)
+            self.release_outside()
+            release_memory()
 
     def output(self, out: str | os.PathLike, writes: bool) -> OutputSink:
         """Shards written as blocks finish (:class:`~nmprune.streaming.ShardedWriter`) on the
