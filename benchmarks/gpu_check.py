@@ -156,7 +156,7 @@ def pipeline(device: torch.device, model_dir: Path, work: Path, settings: dict) 
     for i, (where, dtype, offload) in enumerate(runs):
         if where != "cpu" and device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        # distill_epochs 0: a streamed run skips the global pass that a model held whole makes
+        # distill_epochs 0: the runs compare the blocks' phase alone (part 7 measures the pass)
         config = nmprune.build_config({"method": "wanda", "refine": "exact", "distill_epochs": 0, **settings},
                                       {"model": str(model_dir), "out": str(work / f"run{i}"),
                                        "device": where, "dtype": dtype, "offload": offload})
@@ -234,12 +234,13 @@ def default_job(device: torch.device, tokenizer_dir: Path, work: Path, settings:
     Llama with Llama-3.1-8B's blocks (:func:`block_config`) in bfloat16, streamed as a model
     larger than its device is, without evaluation: each stage's seconds from the run's report
     beside the dry run's plan of the same run (``nmprune.resources.plan_run``), which is how
-    the plan's CUDA constants are checked. A streamed run makes no global distillation pass."""
+    the plan's CUDA constants are checked. Without the global distillation pass (part 7
+    measures it), which a model streamed in one process makes too."""
     import nmprune
     from nmprune.resources import plan_run
 
     model_dir = block_model_dir(work / "job-model", tokenizer_dir, scale, layers=2)
-    config = nmprune.build_config({**settings, "eval": []},
+    config = nmprune.build_config({**settings, "eval": [], "distill_epochs": 0},
                                   {"model": str(model_dir), "out": str(work / "job"), "device": str(device),
                                    "dtype": "bfloat16", "offload": True})
     planned = plan_run(config, 1).seconds
