@@ -222,8 +222,10 @@ def _paused_run(argv: list[str], cwd: Path, flag: Path) -> subprocess.Popen:
     return child
 
 
-@pytest.mark.parametrize("second", ["same --out", "its default checkpoint as --checkpoint-dir",
-                                    "its staged save as --out", "its staged save as --checkpoint-dir"])
+@pytest.mark.parametrize("second", ["same --out", pytest.param("its default checkpoint as --checkpoint-dir",
+                                                                marks=pytest.mark.slow),
+                                    "its staged save as --out", pytest.param("its staged save as --checkpoint-dir",
+                                                                             marks=pytest.mark.slow)])
 def test_second_run_on_the_same_folders_is_refused_and_the_first_finishes(job, tmp_path, capsys, second):
     """Every folder a run writes is locked by that run, whoever named it: its default
     checkpoint ``OUT.checkpoint`` too, when a second run names it with ``--checkpoint-dir``,

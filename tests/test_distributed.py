@@ -330,7 +330,7 @@ sys.exit(main(argv))
 """
 
 
-@pytest.mark.parametrize("differ", ["settings", "model files"])
+@pytest.mark.parametrize("differ", ["settings", pytest.param("model files", marks=pytest.mark.slow)])
 def test_ranks_started_on_different_jobs_all_stop_with_one_message(tiny_dir, tmp_path, differ):
     base, model_dir, text, yaml_file = tiny_dir
     script = tmp_path / "split.py"
@@ -366,6 +366,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow  # several processes, killed and resumed: in `pytest -m slow`, beside the default suite
 def test_streamed_ranks_killed_mid_run_resume_to_the_uninterrupted_model(tiny_dir, tmp_path):
     """Two ranks stream the model (each reads only its current block); rank 1 is killed with
     SIGKILL after block 1: torchrun fails, rank 0 says in one line that it lost its peer and
@@ -415,6 +416,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow  # streamed ranks stopped mid-run: in `pytest -m slow`
 def test_a_shard_changed_under_streamed_ranks_stops_every_rank_with_one_message(tiny_dir, tmp_path):
     """The weights file changes after block 0 (another process rewrote it): every rank stops
     with exit code 2 and one message naming the file; the checkpoint keeps block 0, and once

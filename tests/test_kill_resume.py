@@ -71,6 +71,7 @@ def run(tmp_path_factory):
     return args, load_file(str(base / "straight" / "model.safetensors"))
 
 
+@pytest.mark.slow  # a real kill -9 and two reruns: in `pytest -m slow` (test_cli and test_pipeline resume killed runs in the default suite)
 def test_kill_9_then_rerun_is_bit_identical(run, tmp_path):
     args, reference = run
     out = tmp_path / "out"

@@ -24,7 +24,7 @@ from nmprune.stages.plan import resolve_plan
 ROWS_WORKER = Path(__file__).resolve().parent / "row_shards_worker.py"
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])  # 3 ranks: in `pytest -m slow`
 def test_every_solver_gives_the_whole_layers_rows_bit_for_bit(world, tmp_path):
     """The worker's layers have 203 rows (unequal shares), dominant inputs or a singular H;
     prox's lambda_adapt mean comes from the whole layer, its stopping count from the ranks."""
