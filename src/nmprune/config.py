@@ -148,8 +148,9 @@ class PruneSettings:
     rank trains, at a cost in quality (docs/distributed.md). ``distill_epochs`` passes of
     global distillation follow the last block: the kept weights of every pruned layer train
     towards the dense model's next-token distribution at ``distill_lr`` (relative to each
-    weight's RMS; :mod:`nmprune.stages.distillation`), for models held whole in memory. 0: none;
-    ``"auto"`` (the default): :data:`AUTO_DISTILL_EPOCHS` where the run holds the model whole, it
+    weight's RMS; :mod:`nmprune.stages.distillation`), on the whole model (one process
+    streaming it loads it whole for the pass; several ranks streaming it make none). 0: none;
+    ``"auto"`` (the default): :data:`AUTO_DISTILL_EPOCHS` where the pass can run, the run
     reconstructs and the pass fits in memory, else none (:meth:`distill_passes`); a number of
     epochs is required (a run that cannot distill is refused). The pass trains on
     ``distill_nsamples`` calibration windows: the run's ``nsamples`` and the rest drawn for it
@@ -263,7 +264,8 @@ class PruneSettings:
     def distill_passes(self, whole: bool = True) -> int:
         """The epochs of global distillation a run makes: ``distill_epochs`` when it is a
         number; with ``"auto"``, :data:`AUTO_DISTILL_EPOCHS` for a run that reconstructs and
-        holds the model ``whole`` (the caller also judges that the pass fits), else 0."""
+        can train the model ``whole`` (:func:`~nmprune.stages.distillation.pass_runs`; the
+        caller also judges that the pass fits), else 0."""
         if self.distill_epochs != AUTO:
             return self.distill_epochs
         return AUTO_DISTILL_EPOCHS if whole and self.reconstruct != "none" else 0
