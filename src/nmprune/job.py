@@ -477,7 +477,8 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
                                               model_config)
         if downstream.tasks:
             model.whole_model("--eval-tasks")  # refused when streamed
-        if config.prune.distill_epochs not in (0, AUTO) and not pass_runs(model.streamed, ranks.world):
+        distillable = pass_runs(model.streamed, ranks.world)
+        if config.prune.distill_epochs not in (0, AUTO) and not distillable:
             raise ValueError(STREAMED_REFUSAL)
         if tokenizer is None:
             raise ValueError(f"{source} has no tokenizer; nmprune needs one for calibration and "
@@ -499,13 +500,12 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
         except ValueError as e:
             raise ValueError(f"--calib {p.calib}: {e}") from e
         release_memory()  # the tokenised corpora, before the evaluation's activations
-    settings, distill_skipped = _auto_distillation(config.prune, not pass_runs(model.streamed, ranks.world), shortfall,
-                                                   ranks)
+    settings, distill_skipped = _auto_distillation(config.prune, not distillable, shortfall, ranks)
     if distill_skipped is not None:
         role.warn(f"nmprune: skipping the global distillation (distill_epochs: auto): {distill_skipped}")
     with phase("drawing the global distillation's windows"):
         own_windows = _distill_windows(tokenizer, settings) \
-            if settings.distill_passes(whole=pass_runs(model.streamed, ranks.world)) else None
+            if settings.distill_passes(whole=distillable) else None
     try:
         with phase("opening the checkpoint"):
             role.open_checkpoint(digest)

@@ -254,9 +254,9 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None, mo
     epochs = s.distill_passes(whole=runs)
     windows = s.nsamples + s.distill_extra_windows()
     distilling = distillation_needs(run, epochs, windows) if epochs else None
-    whole = 0 if streamed else run.params * itemsize
     # the pass holds the whole model, a streamed one too (loaded whole for it once the blocks are done)
     model_bytes = run.params * itemsize
+    whole = 0 if streamed else model_bytes  # held through the block phase
     # the pass checkpoints its blocks where it would not fit without (a second forward pass a step)
     checkpointed = bool(distilling and available is not None
                         and _distill_peak(device, model_bytes, distilling.peak_bytes) > available)
