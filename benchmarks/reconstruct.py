@@ -133,7 +133,7 @@ def run_row(bench: Bench, method: str, granularity: str, fit: dict[str, Any], ta
     t = time.perf_counter()
     # the global distillation's own windows, drawn as the job draws them (prune_model draws
     # none when it is given the calibration)
-    extra = distill_windows(bench.tokenizer, settings) if settings.distill_passes(whole=True) else None
+    extra = distill_windows(bench.tokenizer, settings) if settings.distill_passes() else None
     report = prune_model(bench.model, calibration=bench.calibration, distill_calibration=extra, device="cpu",
                          progress=False, settings=settings)
     prune_seconds = time.perf_counter() - t

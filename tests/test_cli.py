@@ -122,20 +122,17 @@ def test_global_distillation_from_the_command_line_in_memory_and_streamed(tiny_d
     assert any(not torch.allclose(plain[k], whole[k], atol=1e-5) for k in trained)
 
 
-def test_the_pass_is_refused_on_a_model_streamed_on_several_ranks_and_auto_skips_it(tiny_dir):
-    """Several ranks streaming one model would each load it whole for the pass: the plan (the
-    run's decision) refuses ``--distill-epochs N`` there and ``auto`` makes no pass."""
+def test_the_pass_is_planned_wherever_the_model_streams(tiny_dir):
+    """A model streamed in one process (loaded whole for the pass) or on several ranks
+    (sharded over them) gets the pass: ``--distill-epochs N`` and ``auto`` plan it alike."""
     from nmprune.config import build_config
     from nmprune.resources import plan_run
 
     base, model_dir, text, yaml_file = tiny_dir
-    config = build_config({"model": str(model_dir), "out": str(base / "o"), "distill_epochs": 1})
-    with pytest.raises(ValueError, match="cannot run on a model streamed on several ranks"):
-        plan_run(config, ranks=2, streamed=True)
-    assert plan_run(build_config({"model": str(model_dir), "out": str(base / "o")}), ranks=2,
-                    streamed=True).distill_epochs == 0
-    assert plan_run(build_config({"model": str(model_dir), "out": str(base / "o")}), ranks=1,
-                    streamed=True).distill_epochs == 1
+    for ranks in (1, 2):
+        for epochs in (1, "auto"):
+            config = build_config({"model": str(model_dir), "out": str(base / "o"), "distill_epochs": epochs})
+            assert plan_run(config, ranks=ranks, streamed=True).distill_epochs == 1, (ranks, epochs)
 
 
 def test_a_text_too_short_for_the_distillations_own_windows_is_refused_before_anything_is_written(

@@ -203,9 +203,9 @@ def test_auto_distills_one_epoch_in_memory_and_none_without_reconstruction():
     """``distill_epochs: auto`` (the default) makes one epoch for a model held whole that
     reconstructs, none without reconstruction (the pass needs its dense stream)."""
     assert PruneSettings().distill_epochs == "auto"
-    assert PruneSettings().distill_passes(whole=True) == 1 and PruneSettings().distill_passes(whole=False) == 0
-    assert PruneSettings(reconstruct="none").distill_passes(whole=True) == 0
-    assert PruneSettings(distill_epochs=2).distill_passes(whole=False) == 2
+    assert PruneSettings().distill_passes() == 1
+    assert PruneSettings(reconstruct="none").distill_passes() == 0
+    assert PruneSettings(distill_epochs=2).distill_passes() == 2
     calib = token_batch(16, 16)
     report = prune_model(tiny_model("llama", layers=2), calibration=calib, device="cpu", progress=False, **SETTINGS)
     assert report.distillation is not None and report.distillation["epochs"] == 1

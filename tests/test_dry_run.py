@@ -15,6 +15,7 @@ from nmprune.cli import main
 from nmprune.config import AUTO_DISTILL_WINDOWS, build_config
 from nmprune import resources
 from nmprune.resources import BF16_TRAINING_SPEEDUP, CPU_THREAD_SCALING, cpu_threads, plan_run
+from nmprune.stages.distillation import PASS_PARTS
 from nmprune.stages.reconstruction import held_out_batches
 from nmprune.stages.statistics import hessian_inputs
 from nmprune.stages.token_shares import busiest_token_share, token_shares
@@ -48,8 +49,18 @@ def test_the_plan_scales_with_blocks_ranks_and_settings(tmp_path, monkeypatch):
     small, large = (plan_run(build_config({"model": str(llama_config_dir(tmp_path / f"m{n}", n)),
                                            "device": "cpu"}), ranks=2) for n in (16, 32))
     assert small.streamed and large.streamed  # several ranks stream
-    # streamed memory is one block's: flat in the depth; disk and time grow with it
-    assert large.cpu_peak_per_rank == small.cpu_peak_per_rank
+    # streamed, the block phase holds one block: flat in the depth; disk and time grow with it
+    assert large.block_phase == small.block_phase
+    # the pass runs sharded over the ranks: each holds half of every parameter in float32 (2
+    # bytes a parameter) and of the kept half's 16 bytes of position, gradient and moments (4)
+    assert small.distill_epochs == large.distill_epochs == 1
+    state = PASS_PARTS[0]
+    grown = (large.distill_parts[state] - small.distill_parts[state]) / (large.parameters - small.parameters)
+    assert 5.5 < grown < 6.0
+    assert large.cpu_peak_per_rank == large.distill_peak_per_rank > large.block_phase
+    flat = [plan_run(build_config({"model": str(tmp_path / f"m{n}"), "device": "cpu", "distill_epochs": 0}), ranks=2)
+            for n in (16, 32)]
+    assert flat[0].cpu_peak_per_rank == flat[1].cpu_peak_per_rank
     assert 1.5 < large.output_disk / small.output_disk < 2.0  # the blocks double, the embeddings stay
     assert sum(large.seconds.values()) > 1.8 * sum(small.seconds.values())
     one = plan_run(build_config({"model": str(tmp_path / "m16"), "device": "cpu"}), ranks=1)
@@ -234,8 +245,12 @@ def test_the_plan_prices_the_global_distillation_pass(tmp_path):
                         streamed=True, available=1 << 40)
     assert streamed.distill_epochs == 1 and streamed.distill_peak_per_rank == pytest.approx(auto.distill_peak_per_rank)
     assert streamed.cpu_peak_per_rank >= streamed.distill_peak_per_rank
-    on_ranks = plan_run(build_config({"model": model, "device": "cpu"}), ranks=2, streamed=True, available=1 << 40)
-    assert on_ranks.distill_epochs == 0 and "distillation" not in on_ranks.seconds
+    # on two ranks, sharded over them (stages.sharded_pass): the pass's time is shared out, and
+    # each rank holds under 0.6 of one process's pass
+    on_ranks = plan_run(build_config({"model": model, "device": "cpu", "train_precision": "full"}), ranks=2,
+                        streamed=True, available=1 << 40)
+    assert on_ranks.distill_epochs == 1 and on_ranks.seconds["distillation"] < auto.seconds["distillation"]
+    assert on_ranks.distill_peak_per_rank < 0.6 * streamed.distill_peak_per_rank
     assert one.cpu_peak_per_rank >= base.cpu_peak_per_rank and one.cpu_peak_per_rank > 4 * one.parameters
 
 

@@ -261,14 +261,13 @@ class PruneSettings:
         otherwise the blocks are solved one at a time."""
         return self.hessian_inputs == "dense" and self.reconstruct == "none"
 
-    def distill_passes(self, whole: bool = True) -> int:
+    def distill_passes(self) -> int:
         """The epochs of global distillation a run makes: ``distill_epochs`` when it is a
-        number; with ``"auto"``, :data:`AUTO_DISTILL_EPOCHS` for a run that reconstructs and
-        can train the model ``whole`` (:func:`~nmprune.stages.distillation.pass_runs`; the
+        number; with ``"auto"``, :data:`AUTO_DISTILL_EPOCHS` for a run that reconstructs (the
         caller also judges that the pass fits), else 0."""
         if self.distill_epochs != AUTO:
             return self.distill_epochs
-        return AUTO_DISTILL_EPOCHS if whole and self.reconstruct != "none" else 0
+        return AUTO_DISTILL_EPOCHS if self.reconstruct != "none" else 0
 
     def distill_extra_windows(self) -> int:
         """How many calibration windows the global distillation trains on beyond the run's

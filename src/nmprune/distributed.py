@@ -615,6 +615,16 @@ class DistributedExecutor:
         errors, the same tensors in the same order on every rank)."""
         self.ranks.all_reduce_sum(tensors)
 
+    def training_model(self, source: Any, sink: Any, dtype: torch.dtype | None
+                       ) -> contextlib.AbstractContextManager[torch.nn.Module]:
+        """The whole pruned model for the global distillation, sharded over the ranks with
+        FSDP2 on this rank's device, its blocks computing in ``dtype``
+        (:func:`~nmprune.stages.sharded_pass.sharded_whole`)."""
+        from .stages.sharded_pass import sharded_whole
+
+        self.ranks.check("the global distillation")
+        return sharded_whole(source, sink, self.device, dtype)
+
     def solve(self, jobs: Sequence[Any], done, progress=iter) -> None:
         """Solve ``jobs`` (:class:`~nmprune.stages.executor.LayerJob`) with the other ranks --
         shares of every layer's rows, or whole layers, as :func:`split_rows` decides -- then

@@ -137,17 +137,13 @@ def _distill_windows(tokenizer, settings):
                          f"windows of its own (--distill-nsamples): {e}") from e
 
 
-def _auto_distillation(settings, streamed_on_ranks: bool, shortfall: str | None, ranks) -> tuple[Any, str | None]:
+def _auto_distillation(settings, shortfall: str | None, ranks) -> tuple[Any, str | None]:
     """The settings :func:`prune_model` runs with, and why the global distillation of
-    ``distill_epochs: auto`` is skipped (None where it runs or was not asked for): on a
-    model streamed on several ranks (``streamed_on_ranks``,
-    :func:`~nmprune.stages.distillation.pass_runs`) or where the pass does not fit
-    (``shortfall``) on any rank. Explicit epochs were refused before for either reason."""
-    if settings.distill_epochs != AUTO or not settings.distill_passes(whole=True):
+    ``distill_epochs: auto`` is skipped (None where it runs or was not asked for): where the
+    pass does not fit (``shortfall``) on any rank. Explicit epochs were refused before."""
+    if settings.distill_epochs != AUTO or not settings.distill_passes():
         return settings, None
-    why = ("the weights stream block by block on several ranks, each of which would load the whole model for the "
-           "pass" if streamed_on_ranks else shortfall)
-    why = next((w for w in ranks.check("judging the global distillation", payload=why) if w), None)
+    why = next((w for w in ranks.check("judging the global distillation", payload=shortfall) if w), None)
     return (settings, None) if why is None else (replace(settings, distill_epochs=0), why)
 
 
@@ -450,7 +446,6 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
     from .data import calibration_batch
     from .identity import model_digest
     from .memory import release_memory
-    from .stages.distillation import STREAMED_REFUSAL, pass_runs
     from .streaming.fit import ranks_offload
 
     ranks = distributed.job_ranks(config.device)
@@ -477,9 +472,6 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
                                               model_config)
         if downstream.tasks:
             model.whole_model("--eval-tasks")  # refused when streamed
-        distillable = pass_runs(model.streamed, ranks.world)
-        if config.prune.distill_epochs not in (0, AUTO) and not distillable:
-            raise ValueError(STREAMED_REFUSAL)
         if tokenizer is None:
             raise ValueError(f"{source} has no tokenizer; nmprune needs one for calibration and "
                              "evaluation text (save one next to the model)")
@@ -500,12 +492,12 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
         except ValueError as e:
             raise ValueError(f"--calib {p.calib}: {e}") from e
         release_memory()  # the tokenised corpora, before the evaluation's activations
-    settings, distill_skipped = _auto_distillation(config.prune, not distillable, shortfall, ranks)
+    settings, distill_skipped = _auto_distillation(config.prune, shortfall, ranks)
     if distill_skipped is not None:
         role.warn(f"nmprune: skipping the global distillation (distill_epochs: auto): {distill_skipped}")
     with phase("drawing the global distillation's windows"):
         own_windows = _distill_windows(tokenizer, settings) \
-            if settings.distill_passes(whole=distillable) else None
+            if settings.distill_passes() else None
     try:
         with phase("opening the checkpoint"):
             role.open_checkpoint(digest)

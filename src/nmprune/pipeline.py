@@ -37,8 +37,8 @@ from .progress import bar as progress_bar
 from .progress import stage as say
 from .stages.plan import LayerPlan
 from .distill import DISTILL_TOPK, TeacherTopK, teacher_topk
-from .stages.distillation import SavedPass, distill, pass_runs, teacher
-from .reconstruct import training_dtype
+from .stages.distillation import SavedPass, distill, teacher
+from .reconstruct import local_part, shard_of, training_dtype
 from .stages.reconstruction import ReconstructingStatistics, held_out_batches
 from .stages.sink import BlockSink, ModelSink
 from .stages.source import BlockSource, ModelBlocks
@@ -174,7 +174,7 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
     saving = executor.broadcast_object(checkpoint is not None)
     loop = _BlockLoop(source, sink, plans, settings, executor, checkpoint, report, sizes, shown, on_block_done,
                       saving=saving, load=hessians is None)
-    epochs = settings.distill_passes(whole=pass_runs(source.streamed, executor.world)) if hessians is None else 0
+    epochs = settings.distill_passes() if hessians is None else 0
     if epochs and distill_calibration is None and calibration is None:
         distill_calibration = distill_windows(tokenizer, settings)
     with evaluating(source.model), frozen_heap():
@@ -397,7 +397,7 @@ def _own_windows(source: BlockSource, plans: dict[str, LayerPlan | None], window
     every = list(windows.split(settings.batch_size))
     sizes, total = [b.shape[0] for b in every], len(every)
     batches, positions = executor.shard(every), list(executor.shard(range(total)))
-    dtype = training_dtype(settings.train_precision, _pruned_weights(source, plans), executor.device)
+    dtype = training_dtype(settings.train_precision, _pruned_weights(source.model, source, plans), executor.device)
     made_of = f"{_digest(windows)}/{dtype}"
     saved = checkpoint.teachers() if checkpoint is not None and checkpoint.get("teachers of") == made_of else None
     if executor.broadcast_object(saved is not None):
@@ -436,7 +436,8 @@ def _distill(source: BlockSource, sink: BlockSink, plans: dict[str, LayerPlan | 
     template = stage.inputs.output_template
     teachers = teacher(source.head_logits(template, batches, stage.dense, executor.device), DISTILL_TOPK)
     stage.dense = []
-    with source.whole_pruned(sink) as model:
+    dtype = training_dtype(settings.train_precision, _pruned_weights(source.model, source, plans), executor.device)
+    with executor.training_model(source, sink, dtype) as model:
         return _train_whole(model, source, plans, stage, batches, teachers, own, epochs, settings, executor,
                             progress, scratch, checkpointed, checkpoint)
 
@@ -454,24 +455,22 @@ def _train_whole(model: nn.Module, source: BlockSource, plans: dict[str, LayerPl
         positions += [total + g for g in own.positions]
         held |= {total + g for g in held_out_batches(own.total)}
         total += own.total
-    weights = _pruned_weights(source, plans)
+    weights = _pruned_weights(model, source, plans)
     options = settings.distill_options(epochs)
     key = json.dumps({"options": asdict(options), "total": total, "held": sorted(held),
-                      "kept": [int(torch.count_nonzero(w)) for w in weights]})
-    saved = SavedPass(checkpoint if executor.is_main else None, key, executor)
-    model.to(executor.device)
-    try:
-        record = distill(model, weights, batches, teachers, positions, total, held, options, executor.all_reduce,
-                         executor.device, progress, scratch, checkpointed, saved)
-    finally:
-        model.to("cpu")
-    return {**record, "resumed_from_step": saved.resumed_from}
+                      "kept": [int(torch.count_nonzero(local_part(w))) for w in weights]})
+    # a pass sharded over the ranks starts again when resumed: its state is in every rank
+    saved = SavedPass(checkpoint if executor.is_main else None, key, executor) \
+        if not weights or shard_of(weights[0]) is None else None
+    record = distill(model, weights, batches, teachers, positions, total, held, options, executor.all_reduce,
+                     executor.device, progress, scratch, checkpointed, saved)
+    return {**record, "resumed_from_step": saved.resumed_from if saved is not None else None}
 
 
-def _pruned_weights(source: BlockSource, plans: dict[str, LayerPlan | None]) -> list[Tensor]:
-    """The weights of every layer ``plans`` prunes, block by block: what the global
-    distillation trains."""
-    return [m.weight for i in range(len(source)) for name, m in source.layers(i).items()
+def _pruned_weights(model: nn.Module, source: BlockSource, plans: dict[str, LayerPlan | None]) -> list[Tensor]:
+    """The weights in ``model`` (``source``'s, or its copy sharded over the ranks) of every
+    layer ``plans`` prunes, block by block: what the global distillation trains."""
+    return [model.get_submodule(name).weight for i in range(len(source)) for name in source.layers(i)
             if plans.get(name) is not None]
 
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from .checks import NonFiniteModel, all_finite
 from .devices import PRECISIONS, low_precision, products_in
@@ -157,6 +158,32 @@ class FitProgress(Protocol):
         """Keep ``state`` durably."""
 
 
+def local_part(t: Tensor) -> Tensor:
+    """This process's part of ``t``: an FSDP2-sharded parameter's (or gradient's) local rows,
+    which writes reach (:mod:`nmprune.stages.sharded_pass`); any other tensor itself."""
+    if isinstance(t, DTensor):
+        with torch.no_grad():
+            return t.to_local()
+    return t
+
+
+def shard_of(t: Tensor) -> tuple[int, int] | None:
+    """``(rank, ranks)`` of a sharded tensor's mesh; None for any other tensor."""
+    if not isinstance(t, DTensor):
+        return None
+    return t.device_mesh.get_local_rank(), t.device_mesh.size()
+
+
+def most_over_processes(count: int, shard: tuple[int, int], all_reduce: Callable[[Sequence[Tensor]], None],
+                        device: torch.device) -> int:
+    """The largest of every process's ``count`` (``shard``: this process's rank and the number
+    of processes, :func:`shard_of`)."""
+    counts = torch.zeros(shard[1], dtype=torch.float64, device=device)
+    counts[shard[0]] = count
+    all_reduce([counts])
+    return int(counts.max())
+
+
 class KeptEntries:
     """Where a weight's nonzeros are, to move them between the weight and a compact vector.
 
@@ -269,16 +296,23 @@ class CompactAdamW:
     compact and added at the kept positions (:class:`KeptEntries`), so no compact copy
     of them is held. ``summed`` holds the tensors the gradients live in, to sum over
     processes: one buffer that ``grads`` are views of, where the weights share a dtype and
-    device."""
+    device. With ``all_reduce``, each process holds some rows of each weight (its shard,
+    :func:`local_part`) and the scales are summed over the processes, as the whole weights'."""
 
     def __init__(self, weights: Sequence[Tensor], entries: Sequence[KeptEntries],
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 all_reduce: Callable[[Sequence[Tensor]], None] | None = None):
         self.weights, self.entries = list(weights), list(entries)
         self.betas, self.eps = betas, eps
         # in float32 at least (a bfloat16 weight's square sums would lose digits)
         norms = [float(torch.linalg.vector_norm(w.detach(), dtype=torch.promote_types(w.dtype, torch.float32)))
                  for w in self.weights]
-        self.scales = [n / max(e.count, 1) ** 0.5 if n > 0 else 1.0 for n, e in zip(norms, self.entries)]
+        counts = [e.count for e in self.entries]
+        if all_reduce is not None:  # each process holds some rows of each weight: the scales are the whole's
+            sums = torch.tensor([n * n for n in norms] + counts, dtype=torch.float64, device=self.weights[0].device)
+            all_reduce([sums])
+            norms, counts = sums[:len(norms)].sqrt().tolist(), sums[len(norms):].tolist()
+        self.scales = [n / max(c, 1) ** 0.5 if n > 0 else 1.0 for n, c in zip(norms, counts)]
         # the compact gradients are views of one buffer where the weights share a dtype and
         # device: a sum over processes is then one collective on it, with no copies
         if len({(w.dtype, w.device) for w in self.weights}) == 1:
@@ -436,29 +470,47 @@ def fit_masked(run: Callable[[int], Tensor], targets: Sequence[Tensor], weights:
     lanes, one more compact gradient per lane this process computes. AdamW on the kept
     entries is AdamW on the weight with its pruned entries' gradients zeroed: those entries
     would never move.
+
+    ``weights`` may be FSDP2-sharded parameters (:mod:`nmprune.stages.sharded_pass`): each
+    process then trains its rows of them (:func:`local_part`), FSDP's backward pass averages
+    the gradients over the processes, and the batches are scheduled data-parallel: each
+    process's batches (``positions``) are its own lane, and every round takes the next
+    ``batches_per_step`` of each process's order for one step of their summed gradient
+    (``lanes`` and ``options.lanes`` are not read). A step thus learns from ``R`` times the
+    batches, and an epoch has ``R`` times fewer steps (docs/distributed.md).
     """
     started = time.perf_counter()
-    entries = list(entries) if entries is not None else [KeptEntries(w) for w in weights]
-    optimiser = CompactAdamW(weights, entries)
+    shard = shard_of(weights[0]) if weights else None
+    entries = list(entries) if entries is not None else [KeptEntries(local_part(w)) for w in weights]
+    optimiser = CompactAdamW([local_part(w) for w in weights], entries,
+                             all_reduce=all_reduce if shard is not None else None)
     local = {int(g): j for j, g in enumerate(positions)}
-    lane = list(lanes) if lanes is not None else [lane_of(g, total, options.lanes) for g in range(total)]
-    members: list[list[int]] = [[] for _ in range(max(lane, default=0) + 1)]
-    for g, k in enumerate(lane):
-        members[k].append(g)
+    device = local_part(weights[0]).device
     per_step = options.batches_per_step
-    all_steps = options.epochs * epoch_steps(lane, per_step)
+    if shard is None:
+        lane = list(lanes) if lanes is not None else [lane_of(g, total, options.lanes) for g in range(total)]
+        members: list[list[int]] = [[] for _ in range(max(lane, default=0) + 1)]
+        for g, k in enumerate(lane):
+            members[k].append(g)
+        rounds = max(-(-len(m) // per_step) for m in members)
+        all_steps = options.epochs * epoch_steps(lane, per_step)
+    else:  # sharded: this process's batches are its lane, and every round makes one step of all
+        if not positions:
+            raise ValueError("training sharded over processes needs at least one batch on each")
+        lane, members = [0] * total, [sorted(local)]
+        rounds = -(-most_over_processes(len(positions), shard, all_reduce, device) // per_step)
+        all_steps = options.epochs * rounds
     # each lane's gradient of a round, for the lanes this process holds batches of (one lane:
     # the optimiser's own buffer, filled and stepped at once)
     slots = {k: optimiser.grads if len(members) == 1 else [torch.zeros_like(g) for g in optimiser.grads]
              for k in sorted({lane[g] for g in local})}
     into = [optimiser.grads]  # where the hooks move the gradients
     flags = [w.requires_grad for w in weights]
-    device = weights[0].device
     low = training_dtype(options.precision, weights)
 
     def compact(i: int, where: KeptEntries) -> Callable[[Tensor], None]:
         def hook(w: Tensor) -> None:
-            where.gather(w.grad, into=into[0][i])
+            where.gather(local_part(w.grad), into=into[0][i])
             w.grad = None
         return hook
 
@@ -469,8 +521,11 @@ def fit_masked(run: Callable[[int], Tensor], targets: Sequence[Tensor], weights:
             grad.zero_()
         into[0] = grads
         error = torch.zeros(2, dtype=torch.float64, device=device)
-        for g in group:
-            j = local.get(g)
+        # sharded, every process runs as many batches (its first again, weighted 0, where it
+        # has fewer): FSDP's collectives in the forward and backward passes must pair up
+        padding = [None] * (per_step - len(group)) if shard is not None else []
+        for g in [*group, *padding]:
+            j = local.get(g) if g is not None else 0
             if j is None:
                 continue
             with products_in(device, low):
@@ -481,6 +536,8 @@ def fit_masked(run: Callable[[int], Tensor], targets: Sequence[Tensor], weights:
                 total, count = squared.sum(), diff.numel()
             else:
                 total, count = loss(out, targets[j])
+            if g is None:
+                total, count = total * 0, 0
             total.backward()
             error += torch.stack([total.detach().double(), torch.tensor(float(count), dtype=torch.float64,
                                                                         device=device)])
@@ -508,14 +565,15 @@ def fit_masked(run: Callable[[int], Tensor], targets: Sequence[Tensor], weights:
             first = resumed.round if resumed is not None and epoch == resumed.epoch else 0
             sums = resumed.tensors["sums"].to(device) if first else torch.zeros(2, dtype=torch.float64, device=device)
             step = resumed.epoch_steps if first else 0
-            for r in range(first, max(-(-len(m) // per_step) for m in members)):
+            for r in range(first, rounds):
                 if progress is not None and r > first and progress.due():
                     progress.save(FitState(epoch, r, step, optimiser.steps, epoch_mse,
                                            {**optimiser.state(), "sums": sums.cpu()}))
                 groups = [order[r * per_step:(r + 1) * per_step] for order in orders]
-                errors = {k: gradient(group, slots[k]) for k, group in enumerate(groups) if group and k in slots}
+                errors = {k: gradient(group, slots[k]) for k, group in enumerate(groups)
+                          if (group or shard is not None) and k in slots}
                 for k, group in enumerate(groups):
-                    if not group:
+                    if not group and shard is None:
                         continue
                     error = errors.get(k, torch.zeros(2, dtype=torch.float64, device=device))
                     if k not in slots:  # none of the step's batches here: add nothing
@@ -524,13 +582,14 @@ def fit_masked(run: Callable[[int], Tensor], targets: Sequence[Tensor], weights:
                     elif slots[k] is not optimiser.grads:
                         for grad, held in zip(optimiser.grads, slots[k]):
                             grad.copy_(held)
-                    all_reduce([*optimiser.summed, error])
+                    # sharded, FSDP's backward pass has averaged the gradients over the processes
+                    all_reduce([*optimiser.summed, error] if shard is None else [error])
                     if not math.isfinite(float(error[0])):
                         why, broken = _not_finite(float(error[0]), epoch, step, optimiser.steps, targets, options.lr,
                                                   all_reduce)
                         raise (NonFiniteModel if broken else ReconstructionDiverged)(why)
                     for grad in optimiser.grads:
-                        grad.div_(max(float(error[1]), 1.0))
+                        grad.div_(max(float(error[1]), 1.0) / (shard[1] if shard is not None else 1))
                     optimiser.step(options.lr * (1.0 - optimiser.steps / all_steps))
                     sums += error
                     step += 1

@@ -214,7 +214,7 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None, mo
     the pass checkpoints its decoder blocks where it would not fit them without."""
     from .devices import default_device
     from .reconstruct import BF16_MIN_WIDTH
-    from .stages.distillation import STREAMED_REFUSAL, distillation_needs, pass_runs
+    from .stages.distillation import distillation_needs
     from .stages.executor import solve_needs
     from .stages.needs import RunShape, StepCosts
     from .stages.reconstruction import reconstruction_needs
@@ -248,18 +248,17 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None, mo
     recon = s.reconstruct != "none"
     solves, statistics = solve_needs(run), statistics_needs(run)
     fitting = reconstruction_needs(run) if recon else None
-    runs = pass_runs(streamed, ranks)
-    if not runs and s.distill_epochs not in (0, AUTO):
-        raise ValueError(STREAMED_REFUSAL)  # as the run refuses it once loaded
-    epochs = s.distill_passes(whole=runs)
+    epochs = s.distill_passes()
     windows = s.nsamples + s.distill_extra_windows()
     distilling = distillation_needs(run, epochs, windows) if epochs else None
-    # the pass holds the whole model, a streamed one too (loaded whole for it once the blocks are done)
     model_bytes = run.params * itemsize
     whole = 0 if streamed else model_bytes  # held through the block phase
+    # one process's pass holds the whole model, a streamed one too (loaded whole for it once the
+    # blocks are done); several ranks' pass holds a copy sharded over them (in its own parts)
+    beside_pass = model_bytes if ranks == 1 else whole
     # the pass checkpoints its blocks where it would not fit without (a second forward pass a step)
     checkpointed = bool(distilling and available is not None
-                        and _distill_peak(device, model_bytes, distilling.peak_bytes) > available)
+                        and _distill_peak(device, beside_pass, distilling.peak_bytes) > available)
     if checkpointed:
         distilling = distillation_needs(run, epochs, windows, checkpointed=True)
     streams = (fitting or statistics).stream_bytes
@@ -273,7 +272,7 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None, mo
         device_peak = max(block_phase, distill_peak)
     else:
         cpu_peak = PROCESS_BYTES + whole + max(outside * itemsize + streams, block_phase,
-                                               distill_peak + (model_bytes - whole if distilling else 0))
+                                               distill_peak + (beside_pass - whole if distilling else 0))
         device_peak = None
     seconds = {**solves.seconds, **statistics.seconds, **(fitting.seconds if fitting else {}),
                **(distilling.seconds if distilling else {})}
@@ -285,7 +284,7 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None, mo
                     output_disk=run.params * itemsize,
                     checkpoint_disk=pruned_weights + run.tokens * run.hidden_size * itemsize * (2 if recon else 1),
                     seconds=seconds, distill_epochs=epochs, distill_windows=windows if epochs else 0,
-                    distill_peak_per_rank=_distill_peak(device, model_bytes, distill_peak),
+                    distill_peak_per_rank=_distill_peak(device, beside_pass, distill_peak),
                     distill_checkpointed=checkpointed,
                     distill_parts=distilling.peak_parts if distilling else {})
 

@@ -36,7 +36,7 @@ from ..distill import TeacherTopK, teacher_topk, topk_kl
 from ..progress import bar as progress_bar
 from ..models import find_blocks
 from ..reconstruct import (FitOptions, FitProgress, FitResult, FitState, KeptEntries, ReconstructionDiverged, epoch_steps,
-                           fit_masked, narrowed, training_dtype)
+                           fit_masked, local_part, most_over_processes, narrowed, shard_of, training_dtype)
 from .needs import RunShape, StageNeeds
 from .reconstruction import Spill, float32_training, held_out_batches
 
@@ -48,22 +48,6 @@ from .reconstruction import Spill, float32_training, held_out_batches
 #: 1,024 tokens torch's flash kernel runs one attention twice as fast as eager's products. Eager
 #: holds each block's attention probabilities for the backward pass (:func:`distill_bytes`).
 EAGER_ATTENTION_MAX_TOKENS = 512
-
-
-#: why ``--distill-epochs N`` is refused where the weights stream on several ranks (the run's
-#: and the plan's words)
-STREAMED_REFUSAL = ("--distill-epochs cannot run on a model streamed on several ranks (a safetensors model under "
-                    "torchrun): the global distillation trains the whole model at once, and each rank would load "
-                    "all of it; run the job in one process (where the pass loads the pruned model whole once the "
-                    "blocks are done), or prune without --distill-epochs")
-
-
-def pass_runs(streamed: bool, ranks: int) -> bool:
-    """Whether a run whose weights are ``streamed`` or not, on ``ranks`` ranks, can make the
-    pass at all (memory aside): where the model is held whole, and where one process streams
-    it (the pass then loads the pruned model whole,
-    :meth:`~nmprune.streaming.StreamingModel.whole_pruned`); not where several ranks stream it."""
-    return not streamed or ranks == 1
 
 
 def uses_eager_attention(device: str, bfloat16: bool, tokens: int) -> bool:
@@ -184,12 +168,19 @@ def mean_divergence(model: nn.Module, batches: Sequence[Tensor], teachers: Seque
                     which: Sequence[int], all_reduce: Callable[[Sequence[Tensor]], None], device: torch.device,
                     dtype: torch.dtype | None = None) -> float:
     """The mean top-k KL divergence per position over this process's batches ``which`` and
-    every other process's (no gradient), the products under autocast to ``dtype`` if given."""
+    every other process's (no gradient), the products under autocast to ``dtype`` if given.
+    A ``model`` sharded over the processes (:mod:`~nmprune.stages.sharded_pass`) runs as many
+    batches on each (its first batch again, not counted, where it has fewer): FSDP's
+    collectives must pair up."""
     sums = torch.zeros(2, dtype=torch.float64, device=device)
+    shard = shard_of(next(model.parameters()))
+    rounds = len(which) if shard is None else most_over_processes(len(which), shard, all_reduce, device)
     with torch.no_grad(), products_in(device, dtype):
-        for j in which:
+        for r in range(rounds):
+            j = which[r] if r < len(which) else 0
             kl, count = topk_kl(model(batches[j].to(device), use_cache=False).logits, teachers[j].to(device))
-            sums += torch.tensor([float(kl), float(count)], dtype=torch.float64, device=device)
+            if r < len(which):
+                sums += torch.tensor([float(kl), float(count)], dtype=torch.float64, device=device)
     all_reduce([sums])
     return float(sums[0] / sums[1]) if sums[1] > 0 else float("nan")
 
@@ -218,13 +209,20 @@ def distill(model: nn.Module, weights: Sequence[Tensor], batches: Sequence[Tenso
     beside them (:func:`~nmprune.reconstruct.narrowed`) and the other parameters keep their
     dtype; otherwise every parameter is float32 meanwhile. With ``checkpoint_blocks`` each
     decoder block's activations are recomputed in the backward pass (:func:`checkpointed`).
-    With ``saved`` (:class:`SavedPass`) training resumes from, and saves, its progress."""
+    With ``saved`` (:class:`SavedPass`) training resumes from, and saves, its progress.
+
+    ``weights`` may be sharded over the processes with ``model``
+    (:mod:`~nmprune.stages.sharded_pass`): each process then trains and restores its rows,
+    the steps are data-parallel (:func:`~nmprune.reconstruct.fit_masked`), and FSDP gathers
+    each block's weights in the training dtype where the lean pass would narrow them."""
     started = time.perf_counter()
     held_local = [j for j, g in enumerate(positions) if g in held]
     train = [j for j, g in enumerate(positions) if g not in held]
     order = {g: r for r, g in enumerate(g for g in range(total) if g not in held)}
     low = training_dtype(options.precision, weights)  # the held-out judgement computes as training does
-    where = [KeptEntries(w) for w in weights]
+    # sharded over processes (:mod:`~nmprune.stages.sharded_pass`), each trains its rows
+    sharded = bool(weights) and shard_of(weights[0]) is not None
+    where = [KeptEntries(local_part(w)) for w in weights]
     solved = Spill(scratch)
     try:
         with pass_attention(model, device, low, _tokens(batches)):
@@ -232,13 +230,15 @@ def distill(model: nn.Module, weights: Sequence[Tensor], batches: Sequence[Tenso
             judge = held_local if held else train
             before = mean_divergence(model, batches, teachers, judge, all_reduce, device, low)
             for w, entries in zip(weights, where):
-                solved.append(entries.gather(w))
-            steps = options.epochs * epoch_steps([0] * len(order), options.batches_per_step)
+                solved.append(entries.gather(local_part(w)))
+            rounds = len(order) if not sharded else most_over_processes(len(train), shard_of(weights[0]), all_reduce,
+                                                                         device)
+            steps = options.epochs * epoch_steps([0] * rounds, options.batches_per_step)
             bar = progress_bar(total=steps, desc="distilling the whole model", enabled=progress, nested=True)
             result, diverged = FitResult(0, math.nan, math.nan, 0.0), None
             try:
                 with float32_training(model, widen=low is None), \
-                        narrowed(weights, where, low) if low is not None else nullcontext(), \
+                        narrowed(weights, where, low) if low is not None and not sharded else nullcontext(), \
                         checkpointed(model) if checkpoint_blocks else nullcontext():
                     result = fit_masked(lambda i: model(batches[train[i]].to(device), use_cache=False).logits,
                                         [teachers[j].to(device) for j in train], weights,
@@ -259,7 +259,7 @@ def distill(model: nn.Module, weights: Sequence[Tensor], batches: Sequence[Tenso
         if not improved:
             with torch.no_grad():
                 for i, (w, entries) in enumerate(zip(weights, where)):
-                    entries.scatter(solved[i], w.zero_())
+                    entries.scatter(solved[i], local_part(w).zero_())
     finally:
         solved.close()
     return {"epochs": options.epochs, "lr": options.lr, "batches": total, "steps": result.steps,
@@ -277,7 +277,7 @@ def distill_bytes(*args: Any, **kwargs: Any) -> int:
 
 def distill_parts(params: int, pruned: int, kept: float, itemsize: int, lean: bool, checkpointed: bool, blocks: int,
                   batch_tokens: int, hidden_size: int, intermediate: int, vocab: int, positions: int = 0,
-                  attention: int = 0) -> dict[str, int]:
+                  attention: int = 0, ranks: int = 1, block_params: int = 0) -> dict[str, int]:
     """Memory of the pass on its device by part (:data:`PASS_PARTS`: the weights and the
     training state, one batch's activations and logits, the dense distribution of the rank's
     windows), for a model of ``params`` parameters, ``pruned`` of
@@ -293,10 +293,21 @@ def distill_parts(params: int, pruned: int, kept: float, itemsize: int, lean: bo
     one block's activations (:func:`checkpointed`). Its logits twice over (they and their
     gradient, float32 at most; :func:`~nmprune.distill.topk_kl` reads them a few rows at a
     time), and the dense distribution of the rank's ``positions`` (DISTILL_TOPK tokens of 8
-    bytes each)."""
+    bytes each).
+
+    Sharded over ``ranks`` > 1 (:mod:`~nmprune.stages.sharded_pass`): the rank's rows of every
+    parameter in float32, and of each kept entry's position, compact gradient and two
+    moments (16 bytes, float32), beside two blocks of ``block_params`` gathered whole in the
+    training dtype (the one computing and the next, which FSDP fetches ahead) and one
+    block's whole float32 gradient before its reduce-scatter."""
     from ..distill import DISTILL_TOPK
 
-    weights = pruned * 2 + (params - pruned) * itemsize if lean else 4 * params
+    if ranks > 1:
+        gathered = block_params * (2 * (2 if lean else 4) + 4)
+        weights, lean = 4 * params // ranks + gathered, False
+        pruned = pruned / ranks
+    else:
+        weights = pruned * 2 + (params - pruned) * itemsize if lean else 4 * params
     block = batch_tokens * (16 * hidden_size + 4 * intermediate) * 4 + attention
     activations = block + blocks * batch_tokens * hidden_size * 4 if checkpointed else blocks * block
     state, batch, windows = PASS_PARTS
@@ -321,7 +332,7 @@ def distillation_needs(run: RunShape, epochs: int, windows: int, checkpointed: b
     attention = 6 * s.batch_size * run.attention_heads * s.seqlen ** 2 if eager else 0
     parts = distill_parts(run.params, pruned, run.kept, run.itemsize, run.trains_in_bfloat16, checkpointed,
                          len(run.per_block), run.batch_tokens, run.hidden_size, run.intermediate, run.vocab_size,
-                         -(-windows // run.ranks) * s.seqlen, attention)
+                         -(-windows // run.ranks) * s.seqlen, attention, run.ranks, max(run.block_params))
     own_tokens = s.distill_extra_windows() * s.seqlen
     run_batches, own_batches = -(-s.nsamples // s.batch_size), -(-(windows - s.nsamples) // s.batch_size)
     held = len(held_out_batches(run_batches)) + len(held_out_batches(own_batches))

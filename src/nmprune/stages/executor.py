@@ -15,18 +15,20 @@ process; :class:`nmprune.distributed.DistributedExecutor` spreads the same calls
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..checks import NonFiniteModel, all_finite
 from ..loss import local_loss
 from .needs import RunShape, StageNeeds
 from .plan import LayerPlan, wanda_reference
+from .sink import BlockSink
+from .source import BlockSource
 from ..registry import RowShards
 from ..solve import check_problem, dampened, solve
 from .statistics import InputStats, statistic_values
@@ -142,6 +144,9 @@ class Executor(Protocol):
 
     def token_sharing(self, total: int) -> TokenSharing | None: ...
 
+    def training_model(self, source: BlockSource, sink: BlockSink, dtype: torch.dtype | None
+                       ) -> AbstractContextManager[nn.Module]: ...
+
 
 class LocalExecutor:
     """Every batch and every layer in this process, on ``device``."""
@@ -187,6 +192,19 @@ class LocalExecutor:
     def token_sharing(self, total: int) -> None:
         """One process computes every token of a reconstruction step itself."""
         return None
+
+    @contextmanager
+    def training_model(self, source: BlockSource, sink: BlockSink, dtype: torch.dtype | None
+                       ) -> Iterator[nn.Module]:
+        """The whole pruned model for the global distillation, on ``device`` for the ``with``
+        body (:meth:`~nmprune.stages.source.BlockSource.whole_pruned`; ``dtype``, the training
+        dtype, is the products' under autocast here)."""
+        with source.whole_pruned(sink) as model:
+            model.to(self.device)
+            try:
+                yield model
+            finally:
+                model.to("cpu")
 
     def solve(self, jobs: Sequence[LayerJob], done: Done, progress: Callable = iter) -> None:
         """Solve the jobs in order, each handed to ``done`` as soon as it is finished."""

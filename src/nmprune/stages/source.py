@@ -84,6 +84,10 @@ class BlockSource(Protocol):
 
     def whole_pruned(self, sink: BlockSink) -> AbstractContextManager[nn.Module]: ...
 
+    def block(self, index: int, device: torch.device | str = "cpu") -> AbstractContextManager[nn.Module]: ...
+
+    def outside(self, device: torch.device | str = "cpu") -> AbstractContextManager[nn.Module]: ...
+
     def output(self, out: str | os.PathLike, writes: bool) -> OutputSink: ...
 
 
@@ -118,6 +122,14 @@ class DecoderBlocks:
         return {name: tuple(weight_matrix(m).shape) for layers in self._layers
                 for name, m in layers.items()}
 
+    @contextmanager
+    def block(self, index: int, device: torch.device | str = "cpu") -> Iterator[nn.Module]:
+        """Block ``index`` loaded (:meth:`load`) for the ``with`` body, released afterwards."""
+        try:
+            yield self.load(index, device)
+        finally:
+            self.release(index)
+
 
 class ModelBlocks(DecoderBlocks):
     """The block source of a model in CPU memory: its blocks visit the compute device one
@@ -148,6 +160,11 @@ class ModelBlocks(DecoderBlocks):
     def whole_model(self, flag: str) -> nn.Module:
         """The model itself, for lm-eval."""
         return self.model
+
+    @contextmanager
+    def outside(self, device: torch.device | str = "cpu") -> Iterator[nn.Module]:
+        """The model, whose modules outside the blocks are always loaded."""
+        yield self.model
 
     def dense_teachers(self, batches: Sequence[Tensor], k: int, device: torch.device,
                        dtype: torch.dtype | None) -> list[TeacherTopK]:

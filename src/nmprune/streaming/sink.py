@@ -25,7 +25,8 @@ from typing import Any
 
 from torch import Tensor
 
-from ..output import publish_atomic, remove_partial_save, staging_dir, writing
+from ..output import UNFINISHED, partial_save_dir, publish_atomic, remove_partial_save, staging_dir, writing
+from ..stages.sink import DiscardingSink
 from .files import INDEX
 from .source import StreamingModel
 
@@ -46,7 +47,7 @@ def _pack(keys: list[str], size: dict[str, int], limit: int) -> list[list[str]]:
 class ShardedWriter:
     """The output directory of a streamed run (module docstring)."""
 
-    def __init__(self, source: StreamingModel, out: str | os.PathLike):
+    def __init__(self, source: StreamingModel, out: str | os.PathLike, staged: bool = True):
         self.source = source
         self.out = Path(out)
         itemsize = {k: source.output_dtype(k).itemsize for k in
@@ -61,7 +62,8 @@ class ShardedWriter:
         self.weight_map = {k: name for name, g in zip(self.shard_names, groups) for k in g}
         self.total_size = sum(size.values())
         self.written: set[str] = set()
-        self.tmp = staging_dir(self.out)
+        # not ``staged``: the directory another process stages (:class:`RankZeroShards`)
+        self.tmp = staging_dir(self.out) if staged else partial_save_dir(self.out) / UNFINISHED
 
     def _save(self, shard: str, tensors: dict[str, Tensor]) -> None:
         from safetensors.torch import save_file
@@ -143,3 +145,16 @@ def _numel(shape: tuple[int, ...]) -> int:
     for d in shape:
         n *= d
     return n
+
+
+class RankZeroShards(DiscardingSink):
+    """The sink of a rank other than 0 in a streamed run under torchrun: it writes nothing
+    (rank 0's :class:`ShardedWriter` writes every block) but reads a block's pruned weights
+    back from the shard rank 0 wrote (:meth:`ShardedWriter.read`), for the global
+    distillation sharded over the ranks (:mod:`nmprune.stages.sharded_pass`)."""
+
+    def __init__(self, source: StreamingModel, out: str | os.PathLike):
+        self.shards = ShardedWriter(source, out, staged=False)
+
+    def read(self, index: int) -> dict[str, Tensor]:
+        return self.shards.read(index)

@@ -33,7 +33,7 @@ from ..stages.block_runner import BlockInputs, capture_block_inputs, head_logits
 from ..stages.distillation import pass_attention
 from ..models import ModelSource, check_causal, parse_dtype
 from ..validate import check_finite_tensors
-from ..stages.sink import BlockSink, DiscardingSink, OutputSink
+from ..stages.sink import BlockSink, OutputSink
 from ..stages.source import STREAMED_TASKS, DecoderBlocks
 from .files import CheckpointFileError, SafetensorsFiles, check_no_extra_blocks, missing_tensors
 
@@ -256,10 +256,11 @@ class StreamingModel(DecoderBlocks):
 
     def output(self, out: str | os.PathLike, writes: bool) -> OutputSink:
         """Shards written as blocks finish (:class:`~nmprune.streaming.ShardedWriter`) on the
-        process that ``writes``; on the others, nothing (rank 0 writes)."""
-        from .sink import ShardedWriter
+        process that ``writes``; on the others, nothing is written, and a block's pruned weights
+        are read from rank 0's shards (:class:`~nmprune.streaming.sink.RankZeroShards`)."""
+        from .sink import RankZeroShards, ShardedWriter
 
-        return ShardedWriter(self, out) if writes else DiscardingSink()
+        return ShardedWriter(self, out) if writes else RankZeroShards(self, out)
 
     # -- sizes and names ------------------------------------------------------------------
 
@@ -334,14 +335,6 @@ class StreamingModel(DecoderBlocks):
         prefix = f"{self.blocks_name}."
         return [m for n, m in self.model.named_modules()
                 if n != self.blocks_name and not n.startswith(prefix)]
-
-    @contextmanager
-    def block(self, index: int, device: torch.device | str = "cpu") -> Iterator[nn.Module]:
-        """Block ``index`` loaded for the ``with`` body."""
-        try:
-            yield self.load(index, device)
-        finally:
-            self.release(index)
 
     @contextmanager
     def outside(self, device: torch.device | str = "cpu") -> Iterator[nn.Module]:
