@@ -149,10 +149,11 @@ class PruneSettings:
     global distillation follow the last block: the kept weights of every pruned layer train
     towards the dense model's next-token distribution at ``distill_lr`` (relative to each
     weight's RMS; :mod:`nmprune.stages.distillation`), on the whole model (one process
-    streaming it loads it whole for the pass; several ranks streaming it make none). 0: none;
-    ``"auto"`` (the default): :data:`AUTO_DISTILL_EPOCHS` where the pass can run, the run
-    reconstructs and the pass fits in memory, else none (:meth:`distill_passes`); a number of
-    epochs is required (a run that cannot distill is refused). The pass trains on
+    streaming it loads it whole for the pass; several ranks shard it over them,
+    :mod:`nmprune.stages.sharded_pass`). 0: none; ``"auto"`` (the default):
+    :data:`AUTO_DISTILL_EPOCHS` where the run reconstructs and the pass fits in memory, else
+    none (:meth:`distill_passes`); a number of epochs is required (a run that cannot distill
+    is refused). The pass trains on
     ``distill_nsamples`` calibration windows: the run's ``nsamples`` and the rest drawn for it
     alone (:meth:`distill_extra_windows`; ``"auto"``: :data:`AUTO_DISTILL_WINDOWS` times
     ``nsamples``). ``train_precision`` says in which
