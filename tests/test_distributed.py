@@ -487,3 +487,48 @@ def test_pass_sharded_over_two_ranks_takes_the_steps_of_their_batches_together(t
         assert float((weights[n] - w).norm()) <= 1e-4 * float(w.norm()), n
         assert [s[n][0] for s in shares] == [w.shape[0] // 2] * 2 and shares[0][n][1] == w.shape[1], n
 
+
+
+# The command line on every rank; rank 1 kills itself (SIGKILL) at its second step of the pass.
+KILL_RANK1_IN_PASS = """
+import os, signal, sys
+import nmprune.reconstruct as reconstruct
+from nmprune.cli import main
+step, calls = reconstruct.CompactAdamW.step, []
+def killing(self, lr):
+    calls.append(self) if self.scales and len(self.weights) > 7 else None
+    if len(calls) == 2 and os.environ["RANK"] == "1":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return step(self, lr)
+reconstruct.CompactAdamW.step = killing
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow  # several processes, killed and resumed: in `pytest -m slow`
+def test_a_rank_lost_in_the_sharded_pass_ends_the_run_and_the_rerun_resumes_to_the_same_model(tiny_dir, tmp_path):
+    """Rank 1 is killed (SIGKILL) during the global distillation sharded over two streamed
+    ranks: rank 0 says in one line that it lost its peer during the pass and what to do; the
+    same command then resumes after the last block (the pass starts again) and publishes the
+    uninterrupted run's model, bit for bit."""
+    base, model_dir, text, yaml_file = tiny_dir
+    args = ["prune", "--model", str(model_dir), "--calib", str(text), "--nsamples", "8", "--seqlen", "64",
+            "--eval", str(text), "--eval-seqlen", "16", "--eval-max-tokens", "256", "--quiet", "--distill-epochs", "2",
+            "--distill-nsamples", "8"]
+    straight = torchrun(["-m", "nmprune", *args, "--out", str(tmp_path / "straight")], tmp_path)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    script = tmp_path / "kill.py"
+    script.write_text(KILL_RANK1_IN_PASS)
+    out = tmp_path / "two"
+    killed = torchrun([str(script), *args, "--out", str(out)], tmp_path)
+    assert killed.returncode != 0 and not out.exists()
+    lost = [line for line in killed.stderr.splitlines() if line.startswith("nmprune: error: lost contact with")]
+    assert len(lost) + killed.stderr.count("nmprune: error: stopped by SIGTERM") == 1, killed.stderr[-3000:]
+    assert all("global distillation" in line and "rerun the same torchrun command" in line for line in lost)
+    assert "nmprune/" not in killed.stderr.replace(str(tmp_path), ""), killed.stderr[-3000:]
+    assert Path(f"{out}.checkpoint").is_dir()
+    resumed = torchrun(["-m", "nmprune", *args, "--out", str(out)], tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    (a, state_a), (b, state_b) = _load(tmp_path / "straight"), _load(out)
+    assert b["resumed_from_block"] == 3 and b["distillation"]["kept"] == a["distillation"]["kept"]
+    assert state_a.keys() == state_b.keys() and all(torch.equal(state_a[k], state_b[k]) for k in state_a)

@@ -615,15 +615,17 @@ class DistributedExecutor:
         errors, the same tensors in the same order on every rank)."""
         self.ranks.all_reduce_sum(tensors)
 
-    def training_model(self, source: Any, sink: Any, dtype: torch.dtype | None
-                       ) -> contextlib.AbstractContextManager[torch.nn.Module]:
+    @contextmanager
+    def training_model(self, source: Any, sink: Any, dtype: torch.dtype | None) -> Iterator[torch.nn.Module]:
         """The whole pruned model for the global distillation, sharded over the ranks with
         FSDP2 on this rank's device, its blocks computing in ``dtype``
-        (:func:`~nmprune.stages.sharded_pass.sharded_whole`)."""
+        (:func:`~nmprune.stages.sharded_pass.sharded_whole`). FSDP's own collectives run in
+        the body: a rank lost meanwhile ends it as :class:`PeerLost`."""
         from .stages.sharded_pass import sharded_whole
 
         self.ranks.check("the global distillation")
-        return sharded_whole(source, sink, self.device, dtype)
+        with _peer_lost("the global distillation"), sharded_whole(source, sink, self.device, dtype) as model:
+            yield model
 
     def solve(self, jobs: Sequence[Any], done, progress=iter) -> None:
         """Solve ``jobs`` (:class:`~nmprune.stages.executor.LayerJob`) with the other ranks --
