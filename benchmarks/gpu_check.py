@@ -40,8 +40,11 @@ peak device memory on Llama-3.1-8B-shaped layers. Writes ``benchmarks/results/gp
 7. **The global distillation's lean pass.** On a random two-block Llama with Llama-3.1-8B's
    blocks in bfloat16, one epoch with its decoder blocks checkpointed and one without: the
    peak device memory and seconds beside the plan's peak (``distill_bytes``).
+8. **The pass sharded with FSDP2.** The same model and epoch through
+   ``stages.sharded_pass.sharded_whole`` on a process group of one rank (NCCL on CUDA): the
+   path several ranks take, its peak device memory and seconds, and the mask held.
 
-The parts run in the order ``prox, agreement, pipeline, speed, block, step, job, distill``
+The parts run in the order ``prox, agreement, pipeline, speed, block, step, job, distill, sharded``
 (``--parts`` picks some) and
 the results are written after each, so a run stopped at a time limit keeps what it finished;
 ``--merge`` adds the parts of this run to an earlier ``gpu.json`` of the same device.
@@ -382,6 +385,64 @@ def distillation(device: torch.device, scale: int, settings: dict) -> list[dict]
     return rows
 
 
+def sharded_distillation(device: torch.device, scale: int, settings: dict) -> list[dict]:
+    """Part 8: the global distillation pass sharded with FSDP2
+    (:func:`nmprune.stages.sharded_pass.sharded_whole`) over a process group of one rank (NCCL
+    on CUDA, gloo on the CPU), on part 7's two-block Llama-3.1-8B-shaped model: the sharded
+    copy built and filled, one epoch trained in bfloat16 products, the weights gathered back;
+    peak device memory and seconds, and whether the mask held."""
+    import socket
+
+    import torch.distributed as dist
+    from transformers import LlamaForCausalLM
+
+    from nmprune.distill import DISTILL_TOPK, teacher_topk
+    from nmprune.pattern import parse_pattern, topn_mask
+    from nmprune.reconstruct import FitOptions
+    from nmprune.stages.distillation import distill
+    from nmprune.stages.reconstruction import held_out_batches
+    from nmprune.stages.sharded_pass import sharded_whole
+    from nmprune.stages.sink import ModelSink
+    from nmprune.stages.source import ModelBlocks
+
+    nsamples, seqlen, vocab = settings["nsamples"], settings["seqlen"], 128256 // scale
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(block_config(scale, 2, vocab)).to(torch.bfloat16).eval()
+    source = ModelBlocks(model)
+    names = [n for i in range(len(source)) for n in source.layers(i)]
+    with torch.no_grad():
+        for n in names:
+            w = model.get_submodule(n).weight
+            w.mul_(topn_mask(w.abs(), parse_pattern("2:4")))
+    zeros = {n: model.get_submodule(n).weight == 0 for n in names}
+    batches = list(torch.randint(0, vocab, (nsamples, seqlen)).split(1))
+    teachers = [teacher_topk(torch.randn(1, seqlen, vocab), DISTILL_TOPK) for _ in batches]
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            world_size=1, rank=0)
+    try:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        start = time.perf_counter()
+        with sharded_whole(source, ModelSink(source), device, torch.bfloat16) as sharded:
+            record = distill(sharded, [sharded.get_submodule(n).weight for n in names], batches, teachers,
+                             list(range(nsamples)), nsamples, held_out_batches(nsamples),
+                             FitOptions(1, 1e-3, 1, precision="bfloat16"), lambda tensors: None, device)
+        _sync(device)
+        seconds = time.perf_counter() - start
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    finally:
+        dist.destroy_process_group()
+    held = all(torch.equal(model.get_submodule(n).weight == 0, zeros[n]) for n in names)
+    return [{"ranks": 1, "windows": nsamples, "seqlen": seqlen, "steps": record["steps"],
+             "train_dtype": record["train_dtype"], "seconds": seconds, "peak_device_bytes": peak,
+             "first_epoch_kl": record["first_epoch_kl"], "last_epoch_kl": record["last_epoch_kl"],
+             "kept": record["kept"], "mask_held": held}]
+
+
 def _timed(fn, device: torch.device, repeats: int) -> float:
     """Median seconds of ``fn()`` over ``repeats`` runs after one warm-up."""
     fn()
@@ -527,6 +588,14 @@ def report_markdown(result: dict) -> str:
         lines += [f"| {'yes' if r['checkpointed'] else 'no'} | {r['steps']} | {r['seconds']:.1f} | "
                   f"{mib(r['peak_device_bytes'])} | {mib(r['planned_peak_bytes'])} | "
                   f"{r['first_epoch_kl']:.4f} -> {r['last_epoch_kl']:.4f} |" for r in rows]
+    if "sharded" in result:
+        rows = result["sharded"]
+        lines += ["", "## The pass sharded with FSDP2 (one rank) on the same model", "",
+                  "| ranks | steps | s | peak MiB | KL first -> last epoch | kept | mask held |",
+                  "|---:|---:|---:|---:|---|---|---|"]
+        lines += [f"| {r['ranks']} | {r['steps']} | {r['seconds']:.1f} | {mib(r['peak_device_bytes'])} | "
+                  f"{r['first_epoch_kl']:.4f} -> {r['last_epoch_kl']:.4f} | {r['kept']} | {r['mask_held']} |"
+                  for r in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -537,7 +606,7 @@ def _write(result: dict, out: Path) -> None:
     (out / "gpu.md").write_text(report_markdown(result))
 
 
-PARTS = ("prox", "agreement", "pipeline", "speed", "block", "step", "job", "distill")
+PARTS = ("prox", "agreement", "pipeline", "speed", "block", "step", "job", "distill", "sharded")
 #: the block part's training precisions: float32, then bfloat16 products (--train-precision)
 BLOCK_PRECISIONS = ("full", "bfloat16")
 
@@ -624,6 +693,8 @@ def main(argv: list[str] | None = None) -> dict:
                 part(name, lambda: step_costs(device, scale, args.repeats))
             elif name == "distill":
                 part(name, lambda: distillation(device, scale, block_settings))
+            elif name == "sharded":
+                part(name, lambda: sharded_distillation(device, scale, block_settings))
             elif name == "job":
                 part(name, lambda: default_job(device, args.tokenizer or model_dir, Path(tmp), block_settings,
                                                scale))

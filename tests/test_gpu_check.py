@@ -75,6 +75,10 @@ def test_gpu_check_runs_on_the_cpu(tmp_path, monkeypatch):
     assert "## Part block FAILED" in (tmp_path / "gpu.md").read_text()
     sys.modules.pop("gpu_check", None)
     # the lean pass on the 8B-shaped model, scaled down: checkpointed and not, the plan beside it
+    # the pass sharded with FSDP2 over a process group of one rank (gloo here)
+    (sharded,) = result["sharded"]
+    assert sharded["mask_held"] and sharded["steps"] == 3 and sharded["train_dtype"] == "bfloat16"
+    assert "The pass sharded with FSDP2" in (tmp_path / "gpu.md").read_text()
     assert [r["checkpointed"] for r in result["distill"]] == [True, False]
     for r in result["distill"]:
         assert r["train_dtype"] == "bfloat16" and r["steps"] == 3 and r["seconds"] > 0  # 4 windows, 1 held out
