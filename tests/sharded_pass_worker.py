@@ -3,7 +3,9 @@ Llama sharded over the ranks (:func:`nmprune.stages.sharded_pass.sharded_whole`)
 
     python -m torch.distributed.run --nproc-per-node 2 tests/sharded_pass_worker.py OUT
 
-Each rank holds calibration batch ``rank`` of :func:`windows`; rank 0 saves the trained
+Each rank holds calibration batch ``rank`` of :func:`pruned_model_and_windows`; the pass
+runs twice, its state in the device's memory and offloaded to CPU memory (FSDP2's
+``CPUOffloadPolicy``, on the CPU a copy in the same memory); rank 0 saves both runs' trained
 weights, the pass's record and each rank's share of the trained weights' rows under OUT.
 """
 
@@ -51,27 +53,33 @@ def trained_names(source: ModelBlocks) -> list[str]:
     return [name for i in range(len(source)) for name in source.layers(i)]
 
 
-def main(out: Path) -> None:
-    dist.init_process_group("gloo")
+def all_reduce(tensors):
+    for t in tensors:
+        dist.all_reduce(t)
+
+
+def train(offloaded: bool) -> tuple[dict, dict, dict]:
+    """One pass on this rank's window: the trained weights, the record, this rank's rows."""
     rank = dist.get_rank()
     model, batches, teachers = pruned_model_and_windows()
     source = ModelBlocks(model)
-    sink = ModelSink(source)
-
-    def all_reduce(tensors):
-        for t in tensors:
-            dist.all_reduce(t)
-
     names = trained_names(source)
-    with sharded_whole(source, sink, torch.device("cpu"), None) as sharded:
+    with sharded_whole(source, ModelSink(source), torch.device("cpu"), None, offloaded) as sharded:
         weights = [sharded.get_submodule(n).weight for n in names]
         rows = {n: list(local_part(w).shape) for n, w in zip(names, weights)}
         record = distill(sharded, weights, [batches[rank][None]], [teachers[rank]], [rank], 2, frozenset(),
                          OPTIONS, all_reduce, torch.device("cpu"))
+    return {n: source.model.get_submodule(n).weight.detach() for n in names}, record, rows
+
+
+def main(out: Path) -> None:
+    dist.init_process_group("gloo")
+    weights, record, rows = train(False)
+    offloaded, _, _ = train(True)
     shares = [None] * dist.get_world_size()
     dist.all_gather_object(shares, rows)
-    if rank == 0:
-        torch.save({n: source.model.get_submodule(n).weight.detach() for n in names}, out / "weights.pt")
+    if dist.get_rank() == 0:
+        torch.save({"weights": weights, "offloaded": offloaded}, out / "weights.pt")
         (out / "record.json").write_text(json.dumps({"record": record, "rows": shares}))
     dist.destroy_process_group()
 

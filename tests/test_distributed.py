@@ -454,7 +454,9 @@ def test_a_shard_changed_under_streamed_ranks_stops_every_rank_with_one_message(
 def test_pass_sharded_over_two_ranks_takes_the_steps_of_their_batches_together(tmp_path):
     """The global distillation sharded over two ranks with FSDP2 (each holding one window and
     half of every weight's rows): each step is one process's step on both windows at once
-    (``batches_per_step=2``), up to float summation order; every rank held half the rows."""
+    (``batches_per_step=2``), up to float summation order; every rank held half the rows. The
+    state offloaded to CPU memory between uses (FSDP2's CPUOffloadPolicy) trains the same
+    weights, bit for bit."""
     out = tmp_path / "two"
     out.mkdir()
     worker = Path(__file__).resolve().parent / "sharded_pass_worker.py"
@@ -479,7 +481,9 @@ def test_pass_sharded_over_two_ranks_takes_the_steps_of_their_batches_together(t
     assert one["kept"] == two["kept"] == "distilled" and one["steps"] == two["steps"] == OPTIONS.epochs
     assert two["heldout_before"] == pytest.approx(one["heldout_before"], rel=1e-5)
     assert two["heldout_trained"] == pytest.approx(one["heldout_trained"], rel=1e-4)
-    weights = torch.load(out / "weights.pt")
+    saved_weights = torch.load(out / "weights.pt")
+    weights = saved_weights["weights"]
+    assert all(torch.equal(weights[n], saved_weights["offloaded"][n]) for n in names)
     for n in names:
         w = model.get_submodule(n).weight.detach()
         assert not torch.equal(w, before[n]), n  # trained

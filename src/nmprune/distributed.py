@@ -616,15 +616,18 @@ class DistributedExecutor:
         self.ranks.all_reduce_sum(tensors)
 
     @contextmanager
-    def training_model(self, source: Any, sink: Any, dtype: torch.dtype | None) -> Iterator[torch.nn.Module]:
+    def training_model(self, source: Any, sink: Any, dtype: torch.dtype | None,
+                       offloaded: bool = False) -> Iterator[torch.nn.Module]:
         """The whole pruned model for the global distillation, sharded over the ranks with
-        FSDP2 on this rank's device, its blocks computing in ``dtype``
+        FSDP2 on this rank's device, its blocks computing in ``dtype``, the rank's rows in CPU
+        memory between uses where ``offloaded``
         (:func:`~nmprune.stages.sharded_pass.sharded_whole`). FSDP's own collectives run in
         the body: a rank lost meanwhile ends it as :class:`PeerLost`."""
         from .stages.sharded_pass import sharded_whole
 
         self.ranks.check("the global distillation")
-        with _peer_lost("the global distillation"), sharded_whole(source, sink, self.device, dtype) as model:
+        with _peer_lost("the global distillation"), \
+                sharded_whole(source, sink, self.device, dtype, offloaded) as model:
             yield model
 
     def solve(self, jobs: Sequence[Any], done, progress=iter) -> None:

@@ -107,22 +107,24 @@ def _run_label(config: RunConfig) -> str:
 
 # ----------------------------------------------------------------------------- prune run
 
-def _distill_fit(config: RunConfig, world: int, resolved, model_config) -> tuple[str | None, bool]:
+def _distill_fit(config: RunConfig, world: int, resolved, model_config) -> tuple[str | None, Any]:
     """Why ``distill_epochs: auto`` skips the pass on the compute device (the CPU: the memory
-    available to this process), None where it runs or the run makes none, and whether the
-    pass checkpoints its decoder blocks to fit (:func:`nmprune.resources.plan_distillation`,
-    judged before any weight is read; ``distill_epochs: N`` that does not fit is refused)."""
+    available to this process), None where it runs or the run makes none, and how the pass
+    holds its memory to fit (:class:`~nmprune.stages.distillation.PassMemory`;
+    :func:`nmprune.resources.plan_distillation`, judged before any weight is read;
+    ``distill_epochs: N`` that does not fit is refused)."""
     import torch
 
     from .devices import default_device
     from .resources import plan_distillation
+    from .stages.distillation import PassMemory
     from .streaming.fit import available_memory
 
     device = default_device(config.device)
     available = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
                  else available_memory())
     needs, shortfall = plan_distillation(config, world, (resolved, model_config), available)
-    return shortfall, needs.distill_checkpointed
+    return shortfall, PassMemory(needs.distill_checkpointed, needs.distill_offloaded)
 
 
 def _distill_windows(tokenizer, settings):
@@ -177,14 +179,14 @@ def check_run(config: RunConfig, writes: bool = True, device_here: bool = True):
 class LoadedRun:
     """A prune run once its model is loaded and its text tokenised (what :func:`run` hands the
     rest of the job): the ``settings`` it prunes with (``config.prune`` with the run's choice of
-    global distillation; ``distill_skipped``: why ``auto`` made none; ``distill_checkpointed``:
-    whether the pass checkpoints its decoder blocks to fit), the ``model``, its
+    global distillation; ``distill_skipped``: why ``auto`` made none; ``distill_memory``:
+    how the pass holds its memory to fit), the ``model``, its
     ``tokenizer`` and ``source``, the tokenised evaluation text (``cache``), the ``timings`` so
     far, when the run started (``t0``) and its ``device``."""
 
     settings: Any
     distill_skipped: str | None
-    distill_checkpointed: bool
+    distill_memory: Any  # stages.distillation.PassMemory
     model: BlockSource
     tokenizer: Any
     source: Any
@@ -457,8 +459,8 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
         resolved, model_config, downstream = check_run(config, writes=role.writes)
         digest = model_digest(resolved)
         offload = ranks_offload(config.offload, ranks.world, resolved)
-        shortfall, checkpointed = (_distill_fit(config, ranks.world, resolved, model_config)
-                                   if config.prune.distill_passes() else (None, False))
+        shortfall, memory = (_distill_fit(config, ranks.world, resolved, model_config)
+                             if config.prune.distill_passes() else (None, None))
     # every rank the same job, before any of them loads
     ranks.agree({"settings": config.identity(), "model files": digest})
     timings: dict[str, float] = {}
@@ -501,7 +503,7 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
     try:
         with phase("opening the checkpoint"):
             role.open_checkpoint(digest)
-        loaded = LoadedRun(settings, distill_skipped, checkpointed, model, tokenizer, source, cache, timings, t0,
+        loaded = LoadedRun(settings, distill_skipped, memory, model, tokenizer, source, cache, timings, t0,
                            ranks.device)
         return _prune_and_save(config, loaded, role, (calibration, own_windows), progress, on_block_done, ranks,
                                ckpt_dir)
@@ -536,7 +538,7 @@ def _prune_and_save(config: RunConfig, loaded: LoadedRun, role: RunRole, calibra
                                    distill_calibration=calibration[1], device=ranks.device,
                                    checkpoint=role.checkpoint, progress=progress, on_block_done=on_block_done,
                                    source=model, sink=sink, scratch=ckpt_dir,
-                                   distill_checkpointed=loaded.distill_checkpointed)
+                                   **({"distill_memory": loaded.distill_memory} if loaded.distill_memory else {}))
         pruned_model = role.pruned_model(sink, loaded)
     except BaseException:
         sink.abandon()

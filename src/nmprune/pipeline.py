@@ -37,7 +37,7 @@ from .progress import bar as progress_bar
 from .progress import stage as say
 from .stages.plan import LayerPlan
 from .distill import DISTILL_TOPK, TeacherTopK, teacher_topk
-from .stages.distillation import SavedPass, distill, teacher
+from .stages.distillation import PassMemory, SavedPass, distill, teacher
 from .reconstruct import local_part, shard_of, training_dtype
 from .stages.reconstruction import ReconstructingStatistics, held_out_batches
 from .stages.sink import BlockSink, ModelSink
@@ -116,7 +116,7 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
                 on_block_done: Callable[[int], None] | None = None,
                 hessians: dict[str, InputStats] | None = None, source: BlockSource | None = None,
                 sink: BlockSink | None = None, scratch: str | os.PathLike | None = None,
-                distill_calibration: Tensor | None = None, distill_checkpointed: bool = False,
+                distill_calibration: Tensor | None = None, distill_memory: PassMemory = PassMemory(),
                 **setting_kwargs: Any) -> PruneReport:
     """Prune every linear layer inside ``model``'s decoder blocks to N:M, in place.
 
@@ -137,9 +137,9 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
     wait in an unnamed temporary file while the block trains (default: in memory).
     ``distill_calibration``: token ids of the windows the global distillation trains on
     besides ``calibration`` (default: drawn from the text, :func:`distill_windows`, when
-    ``calibration`` is not given; none when it is). ``distill_checkpointed``: the pass
-    recomputes each decoder block's activations in its backward pass (what the run's plan
-    decides where the pass would not fit without, :func:`nmprune.resources.plan_run`).
+    ``calibration`` is not given; none when it is). ``distill_memory``: how the pass holds
+    its memory (blocks checkpointed, state offloaded: what the run's plan decides where the
+    pass would not fit without, :func:`nmprune.resources.plan_run`).
 
     Inside an initialised ``torch.distributed`` process group of several ranks (e.g. under
     ``torchrun``; :mod:`nmprune.distributed`) every rank calls this with the same model and
@@ -201,7 +201,7 @@ def prune_model(model: nn.Module | None, tokenizer: Any = None, settings: PruneS
             if epochs:
                 with executor.phase("global distillation"):
                     report.distillation = _distill(source, sink, plans, stage, batches, own, epochs, settings,
-                                                   executor, shown, scratch, distill_checkpointed, checkpoint)
+                                                   executor, shown, scratch, distill_memory, checkpoint)
     report.per_rank = _per_rank(report.layers[len(resumed[0]):], executor, loop.busy["calibration_seconds"])
     report.seconds = {"capture": t_capture, "total": time.perf_counter() - t_start,
                       "layers": sum(r.get("seconds", 0.0) for r in report.layers)}
@@ -422,13 +422,13 @@ def _own_windows(source: BlockSource, plans: dict[str, LayerPlan | None], window
 def _distill(source: BlockSource, sink: BlockSink, plans: dict[str, LayerPlan | None], stage: ReconstructingStatistics,
              batches: list[Tensor], own: _OwnWindows | None, epochs: int, settings: PruneSettings,
              executor: Executor, progress: bool, scratch: str | os.PathLike | None,
-             checkpointed: bool, checkpoint: Checkpoint | None) -> dict[str, Any]:
+             memory: PassMemory, checkpoint: Checkpoint | None) -> dict[str, Any]:
     """``epochs`` of the global distillation pass (:mod:`nmprune.stages.distillation`) on the
     whole pruned model (:meth:`~nmprune.stages.source.BlockSource.whole_pruned`: a streamed
     ``source`` loads it whole, with the weights ``sink`` wrote, and writes the trained ones
     back), which visits the compute device meanwhile, towards the dense distribution of
     the dense stream ``stage`` carried to the last block (freed once read) and on the pass's
-    ``own`` windows, its decoder blocks ``checkpointed`` or not. The held-out batches are the
+    ``own`` windows, its memory held as ``memory`` says. The held-out batches are the
     reconstruction's and as large a share of the pass's own. Its progress is saved in rank 0's
     ``checkpoint`` now and then, and a pass of the same settings and windows resumes from it
     (:class:`~nmprune.stages.distillation.SavedPass`); the record says from which step."""
@@ -437,9 +437,9 @@ def _distill(source: BlockSource, sink: BlockSink, plans: dict[str, LayerPlan | 
     teachers = teacher(source.head_logits(template, batches, stage.dense, executor.device), DISTILL_TOPK)
     stage.dense = []
     dtype = training_dtype(settings.train_precision, _pruned_weights(source.model, source, plans), executor.device)
-    with executor.training_model(source, sink, dtype) as model:
+    with executor.training_model(source, sink, dtype, memory.offloaded) as model:
         return _train_whole(model, source, plans, stage, batches, teachers, own, epochs, settings, executor,
-                            progress, scratch, checkpointed, checkpoint)
+                            progress, scratch, memory.checkpointed, checkpoint)
 
 
 def _train_whole(model: nn.Module, source: BlockSource, plans: dict[str, LayerPlan | None],

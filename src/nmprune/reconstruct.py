@@ -95,7 +95,7 @@ def training_dtype(precision: str, weights: Sequence[Tensor], device: torch.devi
     1% off, noise beside a one-sample step's."""
     wide = bool(weights) and max(min(w.shape) for w in weights) >= BF16_MIN_WIDTH
     if device is None:
-        device = weights[0].device if weights else torch.device("cpu")
+        device = compute_device(weights[0]) if weights else torch.device("cpu")
     return low_precision(precision, device, wide)
 
 
@@ -172,6 +172,29 @@ def shard_of(t: Tensor) -> tuple[int, int] | None:
     if not isinstance(t, DTensor):
         return None
     return t.device_mesh.get_local_rank(), t.device_mesh.size()
+
+
+def compute_device(t: Tensor) -> torch.device:
+    """Where ``t`` computes: a sharded tensor's mesh device (its local rows may wait in CPU
+    memory, FSDP's CPU offload), any other tensor's own."""
+    if not isinstance(t, DTensor) or t.device_mesh.device_type == t.device.type:
+        return local_part(t).device
+    kind = t.device_mesh.device_type
+    return torch.device(kind, torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
+
+
+def kept_scales(weights: Sequence[Tensor], entries: Sequence[KeptEntries],
+                all_reduce: Callable[[Sequence[Tensor]], None], device: torch.device) -> list[float]:
+    """:class:`CompactAdamW`'s scale of each weight (the root mean square of its kept
+    entries; 1 for one all zeros) where each process holds some rows of it (``weights``: the
+    processes' parts, :func:`local_part`): the square sums and counts summed over the
+    processes (on ``device``, where their collectives run)."""
+    norms = [float(torch.linalg.vector_norm(w.detach(), dtype=torch.promote_types(w.dtype, torch.float32)))
+             for w in weights]
+    sums = torch.tensor([n * n for n in norms] + [e.count for e in entries], dtype=torch.float64, device=device)
+    all_reduce([sums])
+    totals, counts = sums[:len(norms)].sqrt().tolist(), sums[len(norms):].tolist()
+    return [n / max(c, 1) ** 0.5 if n > 0 else 1.0 for n, c in zip(totals, counts)]
 
 
 def most_over_processes(count: int, shard: tuple[int, int], all_reduce: Callable[[Sequence[Tensor]], None],
@@ -296,23 +319,19 @@ class CompactAdamW:
     compact and added at the kept positions (:class:`KeptEntries`), so no compact copy
     of them is held. ``summed`` holds the tensors the gradients live in, to sum over
     processes: one buffer that ``grads`` are views of, where the weights share a dtype and
-    device. With ``all_reduce``, each process holds some rows of each weight (its shard,
-    :func:`local_part`) and the scales are summed over the processes, as the whole weights'."""
+    device. ``scales`` are given where each process holds some rows of each weight (its
+    shard, :func:`local_part`): the whole weights' (:func:`kept_scales`)."""
 
     def __init__(self, weights: Sequence[Tensor], entries: Sequence[KeptEntries],
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 all_reduce: Callable[[Sequence[Tensor]], None] | None = None):
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, scales: Sequence[float] | None = None):
         self.weights, self.entries = list(weights), list(entries)
         self.betas, self.eps = betas, eps
-        # in float32 at least (a bfloat16 weight's square sums would lose digits)
-        norms = [float(torch.linalg.vector_norm(w.detach(), dtype=torch.promote_types(w.dtype, torch.float32)))
-                 for w in self.weights]
-        counts = [e.count for e in self.entries]
-        if all_reduce is not None:  # each process holds some rows of each weight: the scales are the whole's
-            sums = torch.tensor([n * n for n in norms] + counts, dtype=torch.float64, device=self.weights[0].device)
-            all_reduce([sums])
-            norms, counts = sums[:len(norms)].sqrt().tolist(), sums[len(norms):].tolist()
-        self.scales = [n / max(c, 1) ** 0.5 if n > 0 else 1.0 for n, c in zip(norms, counts)]
+        if scales is None:
+            # in float32 at least (a bfloat16 weight's square sums would lose digits)
+            norms = [float(torch.linalg.vector_norm(w.detach(), dtype=torch.promote_types(w.dtype, torch.float32)))
+                     for w in self.weights]
+            scales = [n / max(e.count, 1) ** 0.5 if n > 0 else 1.0 for n, e in zip(norms, self.entries)]
+        self.scales = list(scales)
         # the compact gradients are views of one buffer where the weights share a dtype and
         # device: a sum over processes is then one collective on it, with no copies
         if len({(w.dtype, w.device) for w in self.weights}) == 1:
@@ -482,10 +501,11 @@ def fit_masked(run: Callable[[int], Tensor], targets: Sequence[Tensor], weights:
     started = time.perf_counter()
     shard = shard_of(weights[0]) if weights else None
     entries = list(entries) if entries is not None else [KeptEntries(local_part(w)) for w in weights]
-    optimiser = CompactAdamW([local_part(w) for w in weights], entries,
-                             all_reduce=all_reduce if shard is not None else None)
+    parts = [local_part(w) for w in weights]
+    device = compute_device(weights[0])  # of the errors and the collectives
+    optimiser = CompactAdamW(parts, entries, scales=kept_scales(parts, entries, all_reduce, device)
+                             if shard is not None else None)
     local = {int(g): j for j, g in enumerate(positions)}
-    device = local_part(weights[0]).device
     per_step = options.batches_per_step
     if shard is None:
         lane = list(lanes) if lanes is not None else [lane_of(g, total, options.lanes) for g in range(total)]

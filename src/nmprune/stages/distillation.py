@@ -23,6 +23,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -91,6 +92,18 @@ def checkpointed(model: nn.Module) -> Iterator[None]:
     finally:
         for block in blocks:
             del block.forward
+
+
+@dataclass(frozen=True)
+class PassMemory:
+    """How the pass holds its memory, as the run's plan decides
+    (:func:`nmprune.resources.plan_run`): each decoder block's activations recomputed in the
+    backward pass (``checkpointed``, :func:`checkpointed`); sharded over several ranks, each
+    rank's rows of the weights and of their training state kept in CPU memory between uses
+    (``offloaded``: FSDP2's ``CPUOffloadPolicy``, :mod:`~nmprune.stages.sharded_pass`)."""
+
+    checkpointed: bool = False
+    offloaded: bool = False
 
 
 #: the parts of the pass's memory (:func:`distill_parts`), as its refusal names them

@@ -144,8 +144,8 @@ class Executor(Protocol):
 
     def token_sharing(self, total: int) -> TokenSharing | None: ...
 
-    def training_model(self, source: BlockSource, sink: BlockSink, dtype: torch.dtype | None
-                       ) -> AbstractContextManager[nn.Module]: ...
+    def training_model(self, source: BlockSource, sink: BlockSink, dtype: torch.dtype | None,
+                       offloaded: bool = False) -> AbstractContextManager[nn.Module]: ...
 
 
 class LocalExecutor:
@@ -194,11 +194,14 @@ class LocalExecutor:
         return None
 
     @contextmanager
-    def training_model(self, source: BlockSource, sink: BlockSink, dtype: torch.dtype | None
-                       ) -> Iterator[nn.Module]:
+    def training_model(self, source: BlockSource, sink: BlockSink, dtype: torch.dtype | None,
+                       offloaded: bool = False) -> Iterator[nn.Module]:
         """The whole pruned model for the global distillation, on ``device`` for the ``with``
         body (:meth:`~nmprune.stages.source.BlockSource.whole_pruned`; ``dtype``, the training
-        dtype, is the products' under autocast here)."""
+        dtype, is the products' under autocast here). One process offloads nothing: the plan
+        offloads only a pass sharded over ranks."""
+        if offloaded:
+            raise ValueError("one process cannot offload the global distillation's state (the pass is not sharded)")
         with source.whole_pruned(sink) as model:
             model.to(self.device)
             try:

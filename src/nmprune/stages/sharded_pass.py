@@ -25,7 +25,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import distribute_tensor
 
 from ..memory import release_memory
@@ -59,9 +59,12 @@ def _fill(params: Mapping[str, nn.Parameter], values: Mapping[str, Tensor]) -> N
 
 @contextmanager
 def sharded_whole(source: BlockSource, sink: BlockSink, device: torch.device,
-                  param_dtype: torch.dtype | None) -> Iterator[nn.Module]:
+                  param_dtype: torch.dtype | None, offloaded: bool = False) -> Iterator[nn.Module]:
     """The whole pruned model, sharded over every rank of the default process group
-    (module docstring), on ``device``, its blocks computing in ``param_dtype`` (None: float32).
+    (module docstring), computing on ``device``, its blocks in ``param_dtype`` (None:
+    float32); ``offloaded``, each rank's rows of the parameters and of their gradients wait
+    in CPU memory between uses (FSDP2's ``CPUOffloadPolicy``; the training state built on
+    them too, and each step runs there).
     On a normal exit every block's pruned layers are gathered whole and written to ``sink``
     (every rank takes part; a sink that does not write discards them)."""
     world = torch.distributed.get_world_size()
@@ -69,19 +72,23 @@ def sharded_whole(source: BlockSource, sink: BlockSink, device: torch.device,
     model = _empty_copy(source.model)
     blocks_name, blocks = find_blocks(model)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offloaded else OffloadPolicy()
     for block in blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+        fully_shard(block, mesh=mesh, mp_policy=policy, offload_policy=offload)
+    fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload)
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}  # to_empty leaves them unset
-    model.to_empty(device=device)
+    model.to_empty(device="cpu" if offloaded else device)
     params = dict(model.named_parameters())
     prefix = f"{blocks_name}."
     try:
         with torch.no_grad():
             with source.outside("cpu") as whole:
                 given = dict(whole.named_buffers())
-                for name, b in model.named_buffers():
-                    b.copy_(given.get(name, buffers[name]))
+                for prefix_, module in model.named_modules():
+                    for name, b in module._buffers.items():
+                        if b is not None:  # on the compute device, offloaded or not (FSDP moves no buffer)
+                            full = f"{prefix_}.{name}" if prefix_ else name
+                            module._buffers[name] = given.get(full, buffers[full]).to(device)
                 _fill(params, {n: p for n, p in whole.named_parameters() if not n.startswith(prefix)})
             for i in range(len(source)):
                 with source.block(i, "cpu") as block:
