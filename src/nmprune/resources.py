@@ -106,6 +106,9 @@ class RunNeeds:
     distill_peak_per_rank: int = 0
     #: whether the pass recomputes each decoder block's activations in its backward pass
     distill_checkpointed: bool = False
+    #: whether the pass, sharded over the ranks, keeps their rows and training state in CPU
+    #: memory (:class:`~nmprune.stages.distillation.PassMemory`)
+    distill_offloaded: bool = False
     #: the pass's own memory on the rank by part (:func:`~nmprune.stages.distillation.distill_parts`)
     distill_parts: dict[str, int] = field(default_factory=dict)
 
@@ -261,6 +264,11 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None, mo
                         and _distill_peak(device, beside_pass, distilling.peak_bytes) > available)
     if checkpointed:
         distilling = distillation_needs(run, epochs, windows, checkpointed=True)
+    # several GPU ranks keep their rows and training state in CPU memory where even that does not fit
+    offloaded = bool(checkpointed and ranks > 1 and device == "cuda"
+                     and _distill_peak(device, beside_pass, distilling.peak_bytes) > available)
+    if offloaded:
+        distilling = distillation_needs(run, epochs, windows, checkpointed=True, offloaded=True)
     streams = (fitting or statistics).stream_bytes
     block = max(run.block_params) * itemsize
     block_phase = (block + statistics.block_bytes + solves.block_bytes + streams
@@ -268,7 +276,7 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None, mo
     distill_peak = distilling.peak_bytes if distilling else 0
     outside = run.params - sum(run.block_params)
     if device == "cuda":
-        cpu_peak = PROCESS_BYTES + whole + outside * itemsize + block
+        cpu_peak = PROCESS_BYTES + whole + outside * itemsize + block + (distilling.host_bytes if distilling else 0)
         device_peak = max(block_phase, distill_peak)
     else:
         cpu_peak = PROCESS_BYTES + whole + max(outside * itemsize + streams, block_phase,
@@ -285,7 +293,7 @@ def plan_run(config: RunConfig, ranks: int = 1, streamed: bool | None = None, mo
                     checkpoint_disk=pruned_weights + run.tokens * run.hidden_size * itemsize * (2 if recon else 1),
                     seconds=seconds, distill_epochs=epochs, distill_windows=windows if epochs else 0,
                     distill_peak_per_rank=_distill_peak(device, beside_pass, distill_peak),
-                    distill_checkpointed=checkpointed,
+                    distill_checkpointed=checkpointed, distill_offloaded=offloaded,
                     distill_parts=distilling.peak_parts if distilling else {})
 
 
@@ -315,6 +323,7 @@ def needs_table(needs: RunNeeds) -> str:
         rows.append(("peak device memory per rank", f"{needs.device_peak_per_rank / GIB:.2f} GiB"))
     rows.append(("global distillation", f"{needs.distill_epochs} epoch(s) on {needs.distill_windows} windows"
                  + (", decoder blocks checkpointed" if needs.distill_checkpointed else "")
+                 + (", weights and training state in CPU memory (offloaded)" if needs.distill_offloaded else "")
                  if needs.distill_epochs else "none"))
     if needs.distill_epochs:
         rows.append(("peak memory of the global distillation per rank", f"{needs.distill_peak_per_rank / GIB:.2f} GiB"))
@@ -325,6 +334,8 @@ def needs_table(needs: RunNeeds) -> str:
     if needs.device == "cuda":
         rows.append(("not yet measured on a GPU", "the Triton 2:4 prox kernel's speed "
                      "(distributed.TRITON_ENTRY_SPEEDUP), bfloat16 training's speed-up "
-                     "(resources.BF16_TRAINING_SPEEDUP) and a training step's other costs "
-                     "(resources.STEP_COSTS)"))
+                     "(resources.BF16_TRAINING_SPEEDUP), a training step's other costs "
+                     "(resources.STEP_COSTS)" + (" and an offloaded pass's transfers and steps "
+                                                 "(stages.distillation.OFFLOAD_BYTES_PER_SECOND, "
+                                                 "OFFLOADED_SECONDS_PER_ENTRY)" if needs.distill_offloaded else "")))
     return "\n".join(["| estimate | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows])

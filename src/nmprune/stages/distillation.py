@@ -329,7 +329,16 @@ def distill_parts(params: int, pruned: int, kept: float, itemsize: int, lean: bo
             windows: int(positions * min(DISTILL_TOPK, vocab) * 8)}
 
 
-def distillation_needs(run: RunShape, epochs: int, windows: int, checkpointed: bool = False) -> StageNeeds:
+#: bytes a second between CPU and device memory for a pass whose state is offloaded
+#: (:class:`PassMemory`; an estimate for PCIe 4 x16, not yet measured)
+OFFLOAD_BYTES_PER_SECOND = 2.0e10
+#: seconds of an offloaded step on the CPU per kept entry of the rank (AdamW on the compact
+#: state; an estimate from the CPU's reconstruction step, resources.STEP_COSTS, not yet measured)
+OFFLOADED_SECONDS_PER_ENTRY = 4e-9
+
+
+def distillation_needs(run: RunShape, epochs: int, windows: int, checkpointed: bool = False,
+                       offloaded: bool = False) -> StageNeeds:
     """What ``epochs`` of the pass on ``windows`` calibration windows (the run's and its own)
     need on one rank, its decoder blocks ``checkpointed`` or not (:func:`checkpointed`): its
     own peak (:func:`distill_bytes`, on the rank's share of the windows), and its time at the
@@ -337,7 +346,12 @@ def distillation_needs(run: RunShape, epochs: int, windows: int, checkpointed: b
     own windows, the forward pass on the held-out batches before and after training (the
     reconstruction's and as large a share of the pass's own,
     :func:`~nmprune.stages.reconstruction.held_out_batches`), and the forward and backward
-    passes on every other batch each epoch (with a second forward pass, checkpointed)."""
+    passes on every other batch each epoch (with a second forward pass, checkpointed).
+    ``offloaded`` (sharded over several ranks, :class:`PassMemory`): the weights and their
+    training state move to the rank's CPU memory (``host_bytes``), and each step also moves
+    the rank's rows of the parameters to the device twice (forward and backward) and its
+    gradients back, and takes its optimiser step on the CPU
+    (:data:`OFFLOAD_BYTES_PER_SECOND`, :data:`OFFLOADED_SECONDS_PER_ENTRY`)."""
     s = run.settings
     pruned = sum(block[n][0] * block[n][1] for block in run.per_block for n in run.pruned(block))
     # eager attention's probabilities of one batch: in float32 and their bfloat16 copy
@@ -352,4 +366,13 @@ def distillation_needs(run: RunShape, epochs: int, windows: int, checkpointed: b
     per_step = 4 if checkpointed else 3  # forward passes' worth of one batch's training step
     passes = per_step * epochs * (run_batches + own_batches - held) + 2 * held  # of one batch, forward
     seconds = (2.0 * run.params * own_tokens + passes * 2.0 * run.params * run.batch_tokens) / run.train_rate / run.ranks
-    return StageNeeds(peak_bytes=sum(parts.values()), seconds={"distillation": seconds}, peak_parts=parts)
+    host = 0
+    if offloaded:
+        state = PASS_PARTS[0]
+        gathered = max(run.block_params) * (2 * (2 if run.trains_in_bfloat16 else 4) + 4)
+        host, parts = parts[state] - gathered, {**parts, state: gathered}
+        steps = epochs * -(-(run_batches + own_batches - held) // run.ranks)
+        seconds += steps * (12 * run.params / run.ranks / OFFLOAD_BYTES_PER_SECOND
+                            + pruned * run.kept / run.ranks * OFFLOADED_SECONDS_PER_ENTRY)
+    return StageNeeds(peak_bytes=sum(parts.values()), seconds={"distillation": seconds}, peak_parts=parts,
+                      host_bytes=int(host))

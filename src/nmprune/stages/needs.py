@@ -114,10 +114,12 @@ class StageNeeds:
     block is worked on (the stages' sum is the block phase), ``stream_bytes`` of calibration
     hidden states it carries from block to block (held from the capture on), ``peak_bytes`` of a
     phase of its own after the blocks (the global distillation's; ``peak_parts``: what they are
-    made of, by name), and ``seconds`` by name."""
+    made of, by name), and ``seconds`` by name; ``host_bytes`` that phase holds in CPU memory
+    beside the device (the global distillation's state, offloaded)."""
 
     block_bytes: float = 0
     stream_bytes: int = 0
     peak_bytes: int = 0
     seconds: dict[str, float] = field(default_factory=dict)
     peak_parts: dict[str, int] = field(default_factory=dict)
+    host_bytes: int = 0
