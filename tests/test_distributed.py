@@ -493,28 +493,31 @@ def test_pass_sharded_over_two_ranks_takes_the_steps_of_their_batches_together(t
 
 
 
-# The command line on every rank; rank 1 kills itself (SIGKILL) at its second step of the pass.
+# The command line on every rank: the pass saves its progress every round, and rank 1 kills
+# itself (SIGKILL) once its part of the second save is written.
 KILL_RANK1_IN_PASS = """
 import os, signal, sys
-import nmprune.reconstruct as reconstruct
+import nmprune.stages.distillation as stage
 from nmprune.cli import main
-step, calls = reconstruct.CompactAdamW.step, []
-def killing(self, lr):
-    calls.append(self) if self.scales and len(self.weights) > 7 else None
+stage.SAVE_SECONDS = 0.0
+save, calls = stage.SavedPass.save, []
+def killing(self, state):
+    save(self, state)
+    calls.append(state.steps)
     if len(calls) == 2 and os.environ["RANK"] == "1":
         os.kill(os.getpid(), signal.SIGKILL)
-    return step(self, lr)
-reconstruct.CompactAdamW.step = killing
+stage.SavedPass.save = killing
 sys.exit(main(sys.argv[1:]))
 """
 
 
 @pytest.mark.slow  # several processes, killed and resumed: in `pytest -m slow`
-def test_a_rank_lost_in_the_sharded_pass_ends_the_run_and_the_rerun_resumes_to_the_same_model(tiny_dir, tmp_path):
-    """Rank 1 is killed (SIGKILL) during the global distillation sharded over two streamed
-    ranks: rank 0 says in one line that it lost its peer during the pass and what to do; the
-    same command then resumes after the last block (the pass starts again) and publishes the
-    uninterrupted run's model, bit for bit."""
+def test_a_rank_lost_in_the_sharded_pass_ends_the_run_and_the_rerun_resumes_from_its_last_save(tiny_dir, tmp_path):
+    """The global distillation sharded over two streamed ranks saves its progress (each rank
+    its part, rank 0 the manifest); rank 1 is killed (SIGKILL) after the second save: rank 0
+    says in one line that it lost its peer during the pass and what to do; the same command
+    then takes the pass up at that save and publishes the uninterrupted run's model, bit for
+    bit."""
     base, model_dir, text, yaml_file = tiny_dir
     args = ["prune", "--model", str(model_dir), "--calib", str(text), "--nsamples", "8", "--seqlen", "64",
             "--eval", str(text), "--eval-seqlen", "16", "--eval-max-tokens", "256", "--quiet", "--distill-epochs", "2",
@@ -530,9 +533,15 @@ def test_a_rank_lost_in_the_sharded_pass_ends_the_run_and_the_rerun_resumes_to_t
     assert len(lost) + killed.stderr.count("nmprune: error: stopped by SIGTERM") == 1, killed.stderr[-3000:]
     assert all("global distillation" in line and "rerun the same torchrun command" in line for line in lost)
     assert "nmprune/" not in killed.stderr.replace(str(tmp_path), ""), killed.stderr[-3000:]
-    assert Path(f"{out}.checkpoint").is_dir()
+    manifest = json.loads((Path(f"{out}.checkpoint") / "manifest.json").read_text())
+    assert manifest["extra"]["distillation"]["ranks"] == 2 and manifest["extra"]["distillation"]["steps"] == 2
+    assert sorted(f for f in manifest["files"] if f.startswith("distillation_")) == \
+        ["distillation_1_rank000.safetensors", "distillation_1_rank001.safetensors"]
     resumed = torchrun(["-m", "nmprune", *args, "--out", str(out)], tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     (a, state_a), (b, state_b) = _load(tmp_path / "straight"), _load(out)
-    assert b["resumed_from_block"] == 3 and b["distillation"]["kept"] == a["distillation"]["kept"]
+    assert b["resumed_from_block"] == 3 and b["distillation"]["resumed_from_step"] == 2
+    assert b["distillation"]["steps"] == a["distillation"]["steps"] > 2
+    assert b["distillation"]["kept"] == a["distillation"]["kept"] == "distilled"
     assert state_a.keys() == state_b.keys() and all(torch.equal(state_a[k], state_b[k]) for k in state_a)
+    assert not Path(f"{out}.checkpoint").exists()

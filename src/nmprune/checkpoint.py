@@ -38,10 +38,26 @@ from .output import check_owned, mark, marker, remove_owned, writing
 FORMAT = 3  # 3: the hidden states as streams (stream{k}_batch_{j}), not side by side
 MANIFEST = "manifest.json"
 #: The only file names a manifest may list (nothing outside the directory is ever touched).
-_FILE_NAME = re.compile(r"((block|hidden)_\d{4}|teachers|distillation_[01])\.safetensors")
+_FILE_NAME = re.compile(r"((block|hidden)_\d{4}|teachers|distillation_[01](_rank\d{3,})?)\.safetensors")
+#: the global distillation's progress files: one process's (:data:`PASS`), or a pass sharded
+#: over ranks, one file a rank (:func:`pass_part_name`)
+_PASS_FILE = re.compile(r"distillation_[01](_rank\d{3,})?\.safetensors")
 TEACHERS = "teachers.safetensors"
 #: the global distillation's progress (:meth:`Checkpoint.save_pass`), in two files by turns
 PASS = ("distillation_0.safetensors", "distillation_1.safetensors")
+
+
+def pass_part_name(turn: int, rank: int) -> str:
+    """The file of rank ``rank``'s part of a sharded pass's progress, of turn 0 or 1
+    (:meth:`Checkpoint.save_pass_parts`)."""
+    return f"distillation_{turn}_rank{rank:03d}.safetensors"
+
+
+def write_tensors(path: Path, tensors: dict[str, Tensor]) -> dict[str, Any]:
+    """Write one safetensors file atomically; its manifest entry (size and SHA-256): what a
+    rank other than 0 writes into rank 0's checkpoint (:meth:`Checkpoint.save_pass_parts`)."""
+    _save_tensors(path, tensors)
+    return {"size": path.stat().st_size, "sha256": file_sha256(path)}
 #: What a checkpoint directory may hold besides its marker (temporary names included).
 _OWN_ENTRY = re.compile(rf"({_FILE_NAME.pattern}|{re.escape(MANIFEST)})(\.tmp)?")
 KIND = "checkpoint"
@@ -263,9 +279,7 @@ class Checkpoint:
 
     def _save(self, name: str, tensors: dict[str, Tensor]) -> dict[str, Any]:
         """Write one safetensors file; returns its manifest entry (size and SHA-256)."""
-        path = self.directory / name
-        _save_tensors(path, tensors)
-        return {"size": path.stat().st_size, "sha256": file_sha256(path)}
+        return write_tensors(self.directory / name, tensors)
 
     def _load(self, name: str) -> dict[str, Tensor]:
         from safetensors.torch import load_file
@@ -323,13 +337,24 @@ class Checkpoint:
         """Durably record the global distillation's progress: its ``tensors`` and ``state``
         (JSON). The two files of :data:`PASS` take turns, so that the one the manifest names
         is never overwritten: a kill at any point leaves the last progress, or this one."""
-        files = dict(self.manifest["files"])
-        old = [name for name in PASS if name in files]
-        name = PASS[1] if PASS[0] in old else PASS[0]
-        files[name] = self._save(name, tensors)
-        for f in old:
-            del files[f]
-        self.manifest["files"] = files
+        name = PASS[1] if PASS[0] in self.manifest["files"] else PASS[0]
+        self._record_pass({name: self._save(name, tensors)}, state)
+
+    def next_pass_turn(self) -> int:
+        """The turn (0 or 1) the next save of the pass's progress writes: not the last one's."""
+        return 1 if any(_PASS_FILE.fullmatch(f) and f.startswith("distillation_0") for f in self.manifest["files"]) \
+            else 0
+
+    def save_pass_parts(self, parts: Mapping[str, dict[str, Any]], state: dict[str, Any]) -> None:
+        """Durably record the progress of a pass sharded over ranks: every rank has written its
+        part into this directory (``parts``: file name -> manifest entry, every rank's, of turn
+        :meth:`next_pass_turn`, :func:`pass_part_name`); one manifest write makes them the
+        progress, and the files of the turn before are deleted."""
+        self._record_pass(dict(parts), state)
+
+    def _record_pass(self, new: dict[str, dict[str, Any]], state: dict[str, Any]) -> None:
+        old = [f for f in self.manifest["files"] if _PASS_FILE.fullmatch(f) and f not in new]
+        self.manifest["files"] = {**{k: v for k, v in self.manifest["files"].items() if k not in old}, **new}
         self.manifest["extra"]["distillation"] = state
         self._write_manifest()
         for f in old:

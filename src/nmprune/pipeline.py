@@ -459,12 +459,11 @@ def _train_whole(model: nn.Module, source: BlockSource, plans: dict[str, LayerPl
     options = settings.distill_options(epochs)
     key = json.dumps({"options": asdict(options), "total": total, "held": sorted(held),
                       "kept": [int(torch.count_nonzero(local_part(w))) for w in weights]})
-    # a pass sharded over the ranks starts again when resumed: its state is in every rank
-    saved = SavedPass(checkpoint if executor.is_main else None, key, executor) \
-        if not weights or shard_of(weights[0]) is None else None
+    saved = SavedPass(checkpoint if executor.is_main else None, key, executor,
+                      sharded=bool(weights) and shard_of(weights[0]) is not None)
     record = distill(model, weights, batches, teachers, positions, total, held, options, executor.all_reduce,
                      executor.device, progress, scratch, checkpointed, saved)
-    return {**record, "resumed_from_step": saved.resumed_from if saved is not None else None}
+    return {**record, "resumed_from_step": saved.resumed_from}
 
 
 def _pruned_weights(model: nn.Module, source: BlockSource, plans: dict[str, LayerPlan | None]) -> list[Tensor]:

@@ -24,10 +24,12 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from functools import partial
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
@@ -118,17 +120,46 @@ SAVE_SECONDS = 600.0
 
 class SavedPass:
     """The pass's progress in the run's checkpoint (:class:`~nmprune.reconstruct.FitProgress`):
-    rank 0 saves it every :data:`SAVE_SECONDS` of training, between two rounds (every rank
-    holds the same weights and optimiser state); a resumed run's ranks take it from rank 0.
-    A saved state is taken up only by a pass of the same ``key`` (its settings and windows);
-    another starts afresh."""
+    saved every :data:`SAVE_SECONDS` of training (by rank 0's clock), between two rounds. Every
+    rank holds the same weights and optimiser state: rank 0 saves them, and a resumed run's
+    ranks take them from rank 0. ``sharded`` over the ranks
+    (:mod:`~nmprune.stages.sharded_pass`), each rank holds its rows: each writes its part
+    into rank 0's checkpoint folder (:func:`~nmprune.checkpoint.pass_part_name`; the ranks
+    share a file system, as for the streamed shards), and rank 0 records every part in one
+    manifest write (:meth:`~nmprune.checkpoint.Checkpoint.save_pass_parts`); a resumed run on
+    as many ranks takes each rank's part up again. A saved state is taken up only by a pass
+    of the same ``key`` (its settings and windows) on as many ranks; another starts afresh."""
 
-    def __init__(self, checkpoint: Any, key: str, executor: Any):
-        self.checkpoint, self.key, self.executor = checkpoint, key, executor
+    def __init__(self, checkpoint: Any, key: str, executor: Any, sharded: bool = False):
+        self.checkpoint, self.key, self.executor, self.sharded = checkpoint, key, executor, sharded
         self.last = time.monotonic()
         self.resumed_from: int | None = None
+        # where every rank writes its part: rank 0's checkpoint folder (None: no checkpoint)
+        self.folder = executor.broadcast_object(None if checkpoint is None else str(checkpoint.directory)) \
+            if sharded else None
+
+    def _resume_parts(self, like: dict[str, Tensor]) -> FitState | None:
+        """:meth:`resume` of a sharded pass: each rank's part of the saved turn, if every rank
+        finds its own (the files rank 0's checkpoint listed and checked when it was opened)."""
+        from ..checkpoint import pass_part_name
+
+        state = self.checkpoint.get("distillation") if self.checkpoint is not None else None
+        fits = state is not None and state.get("key") == self.key and state.get("ranks") == self.executor.world
+        state = self.executor.broadcast_object(state if fits else None)
+        if state is None or self.folder is None:
+            return None
+        path = Path(self.folder) / pass_part_name(state["turn"], self.executor.rank)
+        tensors = load_file(str(path)) if path.is_file() else {}
+        whole = set(tensors) == set(like) and all(tensors[k].shape == like[k].shape for k in like)
+        if not all(self.executor.per_rank(whole)):
+            return None
+        self.resumed_from = state["steps"]
+        return FitState(state["epoch"], state["round"], state["epoch_steps"], state["steps"], state["epoch_mse"],
+                        {k: v.to(like[k].device) for k, v in tensors.items()})
 
     def resume(self, like: dict[str, Tensor]) -> FitState | None:
+        if self.sharded:
+            return self._resume_parts(like)
         saved = self.checkpoint.saved_pass() if self.checkpoint is not None else None
         state = saved[1] if saved is not None and saved[1].get("key") == self.key else None
         state = self.executor.broadcast_object(state)
@@ -142,12 +173,23 @@ class SavedPass:
                         tensors)
 
     def due(self) -> bool:
-        return self.checkpoint is not None and time.monotonic() - self.last >= SAVE_SECONDS
+        due = self.checkpoint is not None and time.monotonic() - self.last >= SAVE_SECONDS
+        # sharded, every rank saves its part at once
+        return self.executor.broadcast_object(due) if self.sharded and self.folder is not None else due
 
     def save(self, state: FitState) -> None:
-        self.checkpoint.save_pass(state.tensors, {"key": self.key, "epoch": state.epoch, "round": state.round,
-                                                  "epoch_steps": state.epoch_steps, "steps": state.steps,
-                                                  "epoch_mse": state.epoch_mse})
+        record = {"key": self.key, "epoch": state.epoch, "round": state.round, "epoch_steps": state.epoch_steps,
+                  "steps": state.steps, "epoch_mse": state.epoch_mse}
+        if self.sharded:
+            from ..checkpoint import pass_part_name, write_tensors
+
+            turn = self.executor.broadcast_object(self.checkpoint.next_pass_turn() if self.checkpoint else None)
+            name = pass_part_name(turn, self.executor.rank)
+            parts = self.executor.per_rank((name, write_tensors(Path(self.folder) / name, state.tensors)))
+            if self.checkpoint is not None:
+                self.checkpoint.save_pass_parts(dict(parts), {**record, "turn": turn, "ranks": self.executor.world})
+        else:
+            self.checkpoint.save_pass(state.tensors, record)
         self.last = time.monotonic()
 
 
