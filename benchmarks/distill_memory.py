@@ -113,6 +113,10 @@ def measure(base: str, row: dict[str, Any]) -> dict[str, Any]:
 
     before = _status("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")
+    if row["ranks"] > 1:
+        from nmprune.stages.sharded_pass import sharded_options
+
+        options = sharded_options(options, row["ranks"])
     with _training_model(pruned, row["ranks"]) as model:
         weights = [model.get_submodule(n).weight for n in names]
         record = distillation.distill(model, weights, [batches[g] for g in positions], [teachers[g] for g in positions],

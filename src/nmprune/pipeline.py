@@ -40,6 +40,7 @@ from .distill import DISTILL_TOPK, TeacherTopK, teacher_topk
 from .stages.distillation import PassMemory, SavedPass, distill, teacher
 from .reconstruct import local_part, shard_of, training_dtype
 from .stages.reconstruction import ReconstructingStatistics, held_out_batches
+from .stages.sharded_pass import sharded_options
 from .stages.sink import BlockSink, ModelSink
 from .stages.source import BlockSource, ModelBlocks
 from .stages.block_runner import BlockInputs
@@ -456,11 +457,13 @@ def _train_whole(model: nn.Module, source: BlockSource, plans: dict[str, LayerPl
         held |= {total + g for g in held_out_batches(own.total)}
         total += own.total
     weights = _pruned_weights(model, source, plans)
+    shard = shard_of(weights[0]) if weights else None
     options = settings.distill_options(epochs)
+    if shard is not None:
+        options = sharded_options(options, shard[1])
     key = json.dumps({"options": asdict(options), "total": total, "held": sorted(held),
                       "kept": [int(torch.count_nonzero(local_part(w))) for w in weights]})
-    saved = SavedPass(checkpoint if executor.is_main else None, key, executor,
-                      sharded=bool(weights) and shard_of(weights[0]) is not None)
+    saved = SavedPass(checkpoint if executor.is_main else None, key, executor, sharded=shard is not None)
     record = distill(model, weights, batches, teachers, positions, total, held, options, executor.all_reduce,
                      executor.device, progress, scratch, checkpointed, saved)
     return {**record, "resumed_from_step": saved.resumed_from}

@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
@@ -30,9 +31,18 @@ from torch.distributed.tensor import distribute_tensor
 
 from ..memory import release_memory
 from ..models import find_blocks
-from ..reconstruct import local_part
+from ..reconstruct import FitOptions, local_part
 from .sink import BlockSink
 from .source import BlockSource
+
+
+def sharded_options(options: FitOptions, ranks: int) -> FitOptions:
+    """How the pass trains sharded over ``ranks``: every round takes one window from each
+    rank for one step of their summed gradient (:func:`~nmprune.reconstruct.fit_masked`),
+    so a step learns from ``ranks`` times the windows and an epoch has ``ranks`` times fewer
+    steps; the learning rate grows by ``sqrt(ranks)``, the square-root rule for Adam on a
+    batch ``ranks`` times larger (Malladi et al., arXiv 2205.10287; docs/distributed.md)."""
+    return replace(options, lr=options.lr * ranks ** 0.5)
 
 
 def _empty_copy(model: nn.Module) -> nn.Module:
