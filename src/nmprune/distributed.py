@@ -43,6 +43,7 @@ from torch import Tensor
 from .devices import default_device
 from .reconstruct import lane_of
 from .registry import get_method, get_refiner
+from .stages.sharded_pass import sharded_whole
 from .stages.token_shares import TokenSharing
 
 T = TypeVar("T")
@@ -623,8 +624,6 @@ class DistributedExecutor:
         memory between uses where ``offloaded``
         (:func:`~nmprune.stages.sharded_pass.sharded_whole`). FSDP's own collectives run in
         the body: a rank lost meanwhile ends it as :class:`PeerLost`."""
-        from .stages.sharded_pass import sharded_whole
-
         self.ranks.check("the global distillation")
         with _peer_lost("the global distillation"), \
                 sharded_whole(source, sink, self.device, dtype, offloaded) as model:

@@ -33,6 +33,7 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from ..checkpoint import pass_part_name, write_tensors
 from ..checks import NonFiniteModel
 from ..devices import products_in
 from ..distill import TeacherTopK, teacher_topk, topk_kl
@@ -141,8 +142,6 @@ class SavedPass:
     def _resume_parts(self, like: dict[str, Tensor]) -> FitState | None:
         """:meth:`resume` of a sharded pass: each rank's part of the saved turn, if every rank
         finds its own (the files rank 0's checkpoint listed and checked when it was opened)."""
-        from ..checkpoint import pass_part_name
-
         state = self.checkpoint.get("distillation") if self.checkpoint is not None else None
         fits = state is not None and state.get("key") == self.key and state.get("ranks") == self.executor.world
         state = self.executor.broadcast_object(state if fits else None)
@@ -181,8 +180,6 @@ class SavedPass:
         record = {"key": self.key, "epoch": state.epoch, "round": state.round, "epoch_steps": state.epoch_steps,
                   "steps": state.steps, "epoch_mse": state.epoch_mse}
         if self.sharded:
-            from ..checkpoint import pass_part_name, write_tensors
-
             turn = self.executor.broadcast_object(self.checkpoint.next_pass_turn() if self.checkpoint else None)
             name = pass_part_name(turn, self.executor.rank)
             parts = self.executor.per_rank((name, write_tensors(Path(self.folder) / name, state.tensors)))
