@@ -448,6 +448,7 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
     from .data import calibration_batch
     from .identity import model_digest
     from .memory import release_memory
+    from .stages.distillation import PassMemory
     from .streaming.fit import ranks_offload
 
     ranks = distributed.job_ranks(config.device)
@@ -460,7 +461,7 @@ def run(config: RunConfig, *, progress: bool = True, on_block_done=None) -> dict
         digest = model_digest(resolved)
         offload = ranks_offload(config.offload, ranks.world, resolved)
         shortfall, memory = (_distill_fit(config, ranks.world, resolved, model_config)
-                             if config.prune.distill_passes() else (None, None))
+                             if config.prune.distill_passes() else (None, PassMemory()))
     # every rank the same job, before any of them loads
     ranks.agree({"settings": config.identity(), "model files": digest})
     timings: dict[str, float] = {}
@@ -538,7 +539,7 @@ def _prune_and_save(config: RunConfig, loaded: LoadedRun, role: RunRole, calibra
                                    distill_calibration=calibration[1], device=ranks.device,
                                    checkpoint=role.checkpoint, progress=progress, on_block_done=on_block_done,
                                    source=model, sink=sink, scratch=ckpt_dir,
-                                   **({"distill_memory": loaded.distill_memory} if loaded.distill_memory else {}))
+                                   distill_memory=loaded.distill_memory)
         pruned_model = role.pruned_model(sink, loaded)
     except BaseException:
         sink.abandon()
