@@ -327,6 +327,13 @@ def distill_bytes(*args: Any, **kwargs: Any) -> int:
     return sum(distill_parts(*args, **kwargs).values())
 
 
+def _gathered_bytes(block_params: int, bfloat16: bool) -> int:
+    """What a pass sharded over ranks holds of whole blocks of ``block_params``: two gathered
+    in the training dtype (the one computing and the next, which FSDP fetches ahead) and one
+    block's float32 gradient before its reduce-scatter."""
+    return block_params * (2 * (2 if bfloat16 else 4) + 4)
+
+
 def distill_parts(params: int, pruned: int, kept: float, itemsize: int, lean: bool, checkpointed: bool, blocks: int,
                   batch_tokens: int, hidden_size: int, intermediate: int, vocab: int, positions: int = 0,
                   attention: int = 0, ranks: int = 1, block_params: int = 0) -> dict[str, int]:
@@ -355,8 +362,7 @@ def distill_parts(params: int, pruned: int, kept: float, itemsize: int, lean: bo
     from ..distill import DISTILL_TOPK
 
     if ranks > 1:
-        gathered = block_params * (2 * (2 if lean else 4) + 4)
-        weights, lean = 4 * params // ranks + gathered, False
+        weights, lean = 4 * params // ranks + _gathered_bytes(block_params, lean), False
         pruned = pruned / ranks
     else:
         weights = pruned * 2 + (params - pruned) * itemsize if lean else 4 * params
@@ -408,7 +414,7 @@ def distillation_needs(run: RunShape, epochs: int, windows: int, checkpointed: b
     host = 0
     if offloaded:
         state = PASS_PARTS[0]
-        gathered = max(run.block_params) * (2 * (2 if run.trains_in_bfloat16 else 4) + 4)
+        gathered = _gathered_bytes(max(run.block_params), run.trains_in_bfloat16)
         host, parts = parts[state] - gathered, {**parts, state: gathered}
         steps = epochs * -(-(run_batches + own_batches - held) // run.ranks)
         seconds += steps * (12 * run.params / run.ranks / OFFLOAD_BYTES_PER_SECOND
