@@ -165,7 +165,7 @@ def test_distillation_holds_the_masks_and_brings_the_model_closer_to_the_dense_o
 def test_a_distillation_that_made_the_model_worse_gets_the_weights_from_before_back(monkeypatch):
     import nmprune.stages.distillation as stage
 
-    def worsen(run, targets, weights, *args, **kwargs) -> FitResult:
+    def worsen(data, weights, *args, **kwargs) -> FitResult:
         with torch.no_grad():
             for w in weights:
                 w.mul_(torch.where(w != 0, 3.0, 0.0))
@@ -399,7 +399,7 @@ def _fit_kl(lean: bool):
     weights narrowed (the lean pass), or float32 under autocast (the pass before it was lean)."""
     from contextlib import nullcontext
 
-    from nmprune.reconstruct import FitOptions, KeptEntries, fit_masked, narrowed
+    from nmprune.reconstruct import FitData, FitOptions, KeptEntries, fit_masked, narrowed
     from nmprune.stages.reconstruction import float32_training
 
     model = tiny_model("llama", layers=2)
@@ -412,8 +412,8 @@ def _fit_kl(lean: bool):
         teachers = [teacher_topk(tiny_model("llama", layers=2, seed=5)(b).logits, 8) for b in batches]
     where = [KeptEntries(w) for w in weights]
     with float32_training(model, widen=not lean), narrowed(weights, where, torch.bfloat16) if lean else nullcontext():
-        result = fit_masked(lambda i: model(batches[i], use_cache=False).logits, teachers, weights, range(8), 8,
-                            FitOptions(2, 1e-2, 1, precision="bfloat16"), entries=where, loss=topk_kl)
+        result = fit_masked(FitData(lambda i: model(batches[i], use_cache=False).logits, teachers, range(8), 8,
+                                    loss=topk_kl), weights, FitOptions(2, 1e-2, 1, precision="bfloat16"), entries=where)
     return model, result
 
 
@@ -454,7 +454,7 @@ class _Saves:
 def test_a_fit_resumed_from_any_saved_round_takes_the_uninterrupted_fits_steps(lanes, narrow):
     from contextlib import nullcontext
 
-    from nmprune.reconstruct import FitOptions, KeptEntries, fit_masked, narrowed
+    from nmprune.reconstruct import FitData, FitOptions, KeptEntries, fit_masked, narrowed
 
     def fit(progress):
         torch.manual_seed(0)
@@ -463,7 +463,7 @@ def test_a_fit_resumed_from_any_saved_round_takes_the_uninterrupted_fits_steps(l
         targets = [torch.randn(4, 8) for _ in range(6)]
         where = [KeptEntries(w) for w in weights]
         with narrowed(weights, where, torch.bfloat16) if narrow else nullcontext():
-            result = fit_masked(lambda j: x[j] @ (weights[0] + weights[1]).t(), targets, weights, range(6), 6,
+            result = fit_masked(FitData(lambda j: x[j] @ (weights[0] + weights[1]).t(), targets, range(6), 6), weights,
                                 FitOptions(3, 1e-2, 1, lanes=lanes, precision="bfloat16" if narrow else "full"),
                                 entries=where, progress=progress)
         return weights, result

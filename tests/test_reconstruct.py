@@ -16,8 +16,8 @@ from nmprune.checkpoint import Checkpoint
 from nmprune.config import PruneSettings
 from nmprune.models import find_blocks, find_linears, weight_matrix
 from nmprune.pipeline import prune_model
-from nmprune.reconstruct import (BF16_MIN_WIDTH, FitOptions, KeptEntries, ReconstructionDiverged, epoch_steps,
-                                 fit_masked, lane_of, training_dtype)
+from nmprune.reconstruct import (BF16_MIN_WIDTH, FitData, FitOptions, FitSharing, KeptEntries, ReconstructionDiverged,
+                                 epoch_steps, fit_masked, lane_of, training_dtype)
 
 # distill_epochs 0: these tests judge the blocks' reconstruction, without the global pass after it
 FIT = dict(reconstruct_batch_size=2, reconstruct_epochs=3, reconstruct_lr=5e-2, distill_epochs=0)
@@ -46,7 +46,7 @@ def test_fit_masked_approaches_the_masked_least_squares_optimum_and_keeps_zeros(
     mask = w != 0
     start = sum(float((x @ w.T - t).square().sum()) for x, t in zip(xs, targets)) / sum(t.numel() for t in targets)
     best = _masked_optimum(mask, torch.cat(xs), torch.cat(targets))
-    result = fit_masked(lambda j: xs[j] @ w.T, targets, [w], list(range(n)), n,
+    result = fit_masked(FitData(lambda j: xs[j] @ w.T, targets, list(range(n)), n), [w],
                         FitOptions(epochs=300, lr=3e-2, batches_per_step=2))
     assert torch.equal(w != 0, mask)  # zeros stayed exactly zero, nothing else became zero
     final = sum(float((x @ w.T - t).square().sum()) for x, t in zip(xs, targets)) / sum(t.numel() for t in targets)
@@ -65,7 +65,7 @@ def test_fit_masked_takes_the_same_steps_however_the_batches_are_split():
     start = torch.randn(4, 8, dtype=torch.float64)
     options = FitOptions(epochs=3, lr=1e-2, batches_per_step=4, seed=3)
     one = start.clone()
-    fit_masked(lambda j: xs[j] @ one.T, targets, [one], range(6), 6, options)
+    fit_masked(FitData(lambda j: xs[j] @ one.T, targets, range(6), 6), [one], options)
 
     # Process 0 holds batches 0-2; its all_reduce adds what process 1 (batches 3-5, the same
     # weights: every process takes the same steps) would send for the same step.
@@ -90,8 +90,8 @@ def test_fit_masked_takes_the_same_steps_however_the_batches_are_split():
     for _ in range(options.epochs):
         order = torch.randperm(6, generator=gen).tolist()
         partial += [order[s * 4:(s + 1) * 4] for s in range(math.ceil(6 / 4))]
-    fit_masked(lambda j: xs[j] @ halves[0].T, [targets[j] for j in own[0]], [halves[0]],
-               own[0], 6, options, all_reduce)
+    fit_masked(FitData(lambda j: xs[j] @ halves[0].T, [targets[j] for j in own[0]], own[0], 6), [halves[0]],
+               options, FitSharing(all_reduce))
     assert torch.allclose(halves[0], one, rtol=1e-8, atol=1e-8)  # summation order only (Adam amplifies it)
 
 
@@ -133,7 +133,7 @@ def test_fit_masked_steps_as_adamw_on_the_whole_weight_with_masked_gradients(mon
     second[:, ::2] = 0
     options = FitOptions(epochs=3, lr=5e-2, batches_per_step=2, seed=4)
     ours = [first.clone(), second.clone()]
-    fit_masked(lambda j: torch.tanh(xs[j] @ ours[0].T) @ ours[1].T, targets, ours, range(5), 5, options)
+    fit_masked(FitData(lambda j: torch.tanh(xs[j] @ ours[0].T) @ ours[1].T, targets, range(5), 5), ours, options)
 
     ref = [first.clone().requires_grad_(True), second.clone().requires_grad_(True)]
     masks = [w.detach() != 0 for w in ref]
@@ -178,9 +178,10 @@ def test_fit_masked_lanes_step_through_gradients_taken_at_the_rounds_weights(lan
     options = FitOptions(epochs=2, lr=5e-2, batches_per_step=per_step, seed=7, lanes=lanes)
     lane = [lane_of(g, n, lanes) for g in range(n)]
     ours = [start.clone()]
-    result = fit_masked(lambda j: torch.tanh(xs[j] @ ours[0].T), targets, ours, range(n), n, options, lanes=lane)
+    result = fit_masked(FitData(lambda j: torch.tanh(xs[j] @ ours[0].T), targets, range(n), n), ours, options,
+                        FitSharing(lanes=lane))
     derived = [start.clone()]  # without a table, the lanes are options.lanes contiguous shares
-    fit_masked(lambda j: torch.tanh(xs[j] @ derived[0].T), targets, derived, range(n), n, options)
+    fit_masked(FitData(lambda j: torch.tanh(xs[j] @ derived[0].T), targets, range(n), n), derived, options)
     assert torch.equal(derived[0], ours[0])
 
     members = [[g for g in range(n) if lane[g] == k] for k in range(lanes)]
@@ -226,8 +227,8 @@ def test_one_lane_is_one_step_at_a_time():
     results = []
     for lanes in (None, [0] * 6, [lane_of(g, 6, 2) for g in range(6)]):
         w = [start.clone()]
-        fit_masked(lambda j: xs[j] @ w[0].T, targets, w, range(6), 6,
-                   FitOptions(epochs=2, lr=2e-2, batches_per_step=1), lanes=lanes)
+        fit_masked(FitData(lambda j: xs[j] @ w[0].T, targets, range(6), 6), w,
+                   FitOptions(epochs=2, lr=2e-2, batches_per_step=1), FitSharing(lanes=lanes))
         results.append(w[0])
     assert torch.equal(results[0], results[1])
     assert not torch.allclose(results[0], results[2])
@@ -245,11 +246,11 @@ def test_fit_masked_steps_are_relative_to_each_weights_scale():
     w[:, ::2] = 0
     options = FitOptions(epochs=2, lr=2e-2, batches_per_step=1)
     base = [w.clone()]
-    fit_masked(lambda j: xs[j] @ base[0].T, targets, base, range(4), 4, options)
+    fit_masked(FitData(lambda j: xs[j] @ base[0].T, targets, range(4), 4), base, options)
     assert not torch.allclose(base[0], w)
     for c in (0.2, 8.0):
         scaled = [c * w]
-        fit_masked(lambda j: (xs[j] / c) @ scaled[0].T, targets, scaled, range(4), 4, options)
+        fit_masked(FitData(lambda j: (xs[j] / c) @ scaled[0].T, targets, range(4), 4), scaled, options)
         torch.testing.assert_close(scaled[0] / c, base[0], rtol=1e-4, atol=1e-6)  # Adam's eps is absolute
 
 
@@ -267,7 +268,8 @@ def test_fit_masked_raises_on_a_diverging_learning_rate():
     t = [torch.randn(4, 3) for _ in range(4)]
     w = torch.randn(3, 8)
     with pytest.raises(ReconstructionDiverged, match="lower the learning rate"):
-        fit_masked(lambda j: (x[j] @ w.T) ** 8, t, [w], range(4), 4, FitOptions(epochs=50, lr=1e30, batches_per_step=1))
+        fit_masked(FitData(lambda j: (x[j] @ w.T) ** 8, t, range(4), 4), [w],
+                   FitOptions(epochs=50, lr=1e30, batches_per_step=1))
 
 
 def _pruned_layers(model) -> dict[str, torch.Tensor]:
@@ -332,7 +334,7 @@ def test_a_block_that_training_made_worse_gets_its_solved_weights_back(monkeypat
 
     folder = {"memory": None, "folder": tmp_path, "missing folder": tmp_path / "absent"}[scratch]
 
-    def worsen(run, targets, weights, *args, **kwargs) -> FitResult:
+    def worsen(data, weights, *args, **kwargs) -> FitResult:
         with torch.no_grad():
             for w in weights:
                 w.mul_(3.0)  # the zeros stay zeros; the kept weights are far off
@@ -502,7 +504,7 @@ def test_fit_masked_in_bfloat16_computes_under_autocast_and_keeps_float32_weight
             seen.append(out.dtype)
             return out
 
-        results[precision] = fit_masked(run, targets, [w], list(range(n)), n,
+        results[precision] = fit_masked(FitData(run, targets, list(range(n)), n), [w],
                                         FitOptions(epochs=100, lr=3e-2, batches_per_step=2, precision=precision))
         weights[precision] = w
     assert set(seen[:len(seen) // 2]) == {torch.float32} and set(seen[len(seen) // 2:]) == {torch.bfloat16}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -80,9 +81,9 @@ def test_training_never_sees_the_held_out_batches(monkeypatch):
     seen = []
     fit = stage.fit_masked
 
-    def watch(run, targets, weights, positions, total, *args, **kwargs):
-        seen.append((list(positions), total, len(targets)))
-        return fit(run, targets, weights, positions, total, *args, **kwargs)
+    def watch(data, *args, **kwargs):
+        seen.append((list(data.positions), data.total, len(data.targets)))
+        return fit(data, *args, **kwargs)
 
     monkeypatch.setattr(stage, "fit_masked", watch)
     model = tiny_model("llama", layers=2)
@@ -100,8 +101,8 @@ def test_targets_of_the_wrong_sign_trip_the_held_out_guard(monkeypatch):
     fit = stage.fit_masked
     losses = []
 
-    def wrong_sign(run, targets, *args, **kwargs):
-        result = fit(run, [-t for t in targets], *args, **kwargs)
+    def wrong_sign(data, *args, **kwargs):
+        result = fit(replace(data, targets=[-t for t in data.targets]), *args, **kwargs)
         losses.append((result.first_epoch_mse, result.last_epoch_mse))
         return result
 
@@ -157,7 +158,7 @@ def test_a_fault_that_every_block_guard_misses_stops_the_run_at_the_end_to_end_c
     naming both numbers."""
     from nmprune.reconstruct import FitResult
 
-    def worsen(run, targets, weights, *args, **kwargs) -> FitResult:
+    def worsen(data, weights, *args, **kwargs) -> FitResult:
         with torch.no_grad():
             for w in weights:
                 w.mul_(3.0)

@@ -446,35 +446,251 @@ def _not_finite(loss: float, epoch: int, step: int, steps_taken: int, targets: S
     return f"the reconstruction loss became {loss} {where}; lower the learning rate (now {lr:g})", False
 
 
-def fit_masked(run: Callable[[int], Tensor], targets: Sequence[Tensor], weights: Sequence[Tensor],
-               positions: Sequence[int], total: int, options: FitOptions,
-               all_reduce: Callable[[Sequence[Tensor]], None] = _no_reduce,
-               on_step: Callable[[], None] | None = None,
-               entries: Sequence[KeptEntries] | None = None,
-               channel_weight: Tensor | None = None,
-               lanes: Sequence[int] | None = None,
-               loss: Callable[[Tensor, Any], tuple[Tensor, int]] | None = None,
-               progress: FitProgress | None = None) -> FitResult:
-    """Lower ``sum_b ||(run(b) - targets[b]) * sqrt(channel_weight)||^2 / count`` over the
-    nonzero entries of ``weights``.
+@dataclass(frozen=True)
+class FitData:
+    """What :func:`fit_masked` fits on this process: ``run(j)`` computes the submodel's output
+    on this process's calibration batch ``j`` (with autograd on the trained weights), and
+    ``targets[j]`` is the dense output it should match; ``positions[j]`` is batch ``j``'s index
+    among the ``total`` batches of all processes. The loss is the squared error with each
+    output channel's (the last dimension) weighed by ``channel_weight`` (default all 1;
+    :func:`channel_weights`), or ``loss(out, target)`` where given: a batch's summed loss
+    (differentiable) and the count it is a sum over (``targets`` may then hold anything it
+    reads)."""
 
-    ``run(j)`` computes the submodel's output on this process's calibration batch ``j``
-    (with autograd on ``weights``); ``targets[j]`` is the dense output it should match.
-    ``positions[j]`` is batch ``j``'s index among the ``total`` batches of all processes.
-    ``lanes`` gives each of the ``total`` batches its lane (default: :func:`lane_of` with
-    ``options.lanes``, contiguous shares of the ``total`` batches): every
-    process draws the same order of each lane's batches per epoch, and in each round every
-    lane's next ``batches_per_step`` batches make one step whose gradient is computed at the
-    round's weights (by whichever processes hold them); the round's steps are then taken in
-    lane order (module docstring). With one lane that is one step at a time. ``weights``
-    (leaf tensors, float32 or wider) are trained in place with ``torch.optim.AdamW`` (no
+    run: Callable[[int], Tensor]
+    targets: Sequence[Any]
+    positions: Sequence[int]
+    total: int
+    channel_weight: Tensor | None = None
+    loss: Callable[[Tensor, Any], tuple[Tensor, int]] | None = None
+
+
+@dataclass(frozen=True)
+class FitSharing:
+    """How :func:`fit_masked` shares its work: ``all_reduce`` sums tensors over the processes
+    in place (default: one process, whose sums are the totals), and ``lanes`` gives each of
+    the ``total`` batches its lane (default: :func:`lane_of` with ``FitOptions.lanes``,
+    contiguous shares of the batches)."""
+
+    all_reduce: Callable[[Sequence[Tensor]], None] = _no_reduce
+    lanes: Sequence[int] | None = None
+
+
+class _MaskedFit:
+    """One call of :func:`fit_masked`: the optimiser on the weights' kept entries, the rounds
+    of an epoch (which batches of which lane each takes), the hooks that move every weight's
+    gradient into its compact one, and the loop over rounds and steps."""
+
+    def __init__(self, data: FitData, weights: Sequence[Tensor], options: FitOptions, sharing: FitSharing,
+                 entries: Sequence[KeptEntries] | None):
+        self.data, self.weights, self.options, self.all_reduce = data, weights, options, sharing.all_reduce
+        self.shard = shard_of(weights[0]) if weights else None
+        self.entries = list(entries) if entries is not None else [KeptEntries(local_part(w)) for w in weights]
+        parts = [local_part(w) for w in weights]
+        self.device = compute_device(weights[0])  # of the errors and the collectives
+        self.optimiser = CompactAdamW(parts, self.entries,
+                                      scales=kept_scales(parts, self.entries, self.all_reduce, self.device)
+                                      if self.shard is not None else None)
+        self.local = {int(g): j for j, g in enumerate(data.positions)}
+        self.per_step = options.batches_per_step
+        self.lane, self.members, self.rounds, self.all_steps = self._schedule(sharing.lanes)
+        # each lane's gradient of a round, for the lanes this process holds batches of (one lane:
+        # the optimiser's own buffer, filled and stepped at once)
+        grads = self.optimiser.grads
+        self.slots = {k: grads if len(self.members) == 1 else [torch.zeros_like(g) for g in grads]
+                      for k in sorted({self.lane[g] for g in self.local})}
+        self.into = grads  # where the hooks move the gradients
+        self.low = training_dtype(options.precision, weights)
+
+    def _schedule(self, lanes: Sequence[int] | None) -> tuple[list[int], list[list[int]], int, int]:
+        """Each batch's lane, each lane's batches, the rounds of an epoch and the steps of the
+        fit. One process or lanes: every lane's next ``batches_per_step`` batches make a step
+        of a round. Sharded over processes: this process's batches are its one lane, and every
+        round makes one step of all processes' batches (the rounds of the process with most)."""
+        per_step, total = self.per_step, self.data.total
+        if self.shard is None:
+            lane = list(lanes) if lanes is not None else [lane_of(g, total, self.options.lanes) for g in range(total)]
+            members: list[list[int]] = [[] for _ in range(max(lane, default=0) + 1)]
+            for g, k in enumerate(lane):
+                members[k].append(g)
+            rounds = max(-(-len(m) // per_step) for m in members)
+            return lane, members, rounds, self.options.epochs * epoch_steps(lane, per_step)
+        if not self.data.positions:
+            raise ValueError("training sharded over processes needs at least one batch on each")
+        rounds = -(-most_over_processes(len(self.data.positions), self.shard, self.all_reduce, self.device)
+                   // per_step)
+        return [0] * total, [sorted(self.local)], rounds, self.options.epochs * rounds
+
+    @contextmanager
+    def compact_gradients(self) -> Iterator[None]:
+        """Inside, the weights take gradients, and each weight's moves into its compact
+        gradient (in :attr:`into`) as soon as backpropagation has passed its layer, the dense
+        one then freed; afterwards the weights hold no gradient and want one as before."""
+        flags = [w.requires_grad for w in self.weights]
+
+        def compact(i: int, where: KeptEntries) -> Callable[[Tensor], None]:
+            def hook(w: Tensor) -> None:
+                where.gather(local_part(w.grad), into=self.into[i])
+                w.grad = None
+            return hook
+
+        handles = []
+        for i, (w, where) in enumerate(zip(self.weights, self.entries)):
+            w.requires_grad_(True)
+            w.grad = None
+            handles.append(w.register_post_accumulate_grad_hook(compact(i, where)))
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+            for w, flag in zip(self.weights, flags):
+                w.grad = None
+                w.requires_grad_(flag)
+
+    def _resume(self, progress: FitProgress | None, on_step: Callable[[], None] | None) -> FitState | None:
+        """The state ``progress`` holds, taken up by the optimiser (``on_step`` called once per
+        step it took); None to start afresh."""
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # error, count over the epoch
+        resumed = progress.resume({**self.optimiser.state(), "sums": sums.cpu()}) if progress is not None else None
+        if resumed is not None:
+            self.optimiser.load(resumed.tensors, resumed.steps)
+            for _ in range(resumed.steps if on_step is not None else 0):
+                on_step()
+        return resumed
+
+    def train(self, on_step: Callable[[], None] | None, progress: FitProgress | None) -> list[float]:
+        """Every epoch's rounds, in an order drawn afresh each epoch from ``options.seed``
+        (resumed from ``progress`` where it holds a state, and saved there between two rounds
+        where it is due). Returns the mean error of each epoch."""
+        generator = torch.Generator().manual_seed(self.options.seed)
+        resumed = self._resume(progress, on_step)
+        epoch_mse: list[float] = list(resumed.epoch_mse) if resumed is not None else []
+        per_step = self.per_step
+        for epoch in range(self.options.epochs):
+            # every epoch's order is drawn, so that the generator is where it was at the epoch resumed
+            orders = [[m[i] for i in torch.randperm(len(m), generator=generator).tolist()] for m in self.members]
+            if epoch < len(epoch_mse):
+                continue
+            first = resumed.round if resumed is not None and epoch == resumed.epoch else 0
+            sums = resumed.tensors["sums"].to(self.device) if first else \
+                torch.zeros(2, dtype=torch.float64, device=self.device)
+            step = resumed.epoch_steps if first else 0
+            for r in range(first, self.rounds):
+                if progress is not None and r > first and progress.due():
+                    progress.save(FitState(epoch, r, step, self.optimiser.steps, epoch_mse,
+                                           {**self.optimiser.state(), "sums": sums.cpu()}))
+                groups = [order[r * per_step:(r + 1) * per_step] for order in orders]
+                step = self._round(groups, epoch, step, sums, on_step)
+            epoch_mse.append(float(sums[0] / sums[1]) if sums[1] > 0 else 0.0)
+        return epoch_mse
+
+    def _round(self, groups: Sequence[Sequence[int]], epoch: int, step: int, sums: Tensor,
+               on_step: Callable[[], None] | None) -> int:
+        """One round: the gradient of each lane's ``groups[k]`` (its batches of the round) at
+        the round's weights, by the processes holding them; then each lane's step, in lane
+        order, its error added to ``sums``. Returns the epoch's steps taken after it."""
+        sharded = self.shard is not None
+        errors = {k: self._gradient(group, self.slots[k]) for k, group in enumerate(groups)
+                  if (group or sharded) and k in self.slots}
+        for k, group in enumerate(groups):
+            if not group and not sharded:
+                continue
+            error = errors.get(k, torch.zeros(2, dtype=torch.float64, device=self.device))
+            self._take_lane_gradient(k)
+            # sharded, FSDP's backward pass has averaged the gradients over the processes
+            self.all_reduce([*self.optimiser.summed, error] if not sharded else [error])
+            self._check_finite(error, epoch, step)
+            self._step(error)
+            sums += error
+            step += 1
+            if on_step is not None:
+                on_step()
+        return step
+
+    def _take_lane_gradient(self, k: int) -> None:
+        """Put lane ``k``'s gradient of the round in the optimiser's (zero where none of the
+        step's batches are on this process: it adds nothing to the sum over processes)."""
+        if k not in self.slots:
+            for grad in self.optimiser.grads:
+                grad.zero_()
+        elif self.slots[k] is not self.optimiser.grads:
+            for grad, held in zip(self.optimiser.grads, self.slots[k]):
+                grad.copy_(held)
+
+    def _check_finite(self, error: Tensor, epoch: int, step: int) -> None:
+        """Stop where a step's summed loss is not finite: :class:`~nmprune.checks.NonFiniteModel`
+        where the model is to blame, :class:`ReconstructionDiverged` where training is
+        (:func:`_not_finite`)."""
+        if not math.isfinite(float(error[0])):
+            why, broken = _not_finite(float(error[0]), epoch, step, self.optimiser.steps, self.data.targets,
+                                      self.options.lr, self.all_reduce)
+            raise (NonFiniteModel if broken else ReconstructionDiverged)(why)
+
+    def _step(self, error: Tensor) -> None:
+        """The optimiser's step on the summed gradient, as a mean over the step's count (sharded:
+        FSDP's average over the processes made a sum again), at the learning rate decayed
+        linearly to zero over all steps."""
+        for grad in self.optimiser.grads:
+            grad.div_(max(float(error[1]), 1.0) / (self.shard[1] if self.shard is not None else 1))
+        self.optimiser.step(self.options.lr * (1.0 - self.optimiser.steps / self.all_steps))
+
+    def _padded(self, group: Sequence[int]) -> list[int | None]:
+        """The batches of ``group`` that this process runs: sharded, every process runs as many
+        (None: its first batch again, weighted 0, where it has fewer), since FSDP's collectives
+        in the forward and backward passes must pair up."""
+        padding = [None] * (self.per_step - len(group)) if self.shard is not None else []
+        return [*group, *padding]
+
+    def _gradient(self, group: Sequence[int], grads: list[Tensor]) -> Tensor:
+        """The summed gradients of this process's batches of ``group`` into ``grads``; their
+        summed error and count (float64)."""
+        for grad in grads:
+            grad.zero_()
+        self.into = grads
+        error = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for g in self._padded(group):
+            j = self.local.get(g) if g is not None else 0
+            if j is None:
+                continue
+            total, count = self._batch_loss(j)
+            if g is None:
+                total, count = total * 0, 0
+            total.backward()
+            error += torch.stack([total.detach().double(), torch.tensor(float(count), dtype=torch.float64,
+                                                                        device=self.device)])
+        return error
+
+    def _batch_loss(self, j: int) -> tuple[Tensor, int]:
+        """Batch ``j``'s summed loss (:class:`FitData`), its products in the training dtype, and
+        the count it is a sum over. The squared error is accumulated in float32."""
+        with products_in(self.device, self.low):
+            out = self.data.run(j)
+        if self.data.loss is not None:
+            return self.data.loss(out, self.data.targets[j])
+        diff = out.float() - self.data.targets[j].float()
+        weight = self.data.channel_weight
+        squared = diff.square() if weight is None else diff.square() * weight
+        return squared.sum(), diff.numel()
+
+
+def fit_masked(data: FitData, weights: Sequence[Tensor], options: FitOptions, sharing: FitSharing = FitSharing(),
+               on_step: Callable[[], None] | None = None, entries: Sequence[KeptEntries] | None = None,
+               progress: FitProgress | None = None) -> FitResult:
+    """Lower ``sum_b ||(run(b) - targets[b]) * sqrt(channel_weight)||^2 / count`` (or
+    ``data.loss``; :class:`FitData`) over the nonzero entries of ``weights``.
+
+    ``sharing.lanes`` gives each of the ``data.total`` batches its lane (default: contiguous
+    shares, :func:`lane_of` with ``options.lanes``): every process draws the same order of
+    each lane's batches per epoch, and in each round every lane's next ``batches_per_step``
+    batches make one step whose gradient is computed at the round's weights (by whichever
+    processes hold them); the round's steps are then taken in lane order (module docstring).
+    With one lane that is one step at a time. ``sharing.all_reduce`` sums the gradients,
+    errors and counts over processes before each step, so every process takes the same
+    steps. ``weights`` (leaf tensors, float32 or wider) are trained in place with AdamW (no
     weight decay) and a linear decay of the learning rate to zero; their zeros stay zero.
-    The errors are accumulated in float32. ``on_step()`` runs after every step (a progress
-    bar); ``entries`` are the weights' :class:`KeptEntries` when the caller holds them
-    already. ``channel_weight`` (one factor per output channel, the last dimension; default
-    all 1) weighs each channel's squared error (:func:`channel_weights`). ``loss(out, target)``,
-    when given, replaces the squared error: it returns a batch's summed loss (differentiable)
-    and the count it is a sum over, and ``targets`` may then hold anything it reads. Raises
+    ``on_step()`` runs after every step (a progress bar); ``entries`` are the weights'
+    :class:`KeptEntries` when the caller holds them already. Raises
     :class:`ReconstructionDiverged` (the weights then hold an unfinished step and must be
     discarded) when a step's loss is not finite. With ``progress``, training resumes from the
     state it holds, if any, and saves its state after each round where it is due: a resumed
@@ -493,134 +709,14 @@ def fit_masked(run: Callable[[int], Tensor], targets: Sequence[Tensor], weights:
     ``weights`` may be FSDP2-sharded parameters (:mod:`nmprune.stages.sharded_pass`): each
     process then trains its rows of them (:func:`local_part`), FSDP's backward pass averages
     the gradients over the processes, and the batches are scheduled data-parallel: each
-    process's batches (``positions``) are its own lane, and every round takes the next
+    process's batches (``data.positions``) are its own lane, and every round takes the next
     ``batches_per_step`` of each process's order for one step of their summed gradient
-    (``lanes`` and ``options.lanes`` are not read). A step thus learns from ``R`` times the
-    batches, and an epoch has ``R`` times fewer steps (docs/distributed.md).
+    (``sharing.lanes`` and ``options.lanes`` are not read). A step thus learns from ``R``
+    times the batches, and an epoch has ``R`` times fewer steps (docs/distributed.md).
     """
     started = time.perf_counter()
-    shard = shard_of(weights[0]) if weights else None
-    entries = list(entries) if entries is not None else [KeptEntries(local_part(w)) for w in weights]
-    parts = [local_part(w) for w in weights]
-    device = compute_device(weights[0])  # of the errors and the collectives
-    optimiser = CompactAdamW(parts, entries, scales=kept_scales(parts, entries, all_reduce, device)
-                             if shard is not None else None)
-    local = {int(g): j for j, g in enumerate(positions)}
-    per_step = options.batches_per_step
-    if shard is None:
-        lane = list(lanes) if lanes is not None else [lane_of(g, total, options.lanes) for g in range(total)]
-        members: list[list[int]] = [[] for _ in range(max(lane, default=0) + 1)]
-        for g, k in enumerate(lane):
-            members[k].append(g)
-        rounds = max(-(-len(m) // per_step) for m in members)
-        all_steps = options.epochs * epoch_steps(lane, per_step)
-    else:  # sharded: this process's batches are its lane, and every round makes one step of all
-        if not positions:
-            raise ValueError("training sharded over processes needs at least one batch on each")
-        lane, members = [0] * total, [sorted(local)]
-        rounds = -(-most_over_processes(len(positions), shard, all_reduce, device) // per_step)
-        all_steps = options.epochs * rounds
-    # each lane's gradient of a round, for the lanes this process holds batches of (one lane:
-    # the optimiser's own buffer, filled and stepped at once)
-    slots = {k: optimiser.grads if len(members) == 1 else [torch.zeros_like(g) for g in optimiser.grads]
-             for k in sorted({lane[g] for g in local})}
-    into = [optimiser.grads]  # where the hooks move the gradients
-    flags = [w.requires_grad for w in weights]
-    low = training_dtype(options.precision, weights)
-
-    def compact(i: int, where: KeptEntries) -> Callable[[Tensor], None]:
-        def hook(w: Tensor) -> None:
-            where.gather(local_part(w.grad), into=into[0][i])
-            w.grad = None
-        return hook
-
-    def gradient(group: Sequence[int], grads: list[Tensor]) -> Tensor:
-        """The summed gradients of this process's batches of ``group`` into ``grads``; their
-        squared error and count."""
-        for grad in grads:
-            grad.zero_()
-        into[0] = grads
-        error = torch.zeros(2, dtype=torch.float64, device=device)
-        # sharded, every process runs as many batches (its first again, weighted 0, where it
-        # has fewer): FSDP's collectives in the forward and backward passes must pair up
-        padding = [None] * (per_step - len(group)) if shard is not None else []
-        for g in [*group, *padding]:
-            j = local.get(g) if g is not None else 0
-            if j is None:
-                continue
-            with products_in(device, low):
-                out = run(j)
-            if loss is None:
-                diff = out.float() - targets[j].float()
-                squared = diff.square() if channel_weight is None else diff.square() * channel_weight
-                total, count = squared.sum(), diff.numel()
-            else:
-                total, count = loss(out, targets[j])
-            if g is None:
-                total, count = total * 0, 0
-            total.backward()
-            error += torch.stack([total.detach().double(), torch.tensor(float(count), dtype=torch.float64,
-                                                                        device=device)])
-        return error
-
-    handles = []
-    for i, (w, where) in enumerate(zip(weights, entries)):
-        w.requires_grad_(True)
-        w.grad = None
-        handles.append(w.register_post_accumulate_grad_hook(compact(i, where)))
-    generator = torch.Generator().manual_seed(options.seed)
-    sums = torch.zeros(2, dtype=torch.float64, device=device)  # error, count over the epoch
-    resumed = progress.resume({**optimiser.state(), "sums": sums.cpu()}) if progress is not None else None
-    if resumed is not None:
-        optimiser.load(resumed.tensors, resumed.steps)
-        for _ in range(resumed.steps if on_step is not None else 0):
-            on_step()
-    epoch_mse: list[float] = list(resumed.epoch_mse) if resumed is not None else []
-    try:
-        for epoch in range(options.epochs):
-            # every epoch's order is drawn, so that the generator is where it was at the epoch resumed
-            orders = [[m[i] for i in torch.randperm(len(m), generator=generator).tolist()] for m in members]
-            if epoch < len(epoch_mse):
-                continue
-            first = resumed.round if resumed is not None and epoch == resumed.epoch else 0
-            sums = resumed.tensors["sums"].to(device) if first else torch.zeros(2, dtype=torch.float64, device=device)
-            step = resumed.epoch_steps if first else 0
-            for r in range(first, rounds):
-                if progress is not None and r > first and progress.due():
-                    progress.save(FitState(epoch, r, step, optimiser.steps, epoch_mse,
-                                           {**optimiser.state(), "sums": sums.cpu()}))
-                groups = [order[r * per_step:(r + 1) * per_step] for order in orders]
-                errors = {k: gradient(group, slots[k]) for k, group in enumerate(groups)
-                          if (group or shard is not None) and k in slots}
-                for k, group in enumerate(groups):
-                    if not group and shard is None:
-                        continue
-                    error = errors.get(k, torch.zeros(2, dtype=torch.float64, device=device))
-                    if k not in slots:  # none of the step's batches here: add nothing
-                        for grad in optimiser.grads:
-                            grad.zero_()
-                    elif slots[k] is not optimiser.grads:
-                        for grad, held in zip(optimiser.grads, slots[k]):
-                            grad.copy_(held)
-                    # sharded, FSDP's backward pass has averaged the gradients over the processes
-                    all_reduce([*optimiser.summed, error] if shard is None else [error])
-                    if not math.isfinite(float(error[0])):
-                        why, broken = _not_finite(float(error[0]), epoch, step, optimiser.steps, targets, options.lr,
-                                                  all_reduce)
-                        raise (NonFiniteModel if broken else ReconstructionDiverged)(why)
-                    for grad in optimiser.grads:
-                        grad.div_(max(float(error[1]), 1.0) / (shard[1] if shard is not None else 1))
-                    optimiser.step(options.lr * (1.0 - optimiser.steps / all_steps))
-                    sums += error
-                    step += 1
-                    if on_step is not None:
-                        on_step()
-            epoch_mse.append(float(sums[0] / sums[1]) if sums[1] > 0 else 0.0)
-    finally:
-        for handle in handles:
-            handle.remove()
-        for w, flag in zip(weights, flags):
-            w.grad = None
-            w.requires_grad_(flag)
-    return FitResult(all_steps, epoch_mse[0], epoch_mse[-1], time.perf_counter() - started,
-                     str(low or weights[0].dtype).removeprefix("torch."))
+    fit = _MaskedFit(data, weights, options, sharing, entries)
+    with fit.compact_gradients():
+        epoch_mse = fit.train(on_step, progress)
+    return FitResult(fit.all_steps, epoch_mse[0], epoch_mse[-1], time.perf_counter() - started,
+                     str(fit.low or weights[0].dtype).removeprefix("torch."))

@@ -39,8 +39,9 @@ from ..devices import products_in
 from ..distill import TeacherTopK, teacher_topk, topk_kl
 from ..progress import bar as progress_bar
 from ..models import find_blocks
-from ..reconstruct import (FitOptions, FitProgress, FitResult, FitState, KeptEntries, ReconstructionDiverged, epoch_steps,
-                           fit_masked, local_part, most_over_processes, narrowed, shard_of, training_dtype)
+from ..reconstruct import (FitData, FitOptions, FitProgress, FitResult, FitSharing, FitState, KeptEntries,
+                           ReconstructionDiverged, epoch_steps, fit_masked, local_part, most_over_processes, narrowed,
+                           shard_of, training_dtype)
 from .needs import RunShape, StageNeeds
 from .reconstruction import Spill, float32_training, held_out_batches
 
@@ -292,10 +293,10 @@ def distill(model: nn.Module, weights: Sequence[Tensor], batches: Sequence[Tenso
                 with float32_training(model, widen=low is None), \
                         narrowed(weights, where, low) if low is not None and not sharded else nullcontext(), \
                         checkpointed(model) if checkpoint_blocks else nullcontext():
-                    result = fit_masked(lambda i: model(batches[train[i]].to(device), use_cache=False).logits,
-                                        [teachers[j].to(device) for j in train], weights,
-                                        [order[positions[j]] for j in train], len(order), options, all_reduce,
-                                        bar.update, where, loss=topk_kl, progress=saved)
+                    data = FitData(lambda i: model(batches[train[i]].to(device), use_cache=False).logits,
+                                   [teachers[j].to(device) for j in train], [order[positions[j]] for j in train],
+                                   len(order), loss=topk_kl)
+                    result = fit_masked(data, weights, options, FitSharing(all_reduce), bar.update, where, saved)
             except ReconstructionDiverged as e:  # the pass's own failing: the solved weights stand
                 diverged = f"training diverged ({e})"
             except NonFiniteModel as e:

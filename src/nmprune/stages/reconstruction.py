@@ -34,8 +34,8 @@ from torch import Tensor, nn
 from ..evaluate import perplexity_from_nll, window_kl, window_nll
 from ..checks import NonFiniteModel
 from ..progress import bar as progress_bar
-from ..reconstruct import (FitOptions, KeptEntries, ReconstructionDiverged, channel_weights, epoch_steps,
-                           fit_masked, lane_of)
+from ..reconstruct import (FitData, FitOptions, FitSharing, KeptEntries, ReconstructionDiverged, channel_weights,
+                           epoch_steps, fit_masked, lane_of)
 from .block_runner import BlockCall, BlockInputs, block_hidden, run_block
 from .needs import RunShape, StageNeeds
 from .statistics import CalibrationStatistics, InputStats
@@ -423,8 +423,8 @@ class ReconstructingStatistics:
                         run = lambda i: block_hidden(unit.module(*inputs[train[i]][0],  # noqa: E731
                                                                  **inputs[train[i]][1]))
                         targets, mine = [unit.targets[j] for j in train], [rank[self.positions[j]] for j in train]
-                    result = fit_masked(run, targets, trained, mine, len(rank), options, self.all_reduce,
-                                        bar.update, kept, channel_weights(unit.targets, self.all_reduce), lanes)
+                    data = FitData(run, targets, mine, len(rank), channel_weights(unit.targets, self.all_reduce))
+                    result = fit_masked(data, trained, options, FitSharing(self.all_reduce, lanes), bar.update, kept)
                     inputs = []  # the closure of run reads it: emptied, not deleted
                     del run, targets
                     done["steps"] += result.steps
