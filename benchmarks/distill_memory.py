@@ -119,9 +119,11 @@ def measure(base: str, row: dict[str, Any]) -> dict[str, Any]:
         options = sharded_options(options, row["ranks"])
     with _training_model(pruned, row["ranks"]) as model:
         weights = [model.get_submodule(n).weight for n in names]
-        record = distillation.distill(model, weights, [batches[g] for g in positions], [teachers[g] for g in positions],
-                                      positions, total, held_out_batches(total), options, all_reduce,
-                                      torch.device("cpu"), progress=rank == 0, **extra)
+        windows = distillation.PassWindows([batches[g] for g in positions], [teachers[g] for g in positions],
+                                           positions, total, held_out_batches(total))
+        record = distillation.distill(model, weights, windows, options,
+                                      distillation.PassRuntime(all_reduce, torch.device("cpu"), progress=rank == 0),
+                                      **extra)
     peak = _status("VmHWM")
     peaks = [(peak - before) / MIB]
     if row["ranks"] > 1:

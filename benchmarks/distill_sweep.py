@@ -65,7 +65,7 @@ def run_row(base: str, row: dict[str, Any], precision: str) -> dict[str, Any]:
     from nmprune.distill import teacher_topk
     from nmprune.job import evaluate, open_model
     from nmprune.reconstruct import FitOptions
-    from nmprune.stages.distillation import distill
+    from nmprune.stages.distillation import PassRuntime, PassWindows, distill
     from nmprune.stages.reconstruction import held_out_batches
 
     torch.manual_seed(0)
@@ -80,8 +80,9 @@ def run_row(base: str, row: dict[str, Any], precision: str) -> dict[str, Any]:
     del dense
     weights = [m.weight for i in range(len(pruned)) for m in pruned.layers(i).values()]
     options = FitOptions(row["epochs"], row["lr"], 1, 0, precision=precision)
-    record = distill(pruned.model, weights, batches, teachers, list(range(len(batches))), len(batches),
-                     held_out_batches(len(batches)), options, lambda tensors: None, torch.device("cpu"), progress=True)
+    windows = PassWindows(batches, teachers, list(range(len(batches))), len(batches), held_out_batches(len(batches)))
+    record = distill(pruned.model, weights, windows, options,
+                     PassRuntime(lambda tensors: None, torch.device("cpu"), progress=True))
     ppl = evaluate(pruned, tokenizer, list(EVAL), EVAL_SEQLEN, EVAL_TOKENS, "cpu", progress=False)
     return {"row": row, "distillation": record, "teacher_seconds": teacher_seconds, "perplexity": ppl}
 

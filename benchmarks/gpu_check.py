@@ -339,7 +339,8 @@ def distillation(device: torch.device, scale: int, settings: dict) -> list[dict]
     from nmprune.distill import DISTILL_TOPK, teacher_topk
     from nmprune.pattern import parse_pattern, topn_mask
     from nmprune.reconstruct import FitOptions, KeptEntries
-    from nmprune.stages.distillation import distill, distill_bytes, uses_eager_attention
+    from nmprune.stages.distillation import (PassBatch, PassModelSize, PassRuntime, PassWindows, distill, distill_bytes,
+                                             uses_eager_attention)
     from nmprune.stages.reconstruction import held_out_batches
 
     nsamples, seqlen, vocab = settings["nsamples"], settings["seqlen"], 128256 // scale
@@ -367,17 +368,19 @@ def distillation(device: torch.device, scale: int, settings: dict) -> list[dict]
             torch.cuda.reset_peak_memory_stats(device)
             before = torch.cuda.memory_allocated(device)
         start = time.perf_counter()
-        record = distill(model, weights, batches, teachers, list(range(nsamples)), nsamples,
-                         held_out_batches(nsamples), FitOptions(1, 1e-3, 1, precision="bfloat16"),
-                         lambda tensors: None, device, checkpoint_blocks=checkpointed)
+        record = distill(model, weights, PassWindows(batches, teachers, list(range(nsamples)), nsamples,
+                                                     held_out_batches(nsamples)),
+                         FitOptions(1, 1e-3, 1, precision="bfloat16"), PassRuntime(lambda tensors: None, device),
+                         checkpoint_blocks=checkpointed)
         _sync(device)
         seconds = time.perf_counter() - start
         peak = torch.cuda.max_memory_allocated(device) - before if device.type == "cuda" else None
         model.to("cpu")
         # the plan's peak less the model, which sat on the device before the pass began
-        planned = distill_bytes(params, pruned, kept / pruned, 2, True, checkpointed, 2, seqlen, config.hidden_size,
-                                config.intermediate_size, vocab, nsamples * seqlen,
-                                6 * config.num_attention_heads * seqlen ** 2 if eager else 0) - 2 * params
+        sizes = PassModelSize(params, pruned, kept / pruned, 2, 2, config.hidden_size, config.intermediate_size,
+                              vocab)
+        batch = PassBatch(seqlen, nsamples * seqlen, 6 * config.num_attention_heads * seqlen ** 2 if eager else 0)
+        planned = distill_bytes(sizes, batch, True, checkpointed) - 2 * params
         rows.append({"checkpointed": checkpointed, "windows": nsamples, "seqlen": seqlen, "steps": record["steps"],
                      "train_dtype": record["train_dtype"], "seconds": seconds, "peak_device_bytes": peak,
                      "planned_peak_bytes": planned, "first_epoch_kl": record["first_epoch_kl"],
@@ -399,7 +402,7 @@ def sharded_distillation(device: torch.device, scale: int, settings: dict) -> li
     from nmprune.distill import DISTILL_TOPK, teacher_topk
     from nmprune.pattern import parse_pattern, topn_mask
     from nmprune.reconstruct import FitOptions
-    from nmprune.stages.distillation import distill
+    from nmprune.stages.distillation import PassRuntime, PassWindows, distill
     from nmprune.stages.reconstruction import held_out_batches
     from nmprune.stages.sharded_pass import sharded_whole
     from nmprune.stages.sink import ModelSink
@@ -428,9 +431,10 @@ def sharded_distillation(device: torch.device, scale: int, settings: dict) -> li
             torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
         with sharded_whole(source, ModelSink(source), device, torch.bfloat16) as sharded:
-            record = distill(sharded, [sharded.get_submodule(n).weight for n in names], batches, teachers,
-                             list(range(nsamples)), nsamples, held_out_batches(nsamples),
-                             FitOptions(1, 1e-3, 1, precision="bfloat16"), lambda tensors: None, device)
+            record = distill(sharded, [sharded.get_submodule(n).weight for n in names],
+                             PassWindows(batches, teachers, list(range(nsamples)), nsamples,
+                                         held_out_batches(nsamples)),
+                             FitOptions(1, 1e-3, 1, precision="bfloat16"), PassRuntime(lambda tensors: None, device))
         _sync(device)
         seconds = time.perf_counter() - start
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None

@@ -23,7 +23,7 @@ from test_models_tiny import tiny_model, token_batch  # noqa: E402
 
 from nmprune.distill import DISTILL_TOPK  # noqa: E402
 from nmprune.reconstruct import FitOptions, local_part  # noqa: E402
-from nmprune.stages.distillation import dense_teachers, distill  # noqa: E402
+from nmprune.stages.distillation import PassRuntime, PassWindows, dense_teachers, distill  # noqa: E402
 from nmprune.stages.sharded_pass import sharded_whole  # noqa: E402
 from nmprune.stages.sink import ModelSink  # noqa: E402
 from nmprune.stages.source import ModelBlocks  # noqa: E402
@@ -67,8 +67,8 @@ def train(offloaded: bool) -> tuple[dict, dict, dict]:
     with sharded_whole(source, ModelSink(source), torch.device("cpu"), None, offloaded) as sharded:
         weights = [sharded.get_submodule(n).weight for n in names]
         rows = {n: list(local_part(w).shape) for n, w in zip(names, weights)}
-        record = distill(sharded, weights, [batches[rank][None]], [teachers[rank]], [rank], 2, frozenset(),
-                         OPTIONS, all_reduce, torch.device("cpu"))
+        record = distill(sharded, weights, PassWindows([batches[rank][None]], [teachers[rank]], [rank], 2),
+                         OPTIONS, PassRuntime(all_reduce, torch.device("cpu")))
     return {n: source.model.get_submodule(n).weight.detach() for n in names}, record, rows
 
 

@@ -226,9 +226,10 @@ def test_the_pass_also_trains_on_windows_of_its_own_with_the_dense_models_distri
         expected = [teacher_topk(dense(b).logits, 64) for b in own.split(2)]
     seen = {}
 
-    def spy(model, weights, batches, teachers, positions, total, held, *args, **kwargs):
-        seen.update(batches=batches, teachers=teachers, positions=positions, total=total, held=held)
-        return distill(model, weights, batches, teachers, positions, total, held, *args, **kwargs)
+    def spy(model, weights, windows, *args, **kwargs):
+        seen.update(batches=windows.batches, teachers=windows.teachers, positions=windows.positions,
+                    total=windows.total, held=windows.held)
+        return distill(model, weights, windows, *args, **kwargs)
 
     distill = pipeline.distill
     model = copy.deepcopy(dense)
@@ -366,7 +367,7 @@ def test_narrowing_a_weight_keeps_its_value_and_its_own_dtype(dtype):
 
 def _distilled(checkpoint_blocks: bool, precision: str):
     from nmprune.reconstruct import FitOptions
-    from nmprune.stages.distillation import distill
+    from nmprune.stages.distillation import PassRuntime, PassWindows, distill
 
     model = tiny_model("llama", layers=2)
     weights = [m.weight for b in find_blocks(model)[1] for m in find_linears(b).values()]
@@ -376,8 +377,8 @@ def _distilled(checkpoint_blocks: bool, precision: str):
     batches = list(token_batch(8, 16).split(1))
     with torch.no_grad():
         teachers = [teacher_topk(tiny_model("llama", layers=2, seed=5)(b).logits, 8) for b in batches]
-    record = distill(model, weights, batches, teachers, list(range(8)), 8, frozenset({7}),
-                     FitOptions(2, 1e-2, 1, precision=precision), lambda t: None, torch.device("cpu"),
+    record = distill(model, weights, PassWindows(batches, teachers, list(range(8)), 8, frozenset({7})),
+                     FitOptions(2, 1e-2, 1, precision=precision), PassRuntime(lambda t: None, torch.device("cpu")),
                      checkpoint_blocks=checkpoint_blocks)
     return model, record
 
@@ -482,7 +483,7 @@ def test_a_pass_on_a_single_batch_is_judged_on_it_and_kept_where_it_helped():
     """With one batch nothing can be held out: the pass was always reverted ("- -> -, kept:
     solved"); now the training batch judges it, and the record says so."""
     from nmprune.reconstruct import FitOptions
-    from nmprune.stages.distillation import distill
+    from nmprune.stages.distillation import PassRuntime, PassWindows, distill
 
     model = tiny_model("llama", layers=2)
     weights = [m.weight for b in find_blocks(model)[1] for m in find_linears(b).values()]
@@ -492,8 +493,8 @@ def test_a_pass_on_a_single_batch_is_judged_on_it_and_kept_where_it_helped():
     batch = token_batch(2, 16)
     with torch.no_grad():
         teacher = teacher_topk(tiny_model("llama", layers=2, seed=5)(batch).logits, 8)
-    record = distill(model, weights, [batch], [teacher], [0], 1, frozenset(), FitOptions(1, 1e-2, 1),
-                     lambda t: None, torch.device("cpu"))
+    record = distill(model, weights, PassWindows([batch], [teacher], [0], 1), FitOptions(1, 1e-2, 1),
+                     PassRuntime(lambda t: None, torch.device("cpu")))
     assert record["judged_on"] == "training batches" and record["heldout_batches"] == 0
     assert record["heldout_trained"] < record["heldout_before"] and record["kept"] == "distilled"
 
@@ -503,7 +504,7 @@ def test_a_pass_that_diverges_keeps_the_solved_weights_and_says_why():
     ("the reconstruction loss became nan"); now, as at 1e6, the solved weights stand and the
     record says why (issue 65 case 1)."""
     from nmprune.reconstruct import FitOptions
-    from nmprune.stages.distillation import distill
+    from nmprune.stages.distillation import PassRuntime, PassWindows, distill
 
     model = tiny_model("llama", layers=2)
     weights = [m.weight for b in find_blocks(model)[1] for m in find_linears(b).values()]
@@ -514,7 +515,7 @@ def test_a_pass_that_diverges_keeps_the_solved_weights_and_says_why():
     batches = [token_batch(2, 16, seed=s) for s in range(3)]
     with torch.no_grad():
         teachers = [teacher_topk(tiny_model("llama", layers=2, seed=5)(b).logits, 8) for b in batches]
-    record = distill(model, weights, batches, teachers, [0, 1, 2], 3, frozenset({2}), FitOptions(1, 1e300, 1),
-                     lambda t: None, torch.device("cpu"))
+    record = distill(model, weights, PassWindows(batches, teachers, [0, 1, 2], 3, frozenset({2})),
+                     FitOptions(1, 1e300, 1), PassRuntime(lambda t: None, torch.device("cpu")))
     assert record["kept"] == "solved" and "diverged" in record["diverged"]
     assert all(torch.equal(w, s) for w, s in zip(weights, solved))

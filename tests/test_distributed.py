@@ -466,16 +466,17 @@ def test_pass_sharded_over_two_ranks_takes_the_steps_of_their_batches_together(t
     from sharded_pass_worker import OPTIONS, pruned_model_and_windows, trained_names
 
     from nmprune.reconstruct import FitOptions
-    from nmprune.stages.distillation import distill
+    from nmprune.stages.distillation import PassRuntime, PassWindows, distill
     from nmprune.stages.source import ModelBlocks
 
     model, batches, teachers = pruned_model_and_windows()
     source = ModelBlocks(model)
     names = trained_names(source)
     before = {n: model.get_submodule(n).weight.detach().clone() for n in names}
-    one = distill(model, [model.get_submodule(n).weight for n in names], [b[None] for b in batches], teachers,
-                  [0, 1], 2, frozenset(), FitOptions(OPTIONS.epochs, OPTIONS.lr, 2, precision=OPTIONS.precision),
-                  lambda tensors: None, torch.device("cpu"))
+    one = distill(model, [model.get_submodule(n).weight for n in names],
+                  PassWindows([b[None] for b in batches], teachers, [0, 1], 2),
+                  FitOptions(OPTIONS.epochs, OPTIONS.lr, 2, precision=OPTIONS.precision),
+                  PassRuntime(lambda tensors: None, torch.device("cpu")))
     saved = json.loads((out / "record.json").read_text())
     two, shares = saved["record"], saved["rows"]
     assert one["kept"] == two["kept"] == "distilled" and one["steps"] == two["steps"] == OPTIONS.epochs

@@ -37,7 +37,7 @@ from .progress import bar as progress_bar
 from .progress import stage as say
 from .stages.plan import LayerPlan
 from .distill import DISTILL_TOPK, TeacherTopK, teacher_topk
-from .stages.distillation import PassMemory, SavedPass, distill, teacher
+from .stages.distillation import PassMemory, PassRuntime, PassWindows, SavedPass, distill, teacher
 from .reconstruct import local_part, shard_of, training_dtype
 from .stages.reconstruction import ReconstructingStatistics, held_out_batches
 from .stages.sharded_pass import sharded_options
@@ -464,8 +464,8 @@ def _train_whole(model: nn.Module, source: BlockSource, plans: dict[str, LayerPl
     key = json.dumps({"options": asdict(options), "total": total, "held": sorted(held),
                       "kept": [int(torch.count_nonzero(local_part(w))) for w in weights]})
     saved = SavedPass(checkpoint if executor.is_main else None, key, executor, sharded=shard is not None)
-    record = distill(model, weights, batches, teachers, positions, total, held, options, executor.all_reduce,
-                     executor.device, progress, scratch, checkpointed, saved)
+    record = distill(model, weights, PassWindows(batches, teachers, positions, total, held), options,
+                     PassRuntime(executor.all_reduce, executor.device, scratch, progress), checkpointed, saved)
     return {**record, "resumed_from_step": saved.resumed_from}
 
 

@@ -36,7 +36,7 @@ from torch.utils.checkpoint import checkpoint
 from ..checkpoint import pass_part_name, write_tensors
 from ..checks import NonFiniteModel
 from ..devices import products_in
-from ..distill import TeacherTopK, teacher_topk, topk_kl
+from ..distill import DISTILL_TOPK, TeacherTopK, teacher_topk, topk_kl
 from ..progress import bar as progress_bar
 from ..models import find_blocks
 from ..reconstruct import (FitData, FitOptions, FitProgress, FitResult, FitSharing, FitState, KeptEntries,
@@ -238,24 +238,118 @@ def mean_divergence(model: nn.Module, batches: Sequence[Tensor], teachers: Seque
     return float(sums[0] / sums[1]) if sums[1] > 0 else float("nan")
 
 
-def distill(model: nn.Module, weights: Sequence[Tensor], batches: Sequence[Tensor], teachers: Sequence[TeacherTopK],
-            positions: Sequence[int], total: int, held: frozenset[int], options: FitOptions,
-            all_reduce: Callable[[Sequence[Tensor]], None], device: torch.device, progress: bool = False,
-            scratch: str | os.PathLike | None = None, checkpoint_blocks: bool = False,
-            saved: FitProgress | None = None) -> dict[str, Any]:
-    """Train the kept entries of ``weights`` (every pruned layer of ``model``, on ``device``)
-    so that ``model``'s next-token distribution on this process's calibration ``batches``
-    (token ids; ``positions``: their indices among all processes' ``total``) approaches
-    ``teachers``'; the batches ``held`` (indices among ``total``) are not trained on, and the
-    result is kept only if it lowers the divergence on them. Returns the record: windows,
-    held-out divergence before and after (``heldout_before``, ``heldout_after``,
-    ``heldout_trained``: what training reached; on the training batches where none is held
-    out, a single batch: ``judged_on`` says which), training divergence of the first and last
-    epoch, steps, ``kept`` (``"distilled"`` or ``"solved"``), ``diverged`` (why the pass's
-    training failed: a non-finite loss or judgement, the learning rate too high; the solved
-    weights are then kept, None otherwise) and seconds. Attention is computed as
-    :func:`pass_attention` says. A model whose own weights or activations are not finite
-    (:class:`~nmprune.checks.NonFiniteModel`) is an error.
+@dataclass(frozen=True)
+class PassWindows:
+    """The windows of the pass on this process: ``batches`` (token ids) and ``teachers``,
+    their dense distribution; ``positions``, their indices among all processes' ``total``;
+    and ``held``, the indices among ``total`` held out of training to judge it."""
+
+    batches: Sequence[Tensor]
+    teachers: Sequence[TeacherTopK]
+    positions: Sequence[int]
+    total: int
+    held: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class PassRuntime:
+    """What the pass runs with: ``all_reduce`` sums tensors over the processes in place,
+    ``device`` computes, ``scratch`` is a folder where the solved weights wait while the pass
+    trains (:class:`~nmprune.stages.reconstruction.Spill`; None: in memory), and ``progress``
+    shows a bar of the steps."""
+
+    all_reduce: Callable[[Sequence[Tensor]], None]
+    device: torch.device
+    scratch: str | os.PathLike | None = None
+    progress: bool = False
+
+
+class _PassRun:
+    """One call of :func:`distill`: which of the windows train and which judge, the kept
+    entries of the trained weights, and the three steps: judge, train, restore."""
+
+    def __init__(self, model: nn.Module, weights: Sequence[Tensor], windows: PassWindows, options: FitOptions,
+                 runtime: PassRuntime):
+        self.model, self.weights, self.windows, self.options, self.runtime = model, weights, windows, options, runtime
+        held, positions = windows.held, windows.positions
+        held_local = [j for j, g in enumerate(positions) if g in held]
+        self.train = [j for j, g in enumerate(positions) if g not in held]
+        # each training window's index among all processes' training windows
+        self.order = {g: r for r, g in enumerate(g for g in range(windows.total) if g not in held)}
+        self.low = training_dtype(options.precision, weights)  # the held-out judgement computes as training does
+        # sharded over processes (:mod:`~nmprune.stages.sharded_pass`), each trains its rows
+        self.sharded = bool(weights) and shard_of(weights[0]) is not None
+        self.where = [KeptEntries(local_part(w)) for w in weights]
+        # nothing held out (a single batch, trained on): the training batches judge the pass
+        self.judge = held_local if held else self.train
+
+    def divergence(self) -> float:
+        """The mean divergence on the judging windows, over all processes (:func:`mean_divergence`)."""
+        w, rt = self.windows, self.runtime
+        return mean_divergence(self.model, w.batches, w.teachers, self.judge, rt.all_reduce, rt.device, self.low)
+
+    def fit(self, checkpoint_blocks: bool, saved: FitProgress | None) -> tuple[FitResult, str | None]:
+        """Train the weights (:func:`~nmprune.reconstruct.fit_masked`, the top-k KL divergence
+        its loss), lean where the products run in bfloat16 on one process
+        (:func:`~nmprune.reconstruct.narrowed`). Returns the result and why training failed
+        (a learning rate too high; None where it did not)."""
+        w, rt, options = self.windows, self.runtime, self.options
+        rounds = len(self.order) if not self.sharded else most_over_processes(
+            len(self.train), shard_of(self.weights[0]), rt.all_reduce, rt.device)
+        steps = options.epochs * epoch_steps([0] * rounds, options.batches_per_step)
+        bar = progress_bar(total=steps, desc="distilling the whole model", enabled=rt.progress, nested=True)
+        result, diverged = FitResult(0, math.nan, math.nan, 0.0), None
+        lean = self.low is not None and not self.sharded
+        try:
+            with float32_training(self.model, widen=self.low is None), \
+                    narrowed(self.weights, self.where, self.low) if lean else nullcontext(), \
+                    checkpointed(self.model) if checkpoint_blocks else nullcontext():
+                data = FitData(lambda i: self.model(w.batches[self.train[i]].to(rt.device), use_cache=False).logits,
+                               [w.teachers[j].to(rt.device) for j in self.train],
+                               [self.order[w.positions[j]] for j in self.train], len(self.order), loss=topk_kl)
+                result = fit_masked(data, self.weights, options, FitSharing(rt.all_reduce), bar.update, self.where,
+                                    saved)
+        except ReconstructionDiverged as e:  # the pass's own failing: the solved weights stand
+            diverged = f"training diverged ({e})"
+        except NonFiniteModel as e:
+            raise NonFiniteModel(f"global distillation: {e}") from e
+        finally:
+            bar.close()
+        return result, diverged
+
+    def restore(self, solved: Spill) -> None:
+        """Give every trained weight its kept entries from before the pass (``solved``) back."""
+        with torch.no_grad():
+            for i, (w, entries) in enumerate(zip(self.weights, self.where)):
+                entries.scatter(solved[i], local_part(w).zero_())
+
+    def record(self, result: FitResult, before: float, after: float, kept: str, diverged: str | None
+               ) -> dict[str, Any]:
+        """The pass's record (:func:`distill`), without its seconds."""
+        options, held = self.options, self.windows.held
+        return {"epochs": options.epochs, "lr": options.lr, "batches": self.windows.total, "steps": result.steps,
+                "heldout_batches": len(held), "judged_on": "held-out batches" if held else "training batches",
+                "heldout_before": before, "heldout_trained": after,
+                "heldout_after": after if kept == "distilled" else before,
+                "first_epoch_kl": result.first_epoch_mse, "last_epoch_kl": result.last_epoch_mse,
+                "kept": kept, "diverged": diverged, "train_dtype": result.dtype}
+
+
+def distill(model: nn.Module, weights: Sequence[Tensor], windows: PassWindows, options: FitOptions,
+            runtime: PassRuntime, checkpoint_blocks: bool = False, saved: FitProgress | None = None
+            ) -> dict[str, Any]:
+    """Train the kept entries of ``weights`` (every pruned layer of ``model``, on
+    ``runtime.device``) so that ``model``'s next-token distribution on this process's
+    calibration windows (:class:`PassWindows`) approaches their teachers'; the windows
+    ``windows.held`` are not trained on, and the result is kept only if it lowers the
+    divergence on them. Returns the record: windows, held-out divergence before and after
+    (``heldout_before``, ``heldout_after``, ``heldout_trained``: what training reached; on the
+    training batches where none is held out, a single batch: ``judged_on`` says which),
+    training divergence of the first and last epoch, steps, ``kept`` (``"distilled"`` or
+    ``"solved"``), ``diverged`` (why the pass's training failed: a non-finite loss or
+    judgement, the learning rate too high; the solved weights are then kept, None otherwise)
+    and seconds. Attention is computed as :func:`pass_attention` says. A model whose own
+    weights or activations are not finite (:class:`~nmprune.checks.NonFiniteModel`) is an error.
 
     Where the products run in bfloat16 (:func:`~nmprune.reconstruct.training_dtype`), the pass
     is lean: the trained weights are held in bfloat16 with their kept entries' rounding error
@@ -269,58 +363,24 @@ def distill(model: nn.Module, weights: Sequence[Tensor], batches: Sequence[Tenso
     the steps are data-parallel (:func:`~nmprune.reconstruct.fit_masked`), and FSDP gathers
     each block's weights in the training dtype where the lean pass would narrow them."""
     started = time.perf_counter()
-    held_local = [j for j, g in enumerate(positions) if g in held]
-    train = [j for j, g in enumerate(positions) if g not in held]
-    order = {g: r for r, g in enumerate(g for g in range(total) if g not in held)}
-    low = training_dtype(options.precision, weights)  # the held-out judgement computes as training does
-    # sharded over processes (:mod:`~nmprune.stages.sharded_pass`), each trains its rows
-    sharded = bool(weights) and shard_of(weights[0]) is not None
-    where = [KeptEntries(local_part(w)) for w in weights]
-    solved = Spill(scratch)
+    run = _PassRun(model, weights, windows, options, runtime)
+    solved = Spill(runtime.scratch)
     try:
-        with pass_attention(model, device, low, _tokens(batches)):
-            # nothing held out (a single batch, trained on): the training batches judge the pass
-            judge = held_local if held else train
-            before = mean_divergence(model, batches, teachers, judge, all_reduce, device, low)
-            for w, entries in zip(weights, where):
+        with pass_attention(model, runtime.device, run.low, _tokens(windows.batches)):
+            before = run.divergence()
+            for w, entries in zip(weights, run.where):
                 solved.append(entries.gather(local_part(w)))
-            rounds = len(order) if not sharded else most_over_processes(len(train), shard_of(weights[0]), all_reduce,
-                                                                         device)
-            steps = options.epochs * epoch_steps([0] * rounds, options.batches_per_step)
-            bar = progress_bar(total=steps, desc="distilling the whole model", enabled=progress, nested=True)
-            result, diverged = FitResult(0, math.nan, math.nan, 0.0), None
-            try:
-                with float32_training(model, widen=low is None), \
-                        narrowed(weights, where, low) if low is not None and not sharded else nullcontext(), \
-                        checkpointed(model) if checkpoint_blocks else nullcontext():
-                    data = FitData(lambda i: model(batches[train[i]].to(device), use_cache=False).logits,
-                                   [teachers[j].to(device) for j in train], [order[positions[j]] for j in train],
-                                   len(order), loss=topk_kl)
-                    result = fit_masked(data, weights, options, FitSharing(all_reduce), bar.update, where, saved)
-            except ReconstructionDiverged as e:  # the pass's own failing: the solved weights stand
-                diverged = f"training diverged ({e})"
-            except NonFiniteModel as e:
-                raise NonFiniteModel(f"global distillation: {e}") from e
-            finally:
-                bar.close()
-            after = math.nan if diverged else mean_divergence(model, batches, teachers, judge, all_reduce, device, low)
+            result, diverged = run.fit(checkpoint_blocks, saved)
+            after = math.nan if diverged else run.divergence()
         if diverged is None and not after < float("inf"):
-            diverged = (f"the {'held-out' if held else 'training'} divergence became {after}; lower the learning "
-                        f"rate (now {options.lr:g})")
-        improved = diverged is None and after < before
-        kept = "distilled" if improved else "solved"
-        if not improved:
-            with torch.no_grad():
-                for i, (w, entries) in enumerate(zip(weights, where)):
-                    entries.scatter(solved[i], local_part(w).zero_())
+            diverged = (f"the {'held-out' if windows.held else 'training'} divergence became {after}; lower the "
+                        f"learning rate (now {options.lr:g})")
+        kept = "distilled" if diverged is None and after < before else "solved"
+        if kept == "solved":
+            run.restore(solved)
     finally:
         solved.close()
-    return {"epochs": options.epochs, "lr": options.lr, "batches": total, "steps": result.steps,
-            "heldout_batches": len(held), "judged_on": "held-out batches" if held else "training batches",
-            "heldout_before": before, "heldout_trained": after,
-            "heldout_after": after if kept == "distilled" else before,
-            "first_epoch_kl": result.first_epoch_mse, "last_epoch_kl": result.last_epoch_mse,
-            "kept": kept, "diverged": diverged, "train_dtype": result.dtype, "seconds": time.perf_counter() - started}
+    return {**run.record(result, before, after, kept, diverged), "seconds": time.perf_counter() - started}
 
 
 def distill_bytes(*args: Any, **kwargs: Any) -> int:
@@ -335,44 +395,72 @@ def _gathered_bytes(block_params: int, bfloat16: bool) -> int:
     return block_params * (2 * (2 if bfloat16 else 4) + 4)
 
 
-def distill_parts(params: int, pruned: int, kept: float, itemsize: int, lean: bool, checkpointed: bool, blocks: int,
-                  batch_tokens: int, hidden_size: int, intermediate: int, vocab: int, positions: int = 0,
-                  attention: int = 0, ranks: int = 1, block_params: int = 0) -> dict[str, int]:
+@dataclass(frozen=True)
+class PassModelSize:
+    """The sizes of the model the pass trains, as :func:`distill_parts` reads them: ``params``
+    parameters, ``pruned`` of them in the trained weights, ``kept`` of those kept (a fraction),
+    in the run's dtype of ``itemsize`` bytes; ``blocks`` decoder blocks of ``hidden_size``
+    and MLP width ``intermediate``, the largest of ``block_params`` parameters (read only
+    sharded over ranks); ``vocab`` tokens."""
+
+    params: int
+    pruned: int
+    kept: float
+    itemsize: int
+    blocks: int
+    hidden_size: int
+    intermediate: int
+    vocab: int
+    block_params: int = 0
+
+
+@dataclass(frozen=True)
+class PassBatch:
+    """What the pass holds of its windows on a rank, as :func:`distill_parts` reads it: the
+    ``tokens`` of one batch, the ``positions`` of all the rank's windows (their dense
+    distribution), and ``attention`` bytes of attention probabilities per block of one batch
+    (eager attention's, :func:`pass_attention`; 0 else)."""
+
+    tokens: int
+    positions: int = 0
+    attention: int = 0
+
+
+def distill_parts(model: PassModelSize, batch: PassBatch, lean: bool, checkpointed: bool, ranks: int = 1
+                  ) -> dict[str, int]:
     """Memory of the pass on its device by part (:data:`PASS_PARTS`: the weights and the
     training state, one batch's activations and logits, the dense distribution of the rank's
-    windows), for a model of ``params`` parameters, ``pruned`` of
-    them in the trained weights, ``kept`` of those kept, in the run's dtype of ``itemsize``
-    bytes. The weights: the lean pass (``lean``, products in bfloat16, :func:`distill`) holds
-    the trained ones in bfloat16 and the others in their dtype, else every one is float32.
+    windows), for a model of ``model``'s sizes and ``batch``'s windows. The weights: the lean
+    pass (``lean``, products in bfloat16, :func:`distill`) holds the trained ones in bfloat16
+    and the others in their dtype, else every one is float32.
     Each kept entry: its position (4 bytes), compact gradient and AdamW's first moment (in the
     trained weights' dtype), second moment (float32) and, lean, its rounding error (bfloat16):
     14 bytes lean, 16 else (the solved values the pass may restore go to disk,
     :class:`~nmprune.stages.reconstruction.Spill`). Autograd's activations of one batch:
-    through every block, with ``attention`` bytes of attention probabilities per block
-    (eager attention's, :func:`pass_attention`), or, ``checkpointed``, every block's input and
-    one block's activations (:func:`checkpointed`). Its logits twice over (they and their
-    gradient, float32 at most; :func:`~nmprune.distill.topk_kl` reads them a few rows at a
-    time), and the dense distribution of the rank's ``positions`` (DISTILL_TOPK tokens of 8
-    bytes each).
+    through every block, with the batch's attention probabilities per block, or,
+    ``checkpointed``, every block's input and one block's activations (:func:`checkpointed`).
+    Its logits twice over (they and their gradient, float32 at most;
+    :func:`~nmprune.distill.topk_kl` reads them a few rows at a time), and the dense
+    distribution of the rank's positions (DISTILL_TOPK tokens of 8 bytes each).
 
     Sharded over ``ranks`` > 1 (:mod:`~nmprune.stages.sharded_pass`): the rank's rows of every
     parameter in float32, and of each kept entry's position, compact gradient and two
     moments (16 bytes, float32), beside two blocks of ``block_params`` gathered whole in the
     training dtype (the one computing and the next, which FSDP fetches ahead) and one
     block's whole float32 gradient before its reduce-scatter."""
-    from ..distill import DISTILL_TOPK
-
+    params, pruned, itemsize = model.params, model.pruned, model.itemsize
     if ranks > 1:
-        weights, lean = 4 * params // ranks + _gathered_bytes(block_params, lean), False
+        weights, lean = 4 * params // ranks + _gathered_bytes(model.block_params, lean), False
         pruned = pruned / ranks
     else:
         weights = pruned * 2 + (params - pruned) * itemsize if lean else 4 * params
-    block = batch_tokens * (16 * hidden_size + 4 * intermediate) * 4 + attention
-    activations = block + blocks * batch_tokens * hidden_size * 4 if checkpointed else blocks * block
-    state, batch, windows = PASS_PARTS
-    return {state: int(weights + pruned * kept * (14 if lean else 16)),
-            batch: int(activations + 2 * batch_tokens * vocab * 4),
-            windows: int(positions * min(DISTILL_TOPK, vocab) * 8)}
+    tokens = batch.tokens
+    block = tokens * (16 * model.hidden_size + 4 * model.intermediate) * 4 + batch.attention
+    activations = block + model.blocks * tokens * model.hidden_size * 4 if checkpointed else model.blocks * block
+    state, logits, windows = PASS_PARTS
+    return {state: int(weights + pruned * model.kept * (14 if lean else 16)),
+            logits: int(activations + 2 * tokens * model.vocab * 4),
+            windows: int(batch.positions * min(DISTILL_TOPK, model.vocab) * 8)}
 
 
 #: bytes a second between CPU and device memory for a pass whose state is offloaded
@@ -403,9 +491,10 @@ def distillation_needs(run: RunShape, epochs: int, windows: int, checkpointed: b
     # eager attention's probabilities of one batch: in float32 and their bfloat16 copy
     eager = uses_eager_attention(run.device, run.trains_in_bfloat16, s.seqlen)
     attention = 6 * s.batch_size * run.attention_heads * s.seqlen ** 2 if eager else 0
-    parts = distill_parts(run.params, pruned, run.kept, run.itemsize, run.trains_in_bfloat16, checkpointed,
-                         len(run.per_block), run.batch_tokens, run.hidden_size, run.intermediate, run.vocab_size,
-                         -(-windows // run.ranks) * s.seqlen, attention, run.ranks, max(run.block_params))
+    sizes = PassModelSize(run.params, pruned, run.kept, run.itemsize, len(run.per_block), run.hidden_size,
+                          run.intermediate, run.vocab_size, max(run.block_params))
+    parts = distill_parts(sizes, PassBatch(run.batch_tokens, -(-windows // run.ranks) * s.seqlen, attention),
+                          run.trains_in_bfloat16, checkpointed, run.ranks)
     own_tokens = s.distill_extra_windows() * s.seqlen
     run_batches, own_batches = -(-s.nsamples // s.batch_size), -(-(windows - s.nsamples) // s.batch_size)
     held = len(held_out_batches(run_batches)) + len(held_out_batches(own_batches))
