@@ -401,7 +401,7 @@ def _fit_kl(lean: bool):
     from contextlib import nullcontext
 
     from nmprune.reconstruct import FitData, FitOptions, KeptEntries, fit_masked, narrowed
-    from nmprune.stages.reconstruction import float32_training
+    from nmprune.stages.block_fit import float32_training
 
     model = tiny_model("llama", layers=2)
     weights = [m.weight for b in find_blocks(model)[1] for m in find_linears(b).values()]

@@ -329,6 +329,7 @@ def test_a_block_that_training_made_worse_gets_its_solved_weights_back(monkeypat
     in memory, or in unnamed files in the scratch folder, which leave nothing there; a folder
     that does not exist keeps them in memory): every block worsened gives, bit for bit, the
     model without reconstruction (its solves see the dense model's inputs either way)."""
+    import nmprune.stages.block_fit as block_fit
     import nmprune.stages.reconstruction as stage
     from nmprune.reconstruct import FitResult
 
@@ -340,7 +341,7 @@ def test_a_block_that_training_made_worse_gets_its_solved_weights_back(monkeypat
                 w.mul_(3.0)  # the zeros stay zeros; the kept weights are far off
         return FitResult(1, 1.0, 1.0, 0.0)
 
-    monkeypatch.setattr(stage, "fit_masked", worsen)
+    monkeypatch.setattr(block_fit, "fit_masked", worsen)
     dense = tiny_model("llama", layers=3)
     solved, fitted = copy.deepcopy(dense), copy.deepcopy(dense)
     calib = token_batch(8, 16)

@@ -13,9 +13,11 @@ import pytest
 import torch
 from test_models_tiny import tiny_model, token_batch
 
+import nmprune.stages.block_fit as block_fit
 import nmprune.stages.reconstruction as stage
 from nmprune.pipeline import prune_model
 from nmprune.reconstruct import channel_weights
+from nmprune.stages.end_to_end import ReconstructionWorse
 
 SOLVE = dict(method="wanda", refine=None, pattern="2:4", batch_size=2)
 # distill_epochs 0: these tests judge the blocks' reconstruction, without the global pass after it
@@ -79,13 +81,13 @@ def test_one_batch_in_eight_is_held_out_of_training(total, held):
 
 def test_training_never_sees_the_held_out_batches(monkeypatch):
     seen = []
-    fit = stage.fit_masked
+    fit = block_fit.fit_masked
 
     def watch(data, *args, **kwargs):
         seen.append((list(data.positions), data.total, len(data.targets)))
         return fit(data, *args, **kwargs)
 
-    monkeypatch.setattr(stage, "fit_masked", watch)
+    monkeypatch.setattr(block_fit, "fit_masked", watch)
     model = tiny_model("llama", layers=2)
     report = prune_model(model, calibration=token_batch(16, 16), device="cpu", progress=False,
                          reconstruct="block", **FIT, **SOLVE)
@@ -98,7 +100,7 @@ def test_targets_of_the_wrong_sign_trip_the_held_out_guard(monkeypatch):
     """A planted fault: training fits every block to the negated dense outputs. Training lowers
     its own loss, the held-out batches show the harm, and every block keeps its solved weights:
     bit for bit the model without reconstruction."""
-    fit = stage.fit_masked
+    fit = block_fit.fit_masked
     losses = []
 
     def wrong_sign(data, *args, **kwargs):
@@ -106,7 +108,7 @@ def test_targets_of_the_wrong_sign_trip_the_held_out_guard(monkeypatch):
         losses.append((result.first_epoch_mse, result.last_epoch_mse))
         return result
 
-    monkeypatch.setattr(stage, "fit_masked", wrong_sign)
+    monkeypatch.setattr(block_fit, "fit_masked", wrong_sign)
     dense = tiny_model("llama", layers=3)
     solved, fitted = copy.deepcopy(dense), copy.deepcopy(dense)
     calib = token_batch(16, 16)
@@ -164,9 +166,9 @@ def test_a_fault_that_every_block_guard_misses_stops_the_run_at_the_end_to_end_c
                 w.mul_(3.0)
         return FitResult(1, 1.0, 1.0, 0.0)
 
-    monkeypatch.setattr(stage, "fit_masked", worsen)
+    monkeypatch.setattr(block_fit, "fit_masked", worsen)
     monkeypatch.setattr(stage.ReconstructingStatistics, "_improved", staticmethod(lambda before, after: True))
-    with pytest.raises(stage.ReconstructionWorse, match=r"KL divergence [\d.e-]+ against [\d.e-]+ with the "
+    with pytest.raises(ReconstructionWorse, match=r"KL divergence [\d.e-]+ against [\d.e-]+ with the "
                                                         r"solved weights alone .*--reconstruct none --restart"):
         prune_model(tiny_model("llama", layers=3), calibration=token_batch(16, 16), device="cpu",
                     progress=False, reconstruct="block", **FIT, **SOLVE)

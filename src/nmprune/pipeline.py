@@ -39,7 +39,8 @@ from .stages.plan import LayerPlan
 from .distill import DISTILL_TOPK, TeacherTopK, teacher_topk
 from .stages.distillation import PassMemory, PassRuntime, PassWindows, SavedPass, distill, teacher
 from .reconstruct import local_part, shard_of, training_dtype
-from .stages.reconstruction import ReconstructingStatistics, held_out_batches
+from .stages.reconstruction import (CalibrationShare, ReconstructingStatistics, ReconstructionSettings,
+                                    held_out_batches)
 from .stages.sharded_pass import sharded_options
 from .stages.sink import BlockSink, ModelSink
 from .stages.source import BlockSource, ModelBlocks
@@ -484,9 +485,11 @@ def _statistics_stage(inputs: BlockInputs, settings: PruneSettings, executor: Ex
     dtype, dense = getattr(torch, settings.hessian_dtype), settings.hessian_inputs == "dense"
     if settings.reconstruct == "none":
         return CalibrationStatistics(inputs, dtype, dense, executor.reduce)
-    return ReconstructingStatistics(inputs, dtype, dense, executor.reduce, settings.reconstruct,
-                                    settings.fit_options(), executor.shard(range(batches)), batches,
-                                    executor.all_reduce, progress, scratch, executor.token_sharing(batches))
+    return ReconstructingStatistics(inputs, dtype, dense, executor.reduce,
+                                    ReconstructionSettings(settings.reconstruct, settings.fit_options(), progress,
+                                                           scratch),
+                                    CalibrationShare(executor.shard(range(batches)), batches, executor.all_reduce,
+                                                     executor.token_sharing(batches)))
 
 
 def _prune_blocks(group: range, source: BlockSource, plans: dict[str, LayerPlan | None],

@@ -42,8 +42,9 @@ from ..models import find_blocks
 from ..reconstruct import (FitData, FitOptions, FitProgress, FitResult, FitSharing, FitState, KeptEntries,
                            ReconstructionDiverged, epoch_steps, fit_masked, local_part, most_over_processes, narrowed,
                            shard_of, training_dtype)
+from .block_fit import float32_training
 from .needs import RunShape, StageNeeds
-from .reconstruction import Spill, float32_training, held_out_batches
+from .reconstruction import Spill, held_out_batches
 
 
 #: the longest windows for which the pass computes attention by transformers' eager path,

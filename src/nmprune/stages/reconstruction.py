@@ -7,40 +7,41 @@ StatisticsStage`) that carries two streams of hidden states through the model: t
 model's (the targets, and the layers' statistics with ``hessian_inputs="dense"``) and the
 pruned model's (the inputs of every reconstruction, and the statistics with ``"pruned"``).
 :meth:`~ReconstructingStatistics.collect` records, while the dense block runs, the dense
-output of every submodel it will fit; :meth:`~ReconstructingStatistics.advance` fits them in
-order on the pruned stream and moves that stream past the reconstructed block. The submodels
-of ``submodule`` are the block's direct children that hold a pruned layer, in the order the
-block calls them (attention, then MLP, in the Llama, Qwen2, Mistral and Gemma families; a
-family whose MLP matrices are direct children of the block, such as OPT's ``fc1``/``fc2``,
-fits them one by one). :func:`reconstruction_needs` states what the stage needs beyond the
-statistics it collects (:mod:`.needs`).
+output of every submodel it will fit (the one forward pass both share, docs/architecture.md);
+:meth:`~ReconstructingStatistics.advance` fits them in order on the pruned stream
+(:class:`~.block_fit.BlockFit`, whole blocks' steps shared by tokens over the processes by
+:class:`~.block_fit.TokenSharedSteps`), keeps the fit only if it lowers the block's held-out
+error, and moves that stream past the reconstructed block; after the last block
+:meth:`~ReconstructingStatistics.end_to_end` checks the whole model
+(:class:`~.end_to_end.EndToEndCheck`). The submodels of ``submodule`` are the block's direct
+children that hold a pruned layer, in the order the block calls them (attention, then MLP, in
+the Llama, Qwen2, Mistral and Gemma families; a family whose MLP matrices are direct children
+of the block, such as OPT's ``fc1``/``fc2``, fits them one by one).
+:func:`reconstruction_needs` states what the stage needs beyond the statistics it collects
+(:mod:`.needs`).
 """
 
 from __future__ import annotations
 
-import math
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import safetensors.torch
 import torch
 from torch import Tensor, nn
 
-from ..evaluate import perplexity_from_nll, window_kl, window_nll
 from ..checks import NonFiniteModel
-from ..progress import bar as progress_bar
-from ..reconstruct import (FitData, FitOptions, FitSharing, KeptEntries, ReconstructionDiverged, channel_weights,
-                           epoch_steps, fit_masked, lane_of)
+from ..reconstruct import KeptEntries, ReconstructionDiverged, channel_weights, epoch_steps, lane_of
+from .block_fit import BlockFit, CalibrationShare, FitBlock, FitUnit, ReconstructionSettings, TokenSharedSteps
 from .block_runner import BlockCall, BlockInputs, block_hidden, run_block
+from .end_to_end import EndToEndCheck, Head
 from .needs import RunShape, StageNeeds
 from .statistics import CalibrationStatistics, InputStats
-from .token_shares import (TokenSharing, attention_on_share, busiest_token_share, computing_share, layer_reach,
-                           share_attention_candidates, token_cost, token_shares, widest)
+from .token_shares import busiest_token_share
 
 GRANULARITIES = ("none", "submodule", "block")
 RECONSTRUCTION_TEXT = {  # what `nmprune methods` says of each granularity
@@ -50,17 +51,6 @@ RECONSTRUCTION_TEXT = {  # what `nmprune methods` says of each granularity
     "block": "train the kept weights of each whole block to match the dense block's outputs "
              "(Wanda++ arXiv 2503.04992, EBFT arXiv 2402.12419)",
 }
-
-
-class ReconstructionWorse(ValueError):
-    """Reconstruction left the model worse on held-out calibration text than the solved
-    weights alone, although every block it kept lowered that block's held-out error."""
-
-
-#: The end-to-end check stops a run whose reconstructed model is this many times further (KL
-#: divergence from the dense model on the held-out calibration batches) than its solved weights
-#: alone: a collapse is orders of magnitude, a few held-out batches vary by a few percent.
-END_TO_END_MARGIN = 1.1
 
 #: One calibration batch in this many is held out of training, to judge each reconstruction.
 HOLD_OUT_EVERY = 8
@@ -75,43 +65,6 @@ def held_out_batches(total: int) -> frozenset[int]:
     count = max(1, total // HOLD_OUT_EVERY)
     step = total // count
     return frozenset(step * i + step - 1 for i in range(count))
-
-
-class _Stop(Exception):
-    """Ends a forward pass once a submodel's inputs are recorded."""
-
-
-def _cast(value: Any, dtype: torch.dtype) -> Any:
-    """``value`` with every floating tensor inside (tuples, lists, dicts) cast to ``dtype``."""
-    if isinstance(value, Tensor):
-        return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, (tuple, list)):
-        return type(value)(_cast(v, dtype) for v in value)
-    if isinstance(value, dict):
-        return {k: _cast(v, dtype) for k, v in value.items()}
-    return value
-
-
-@contextmanager
-def float32_training(block: nn.Module, widen: bool = True) -> Iterator[None]:
-    """Gradients on for the body, but off for every parameter of ``block`` (``fit_masked``
-    turns them on for the weights it trains); with ``widen``, every floating parameter of
-    ``block`` is float32 meanwhile (the same tensor objects) and returns to its own dtype
-    afterwards (without, the global distillation's lean pass: each keeps its dtype, and the
-    trained weights are :func:`~nmprune.reconstruct.narrowed`). Buffers are left as they are."""
-    flags = {p: (p.requires_grad, p.dtype) for p in block.parameters()}
-    for p, (_, dtype) in flags.items():
-        p.requires_grad_(False)
-        if widen and dtype.is_floating_point and dtype != torch.float32:
-            p.data = p.data.float()
-    try:
-        with torch.enable_grad():
-            yield
-    finally:
-        for p, (flag, dtype) in flags.items():
-            if widen and p.dtype != dtype:
-                p.data = p.data.to(dtype)
-            p.requires_grad_(flag)
 
 
 class Spill:
@@ -159,29 +112,19 @@ class Spill:
             self.file.close()
 
 
-@dataclass(eq=False)
-class _Unit:
-    """One submodel to fit: its name in the block ('' for the block itself), the module
-    and its dense outputs per batch."""
-
-    name: str
-    module: nn.Module
-    targets: list[Tensor]
-
-
 class ReconstructingStatistics:
     """The statistics stage with local reconstruction (module docstring).
 
     ``inputs`` holds the hidden states entering the first block to collect: dense and
     pruned alike at block 0 (after a resume, :attr:`hidden` is set from the checkpoint).
-    ``reduce`` sums the layer statistics over processes and ``all_reduce`` sums tensors in
-    place; ``positions`` are this process's batches among ``total`` (their order in the
-    calibration split), so every process takes the same optimiser steps. ``progress``
-    shows a bar of each block's steps. ``scratch``: a folder on disk where each block's solved
-    weights wait while it trains, and its pruned inputs while its outputs are computed, in
-    case the solve is restored (:class:`Spill`; None: in memory). ``sharing``: the processes
-    that share every step's sample by tokens (:mod:`.token_shares`; None: one process), for
-    whole blocks with one lane; otherwise a step's samples train on the process that holds them.
+    ``dtype``, ``dense_inputs`` and ``reduce`` (which sums the layer statistics over
+    processes) are the statistics' own (:class:`~nmprune.stages.statistics.CalibrationStatistics`);
+    ``settings`` say how each block is reconstructed (:class:`~.block_fit.ReconstructionSettings`)
+    and ``share`` which calibration batches this process holds and how the processes sum and
+    share their work (:class:`~.block_fit.CalibrationShare`): every process takes the same
+    optimiser steps. With token sharing, whole blocks with one lane share every step's sample
+    by tokens (:class:`~.block_fit.TokenSharedSteps`); otherwise a step's samples train on the
+    process that holds them.
 
     The batches of :func:`held_out_batches` are never trained on: a block's reconstruction is
     kept only if it lowers the block's error on them. Every error, in training and in the
@@ -190,29 +133,25 @@ class ReconstructingStatistics:
     """
 
     def __init__(self, inputs: BlockInputs, dtype: torch.dtype, dense_inputs: bool,
-                 reduce: Callable[[list[InputStats]], None], granularity: str, options: FitOptions,
-                 positions: Sequence[int], total: int, all_reduce: Callable[[Sequence[Tensor]], None],
-                 progress: bool = False, scratch: str | os.PathLike | None = None,
-                 sharing: TokenSharing | None = None):
-        if granularity not in GRANULARITIES[1:]:
-            raise ValueError(f"reconstruct must be one of {', '.join(GRANULARITIES[1:])} here, got {granularity!r}")
+                 reduce: Callable[[list[InputStats]], None], settings: ReconstructionSettings,
+                 share: CalibrationShare):
+        if settings.granularity not in GRANULARITIES[1:]:
+            raise ValueError(f"reconstruct must be one of {', '.join(GRANULARITIES[1:])} here, "
+                             f"got {settings.granularity!r}")
         # the streams own the captured hidden states: ``inputs`` keeps only the blocks' other arguments
         self.inputs = replace(inputs, hidden=[])
         self.dtype, self.dense_inputs, self.reduce = dtype, dense_inputs, reduce
-        self.granularity, self.options, self.all_reduce = granularity, options, all_reduce
-        self.positions, self.total, self.progress = list(positions), total, progress
-        self.scratch, self.sharing = scratch, sharing
-        self.held = held_out_batches(total)
+        self.granularity, self.options, self.scratch = settings.granularity, settings.options, settings.scratch
+        self.positions, self.total, self.all_reduce = list(share.positions), share.total, share.all_reduce
+        self.held = held_out_batches(share.total)
         self.held_local = [j for j, g in enumerate(self.positions) if g in self.held]
-        # the held-out batches through the solved weights alone (what reconstruct="none" gives
-        # with dense-input statistics): the reference of the end-to-end check; unknown after a resume
-        self.solved: list[Tensor] | None = [inputs.hidden[j] for j in self.held_local] if inputs.hidden else None
+        self.block_fit = BlockFit(self.inputs, settings, share, self.held,
+                                  TokenSharedSteps(self.inputs, share, settings.options.lanes))
+        self.end_to_end_check = EndToEndCheck(self.inputs, inputs.hidden, self.held_local, len(self.held),
+                                              share.all_reduce)
         self.dense: list[Tensor] = list(inputs.hidden)
         self.pruned: list[Tensor] = list(inputs.hidden)
-        self._units: list[_Unit] = []
-        self._active: dict[str, nn.Module] = {}
-        self._dense_in: list[Tensor] = []
-        self._additive = False
+        self._block: FitBlock | None = None  # what the collection found of the block to fit
         self._weight = torch.ones(())
 
     @property
@@ -223,7 +162,7 @@ class ReconstructingStatistics:
     @hidden.setter
     def hidden(self, saved: list[list[Tensor]]) -> None:
         self.dense, self.pruned = (list(s) for s in saved)
-        self.solved = None
+        self.end_to_end_check.forget()
 
     def _call(self, index: int, hidden: Tensor) -> BlockCall:
         return self.inputs.call(index, hidden)
@@ -232,12 +171,12 @@ class ReconstructingStatistics:
         """The statistics of ``layers`` (from the dense or the pruned stream, per
         ``dense_inputs``); meanwhile the dense block's outputs of every submodel to fit are
         recorded and the dense stream moves past the block."""
-        self._active = dict(layers)
+        active = dict(layers)
         # the block's dense inputs, for the residual targets of submodules (freed after the
         # collection unless the block is additive); block targets need none
-        self._dense_in = list(self.dense) if self.granularity == "submodule" else []
-        units = self._candidates(block)
-        order: list[_Unit] = []
+        dense_in = list(self.dense) if self.granularity == "submodule" else []
+        units = self._candidates(block, active)
+        order: list[FitUnit] = []
         handles = [u.module.register_forward_hook(self._recorder(u, order)) for u in units]
         try:
             if self.dense_inputs:
@@ -258,46 +197,40 @@ class ReconstructingStatistics:
         missing = [u.name for u in units if u not in order]
         if missing:
             raise RuntimeError(f"block {index}: {', '.join(missing)} never ran in the block's forward pass")
-        self._units = order
-        self._additive = self.granularity == "submodule" and self._is_additive()
-        if not self._additive:  # only the residual targets need the block's dense inputs
-            self._dense_in = []
+        additive = self.granularity == "submodule" and self._is_additive(order, dense_in)
+        # only the residual targets need the block's dense inputs
+        self._block = FitBlock(index, block, order, active, additive, dense_in if additive else [])
         return stats
 
-    def _is_additive(self) -> bool:
-        """Whether the block's output is its input plus the outputs of its submodels (a
-        pre-norm residual block: Llama, Qwen, Mistral, Phi-3, GPT-2, OPT; not Gemma 2's
-        post-norms), to 1e-4 of the output's norm over every process's batches."""
+    def _is_additive(self, units: Sequence[FitUnit], dense_in: Sequence[Tensor]) -> bool:
+        """Whether the block's output is its input (``dense_in``) plus the outputs of its
+        submodels ``units`` (a pre-norm residual block: Llama, Qwen, Mistral, Phi-3, GPT-2, OPT;
+        not Gemma 2's post-norms), to 1e-4 of the output's norm over every process's batches."""
         sums = torch.zeros(2, dtype=torch.float64, device=self.dense[0].device if self.dense else "cpu")
-        if any(u.targets[0].shape != self.dense[0].shape for u in self._units):
+        if any(u.targets[0].shape != self.dense[0].shape for u in units):
             sums[0] = float("inf")  # a submodel of another width (OPT's fc1): not a residual branch
-        for j, (x, y) in enumerate(zip(self._dense_in, self.dense) if sums[0] == 0 else ()):
-            rest = y.float() - x.float() - sum(u.targets[j].float() for u in self._units)
+        for j, (x, y) in enumerate(zip(dense_in, self.dense) if sums[0] == 0 else ()):
+            rest = y.float() - x.float() - sum(u.targets[j].float() for u in units)
             sums += torch.stack([rest.square().sum().double(), y.float().square().sum().double()])
         self.all_reduce([sums])
         return bool(sums[0] <= 1e-8 * sums[1])
 
-    def _candidates(self, block: nn.Module) -> list[_Unit]:
-        """The submodels of ``block`` to fit: the block, or its direct children holding a
-        pruned layer."""
+    def _candidates(self, block: nn.Module, layers: Mapping[str, nn.Module]) -> list[FitUnit]:
+        """The submodels of ``block`` to fit: the block, or its direct children holding one of
+        the pruned ``layers``."""
         if self.granularity == "block":
-            return [_Unit("", block, [])]
-        active = {id(m) for m in self._active.values()}
-        return [_Unit(name, child, []) for name, child in block.named_children()
+            return [FitUnit("", block, [])]
+        active = {id(m) for m in layers.values()}
+        return [FitUnit(name, child, []) for name, child in block.named_children()
                 if any(id(m) in active for m in child.modules())]
 
     @staticmethod
-    def _recorder(unit: _Unit, order: list[_Unit]) -> Callable:
+    def _recorder(unit: FitUnit, order: list[FitUnit]) -> Callable:
         def hook(module: nn.Module, args: tuple, out: Any) -> None:
             if unit not in order:
                 order.append(unit)
             unit.targets.append(block_hidden(out).detach())
         return hook
-
-    def _weights(self, unit: _Unit) -> list[Tensor]:
-        """The weights of the pruned layers inside ``unit``."""
-        inside = {id(m) for m in unit.module.modules()}
-        return [m.weight for m in self._active.values() if id(m) in inside]
 
     def _propagate(self, index: int, block: nn.Module, spill: Spill | None = None
                    ) -> tuple[list[Tensor], float, float | None]:
@@ -342,153 +275,11 @@ class ReconstructingStatistics:
         train, held = (float(s[0] / s[1]) if s[1] > 0 else 0.0 for s in sums)
         return train, held
 
-    def _unit_inputs(self, index: int, block: nn.Module, unit: _Unit, dtype: torch.dtype,
-                     before: Sequence[_Unit] = ()) -> tuple[list[tuple[tuple, dict]], list[Tensor]]:
-        """The arguments ``unit`` receives on each batch of the pruned stream (as ``dtype``),
-        and the sum of the outputs of the submodels ``before`` it on each batch."""
-        seen: list[tuple[tuple, dict]] = []
-        earlier: list[Tensor] = []
-
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            seen.append((_cast(args, dtype), _cast(kwargs, dtype)))
-            raise _Stop
-
-        def add(module: nn.Module, args: tuple, out: Any) -> None:
-            earlier[-1] = earlier[-1] + block_hidden(out).float()
-
-        handles = [unit.module.register_forward_pre_hook(hook, with_kwargs=True)]
-        handles += [u.module.register_forward_hook(add) for u in before]
-        try:
-            with torch.no_grad():
-                for h in self.pruned:
-                    earlier.append(torch.zeros((), device=h.device))
-                    try:
-                        run_block(block, h.to(dtype), _cast(self._call(index, h), dtype))
-                    except _Stop:
-                        pass
-        finally:
-            for handle in handles:
-                handle.remove()
-        return seen, earlier
-
-    def _residual_targets(self, k: int, earlier: list[Tensor], dense_sum: list[Tensor]) -> None:
-        """Make submodel ``k``'s targets those of the residual stream after it: its dense
-        output plus the dense minus the pruned residual stream entering it (block input plus
-        the earlier submodels' outputs), so that training also cancels the drift the pruned
-        model brought in. ``dense_sum`` (the dense residual entering ``k``) moves past ``k``."""
-        unit = self._units[k]
-        for j, target in enumerate(unit.targets):
-            dense_out = target.float()
-            unit.targets[j] = dense_out + dense_sum[j] - (self.pruned[j].float() + earlier[j])
-            dense_sum[j] = dense_sum[j] + dense_out
-
-    def _targets_kind(self) -> str:
+    def _targets_kind(self, block: FitBlock) -> str:
         """What the submodels were fitted to (docs/methods.md "Local reconstruction")."""
         if self.granularity == "block":
             return "block output"
-        return "residual stream" if self._additive else "submodule output"
-
-    def _fit(self, index: int, block: nn.Module, where: Mapping[int, KeptEntries]) -> dict[str, Any]:
-        """Train the kept weights of each submodel of block ``index`` in turn on its targets
-        (``where``: each weight's kept entries, by ``id``). Returns what the block's record says
-        of the training: the optimiser ``steps`` taken, how many processes computed each step
-        (``token_shares``) and the ``train_dtype``."""
-        done = {"steps": 0, "token_shares": 1, "train_dtype": "float32"}
-        # this process's training batches, their ranks among all processes' training batches,
-        # and the lane of each of those (lanes are shares of all batches, as the ranks')
-        rank = {g: r for r, g in enumerate(g for g in range(self.total) if g not in self.held)}
-        train = [j for j, g in enumerate(self.positions) if g not in self.held]
-        lanes = [lane_of(g, self.total, self.options.lanes) for g in rank]
-        per_unit = self.options.epochs * epoch_steps(lanes, self.options.batches_per_step)
-        bar = progress_bar(total=per_unit * len(self._units), desc=f"reconstructing block {index}",
-                           enabled=self.progress, nested=True)
-        dense_sum = [x.float() for x in self._dense_in] if self._additive else []
-        options = replace(self.options, seed=self.options.seed + index)
-        try:
-            with float32_training(block):
-                for k, unit in enumerate(self._units):
-                    trained = self._weights(unit)
-                    kept = [where[id(w)] for w in trained]
-                    shared = self._token_shared(index, block, unit, list(rank))
-                    inputs: list[tuple[tuple, dict]] = []
-                    if shared is not None:  # every process computes every batch, a share of its tokens
-                        (run, targets), mine = shared, range(len(rank))
-                        done["token_shares"] = self.sharing.world
-                    else:
-                        inputs, earlier = self._unit_inputs(index, block, unit, torch.float32,
-                                                            self._units[:k] if self._additive else ())
-                        if self._additive:
-                            self._residual_targets(k, earlier, dense_sum)
-                        del earlier
-                        run = lambda i: block_hidden(unit.module(*inputs[train[i]][0],  # noqa: E731
-                                                                 **inputs[train[i]][1]))
-                        targets, mine = [unit.targets[j] for j in train], [rank[self.positions[j]] for j in train]
-                    data = FitData(run, targets, mine, len(rank), channel_weights(unit.targets, self.all_reduce))
-                    result = fit_masked(data, trained, options, FitSharing(self.all_reduce, lanes), bar.update, kept)
-                    inputs = []  # the closure of run reads it: emptied, not deleted
-                    del run, targets
-                    done["steps"] += result.steps
-                    done["train_dtype"] = result.dtype
-                    unit.targets.clear()
-        finally:
-            bar.close()
-        return done
-
-    def _token_shared(self, index: int, block: nn.Module, unit: _Unit, train: list[int]
-                      ) -> tuple[Callable[[int], Tensor], Sequence[Tensor]] | None:
-        """With several processes, one lane and the whole block to fit, the batches of every
-        step shared out by tokens (:mod:`.token_shares`): ``run(i)`` and ``targets[i]`` bring
-        training batch ``train[i]`` from the process that holds it (collectives, called in the
-        same order on every process) and give this process's token share of the block's output
-        and of its dense output. None where the steps train on the process that holds their
-        batch: one process, several lanes, submodules, or batches of different shapes or of
-        fewer tokens than processes."""
-        sharing = self.sharing
-        if sharing is None or sharing.world < 2 or self.options.lanes != 1 or unit.name != "":
-            return None
-        local = {g: j for j, g in enumerate(self.positions)}
-        shape = {tuple(self.pruned[local[g]].shape) for g in train if g in local}
-        shapes = set().union(*sharing.gather(shape))
-        if len(shapes) != 1 or len(next(iter(shapes))) < 2 or next(iter(shapes))[-2] < sharing.world:
-            return None
-        shape = next(iter(shapes))
-        if not all(sharing.gather((index, shape) in self.inputs.calls)):
-            return None
-        length = shape[-2]
-        device = self.dense[0].device if self.dense else torch.device("cpu")
-        like = torch.empty(shape, dtype=torch.float32, device=device)
-        call = self._call(index, like)
-        call = BlockCall(_cast(call.args, torch.float32), _cast(call.kwargs, torch.float32), call.hidden_as_kwarg)
-        layers = dict(self._active)
-        mine = [g for g in train if g in local]
-        with torch.no_grad():
-            probe = self.pruned[local[mine[0]]].float() if mine else None
-            reach = layer_reach(lambda: run_block(block, probe, call), layers, length) if mine else {}
-        reach = widest([r for r in sharing.gather(reach) if r])
-        share = token_shares(length, sharing.world, token_cost(layers, reach))[sharing.rank]
-        with torch.no_grad():
-            attention = attention_on_share(lambda: run_block(block, probe, call), layers, reach, share, length,
-                                           share_attention_candidates(block, layers, reach)) if mine else []
-
-        def fetch(values: list[Tensor], g: int) -> Tensor:
-            j = local.get(g)
-            t = values[j].float() if j is not None else torch.empty(shape, dtype=torch.float32, device=device)
-            sharing.broadcast(t, sharing.owner(g))
-            return t
-
-        def run(i: int) -> Tensor:
-            h = fetch(self.pruned, train[i])
-            with computing_share(layers, reach, share, length, attention):
-                return run_block(block, h, call)[..., share.start:share.stop, :]
-
-        class Targets(Sequence):
-            def __len__(self) -> int:
-                return len(train)
-
-            def __getitem__(self, i: int) -> Tensor:
-                return fetch(unit.targets, train[i])[..., share.start:share.stop, :]
-
-        return run, Targets()
+        return "residual stream" if block.additive else "submodule output"
 
     @staticmethod
     def _improved(before: tuple[float | None, float | None], after: tuple[float, float | None]) -> bool:
@@ -513,10 +304,10 @@ class ReconstructingStatistics:
         training step together (1: each step on the process holding its sample), and
         ``train_dtype``: the dtype training computed in (:func:`~nmprune.reconstruct.training_dtype`)."""
         started = time.perf_counter()
-        if self.solved is not None:  # the block holds its solved weights until the fit
-            self.solved = [run_block(block, h, self._call(index, h)) for h in self.solved]
+        self.end_to_end_check.advance(index, block)  # the block holds its solved weights until the fit
         error_before, held_before = self._deciding_error(index, block)
-        weights = [w for u in self._units for w in self._weights(u)]
+        fitting = replace(self._block, index=index, module=block)
+        weights = fitting.weights()
         # the solved weights, kept compact (their nonzeros and where they are) while training
         where = {id(w): KeptEntries(w) for w in weights}
         solved, entering = Spill(self.scratch), Spill(self.scratch)
@@ -524,7 +315,8 @@ class ReconstructingStatistics:
             for w in weights:
                 solved.append(where[id(w)].gather(w))
             try:
-                training = self._fit(index, block, where)
+                training = self.block_fit.fit(fitting, where, self.pruned,
+                                              self.dense[0].device if self.dense else torch.device("cpu"))
                 after, error_after, held_after = self._propagate(index, block, spill=entering)
                 if not error_after < float("inf") or (held_after is not None and not held_after < float("inf")):
                     raise ReconstructionDiverged(f"the reconstructed block's error is {error_after}; "
@@ -544,72 +336,22 @@ class ReconstructingStatistics:
             solved.close()
             entering.close()
         self.pruned = after
-        self._units, self._dense_in = [], []
-        return {"block": index, "reconstruct": self.granularity, "targets": self._targets_kind(),
+        self._block = None
+        return {"block": index, "reconstruct": self.granularity, "targets": self._targets_kind(fitting),
                 "error_before": error_before, "error_after": error_after,
                 "heldout_before": held_before, "heldout_after": held_after,
                 "error_trained": trained[0], "heldout_trained": trained[1],
                 "heldout_batches": len(self.held), "kept": kept, **training,
                 "seconds": time.perf_counter() - started}
 
-    def end_to_end(self, head: Callable[[list[int], list[Tensor]], Iterator[tuple[Tensor, Tensor]]]
-                   ) -> dict[str, Any] | None:
+    def end_to_end(self, head: Head) -> dict[str, Any] | None:
         """After the last block: how far the model is from the dense one on the held-out
         calibration batches, through the model's own head (``head(batches, last-block
-        outputs)`` yields the ids and logits of each of this process's batches named):
-        perplexities of the dense model, the solved weights alone and the model as
-        reconstructed, and the mean KL divergence of the latter two's next-token distributions
-        from the dense model's, over all processes. Raises :class:`ReconstructionWorse` when
-        the reconstructed model is further from the dense one than the solved weights alone,
-        by more than :data:`END_TO_END_MARGIN` (a few held-out batches are noisy):
-        the per-block guard cannot see what only the whole model shows (the way a plain
-        squared error once hid Gemma-3's collapse). None without held-out batches. After a
-        resume (the solved-only stream is not checkpointed) the comparison is not made, and the
-        record says so, but the dense and reconstructed models are still measured and checked:
-        a dense model whose head overflows is refused (:class:`~nmprune.checks.NonFiniteModel`)
-        on a resumed run too."""
-        if not self.held:
-            return None
-        device = self.dense[0].device if self.dense else "cpu"
-        streams = 2 if self.solved is None else 3  # dense, (solved,) reconstructed
-        sums = torch.zeros(streams, 4, dtype=torch.float64, device=device)  # per model: nll, tokens, kl, positions
-        finals = [x for i, j in enumerate(self.held_local)
-                  for x in (self.dense[j], *([] if self.solved is None else [self.solved[i]]), self.pruned[j])]
-        reference = None
-        for k, (ids, logits) in enumerate(head([j for j in self.held_local for _ in range(streams)], finals)):
-            model = k % streams
-            if model == 0:
-                reference = logits
-            nll, count = window_nll(logits, ids)
-            kl, positions = window_kl(reference, logits)
-            sums[model] += torch.tensor([float(nll), float(count), float(kl), float(positions)],
-                                        dtype=torch.float64, device=device)
-            del ids, logits, nll, kl
-        del reference
-        self.all_reduce([sums])
-        ppl = [perplexity_from_nll(float(s[0] / s[1])) if s[1] > 0 else float("nan") for s in sums]
-        kl = [float(s[2] / s[3]) if s[3] > 0 else float("nan") for s in sums]
-        if not math.isfinite(ppl[0]):
-            raise NonFiniteModel("the dense model's next-token distribution on the held-out calibration "
-                                 f"text is not finite (perplexity {ppl[0]}): its last layers or head overflow "
-                                 "(a weight too large for its dtype?); check the model's weights, or use "
-                                 "--dtype float32")
-        if self.solved is None:
-            return {"checked": False, "why": "resumed: the held-out batches' stream through the solved weights "
-                                             "alone is not in the checkpoint", "batches": len(self.held),
-                    "tokens": int(sums[0, 1]), "dense": ppl[0], "reconstructed": ppl[1], "kl_reconstructed": kl[1]}
-        record = {"checked": True, "batches": len(self.held), "tokens": int(sums[0, 1]),
-                  "dense": ppl[0], "solved": ppl[1], "reconstructed": ppl[2],
-                  "kl_solved": kl[1], "kl_reconstructed": kl[2]}
-        if not kl[2] <= END_TO_END_MARGIN * kl[1]:
-            raise ReconstructionWorse(
-                f"reconstruction moved the model away from the dense one on the held-out calibration "
-                f"batches: KL divergence {kl[2]:.4g} against {kl[1]:.4g} with the solved weights alone "
-                f"(more than {END_TO_END_MARGIN:g}x) "
-                f"(perplexity {ppl[2]:.4g} against {ppl[1]:.4g}, dense {ppl[0]:.4g}), although every "
-                f"block it kept lowered its own held-out error; rerun with --reconstruct none --restart "
-                f"for the solved model")
-        return record
+        outputs)`` yields the ids and logits of each of this process's batches named), the
+        solved weights alone beside it (:meth:`~.end_to_end.EndToEndCheck.check`: raises
+        :class:`~.end_to_end.ReconstructionWorse` where reconstruction made the model worse).
+        None without held-out batches."""
+        return self.end_to_end_check.check(head, self.dense, self.pruned)
 
 
 def reconstruction_needs(run: RunShape) -> StageNeeds:
